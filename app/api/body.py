@@ -1,0 +1,81 @@
+"""Reading a prediction body: size-limited while it streams in, JSON or raw image bytes."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from app.api.schemas import PredictRequest
+from app.errors import BadRequest, PayloadTooLarge, SchemaError, UnsupportedMediaType
+from app.inference.preprocess import ACCEPTED_FORMATS
+
+IMAGE_TYPES = frozenset(ACCEPTED_FORMATS.values())
+JSON_TYPE = "application/json"
+
+OPENAPI_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSON_TYPE: {"schema": {"$ref": "#/components/schemas/PredictRequest"}},
+            **{kind: {"schema": {"type": "string", "format": "binary"}} for kind in sorted(IMAGE_TYPES)},
+        },
+    }
+}
+
+
+@dataclass(frozen=True)
+class ImageBody:
+    image: bytes
+    top_k: int | None
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body is over the limit of {limit} bytes", code="body_too_large")
+    return bytes(body)
+
+
+def _decode_base64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest("image_base64 is not valid base64", code="invalid_base64") from exc
+
+
+async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes: int) -> ImageBody:
+    """The image (and top_k) from a JSON body or from raw image bytes, by Content-Type."""
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type == JSON_TYPE:
+        raw = await read_limited(request, max_json_bytes)
+        try:
+            parsed = PredictRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            if any(error["type"] == "json_invalid" for error in exc.errors()):
+                raise BadRequest("the body is not valid JSON", code="invalid_json") from exc
+            details = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+            raise SchemaError(details) from exc
+        image = _decode_base64(parsed.image_base64)
+        if len(image) > max_image_bytes:
+            raise PayloadTooLarge(
+                f"image is {len(image)} bytes; the limit is {max_image_bytes}", code="image_too_large"
+            )
+        return ImageBody(image, parsed.top_k)
+    if content_type in IMAGE_TYPES:
+        raw = await read_limited(request, max_image_bytes)
+        if not raw:
+            raise BadRequest("the body is empty", code="empty_body")
+        return ImageBody(raw, None)  # top_k comes from the query string
+    raise UnsupportedMediaType(
+        f"Content-Type must be {JSON_TYPE} or one of {', '.join(sorted(IMAGE_TYPES))}; got {content_type or 'none'}"
+    )

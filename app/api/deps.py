@@ -1,0 +1,64 @@
+"""Dependencies: the service from ``app.state``, and the request headers, validated."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from app.batching import Lane
+from app.errors import BadRequest
+from app.service import InferenceService
+
+
+def get_service(request: Request) -> InferenceService:
+    service: InferenceService = request.app.state.service
+    return service
+
+
+def get_lane(
+    x_urgency: Annotated[
+        str | None,
+        Header(description="`high` rides the urgent lane (2 ms window); `normal` or absent, the normal lane"),
+    ] = None,
+) -> Lane:
+    if x_urgency is None:
+        return Lane.NORMAL
+    value = x_urgency.strip().lower()
+    if value == "high":
+        return Lane.URGENT
+    if value == "normal":
+        return Lane.NORMAL
+    raise BadRequest("X-Urgency must be 'high' or 'normal'", code="invalid_header")
+
+
+def get_timeout_s(
+    request: Request,
+    x_request_timeout: Annotated[
+        str | None, Header(description="milliseconds this request may take, at most server.max_timeout_ms")
+    ] = None,
+) -> float:
+    server = get_service(request).settings.server
+    if x_request_timeout is None:
+        return server.default_timeout_ms / 1000.0
+    try:
+        millis = int(x_request_timeout.strip())
+    except ValueError:
+        millis = 0
+    if not 1 <= millis <= server.max_timeout_ms:
+        raise BadRequest(
+            f"X-Request-Timeout must be an integer from 1 to {server.max_timeout_ms} (milliseconds)",
+            code="invalid_header",
+        )
+    return millis / 1000.0
+
+
+def get_request_id(request: Request) -> str:
+    request_id: str = request.scope["state"]["request_id"]
+    return request_id
+
+
+Service = Annotated[InferenceService, Depends(get_service)]
+LaneDep = Annotated[Lane, Depends(get_lane)]
+TimeoutDep = Annotated[float, Depends(get_timeout_s)]
+RequestId = Annotated[str, Depends(get_request_id)]

@@ -1,0 +1,78 @@
+"""One envelope for every error, and the OpenAPI declarations that go with it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app.api.schemas import ErrorResponse
+from app.errors import ServiceError
+from app.telemetry.logging import request_id_var
+
+log = logging.getLogger(__name__)
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
+_DESCRIPTIONS = {
+    400: "Malformed request: bad JSON, bad base64, undecodable or unsupported image, bad header value",
+    401: "Missing credentials",
+    403: "Wrong credentials",
+    404: "Unknown model",
+    413: "Body or image over its limit, or too many pixels",
+    415: "Content-Type not accepted",
+    422: "Body violates the schema",
+    500: "A bug: generic body, detail in the log under the request id",
+    503: "Cannot serve now (not ready, queue full, deadline, draining); see Retry-After and the code",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route: each status with the envelope schema."""
+    return {status: {"model": ErrorResponse, "description": _DESCRIPTIONS[status]} for status in statuses}
+
+
+def envelope(
+    status: int,
+    code: str,
+    message: str,
+    *,
+    retry_after_s: int | None = None,
+    details: list[dict[str, Any]] | None = None,
+) -> JSONResponse:
+    body = ErrorResponse(code=code, message=message, request_id=request_id_var.get(), details=details)
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
+
+
+async def _service_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServiceError)
+    if exc.status >= 500 and exc.status != 503:
+        log.error("request failed: %s", exc.code, exc_info=exc.__cause__ or exc)
+        return envelope(500, "internal_error", "internal server error")
+    retry = exc.retry_after_s if exc.status == 503 else None
+    return envelope(exc.status, exc.code, exc.message, retry_after_s=retry or (1 if exc.status == 503 else None))
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    details = [
+        {"loc": list(error.get("loc", ())), "msg": error.get("msg", ""), "type": error.get("type", "")}
+        for error in exc.errors()
+    ]
+    return envelope(422, "validation_error", "the request does not match the schema", details=details)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    return envelope(exc.status_code, code, str(exc.detail))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)

@@ -1,0 +1,94 @@
+"""The outermost layer of every request: its id, its clock, the access log, the last resort.
+
+A pure ASGI middleware (no response buffering). It keeps a well-formed ``X-Request-ID``
+or makes one, puts it in the logging context and the response header, writes one access
+log line, and turns an exception nobody handled into a generic 500 envelope.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.telemetry.logging import request_id_var
+
+log = logging.getLogger("app.access")
+_error_log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id_from(scope: Scope) -> str:
+    """The client's id if it is well formed, else a fresh one."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            candidate = str(value.decode("latin-1"))
+            if _VALID_ID.fullmatch(candidate):
+                return candidate
+            break
+    return str(uuid.uuid4().hex)
+
+
+class RequestContextMiddleware:
+    """Request id, timing, access log and the 500 of last resort."""
+
+    def __init__(self, app: ASGIApp, access_log: bool = True) -> None:
+        self.app = app
+        self.access_log = access_log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = request_id_from(scope)
+        scope.setdefault("state", {})
+        scope["state"]["request_id"] = request_id
+        scope["state"]["started"] = started
+        token = request_id_var.set(request_id)
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if status == 0:
+                status = 500
+                body = {"code": "internal_error", "message": "internal server error", "request_id": request_id}
+                await send_with_id(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send_with_id({"type": "http.response.body", "body": json.dumps(body).encode()})
+        finally:
+            if self.access_log:
+                log.info(
+                    "%s %s %d",
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    extra={
+                        "method": scope["method"],
+                        "path": scope["path"],
+                        "status": status,
+                        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                    },
+                )
+            request_id_var.reset(token)

@@ -1,0 +1,67 @@
+"""Probes: liveness, readiness and the full health report. None of them touch the model."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from app.api.deps import Service
+from app.api.errors import error_responses
+from app.api.schemas import HealthResponse, MemoryHealth, ModelHealth, Status
+from app.batching import Lane
+from app.errors import NotReady
+from app.inference.device import dtype_name
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/livez", response_model=Status, summary="The process and its event loop are alive")
+async def livez() -> Status:
+    return Status(status="alive")
+
+
+@router.get(
+    "/readyz",
+    response_model=Status,
+    responses=error_responses(503),
+    summary="200 once every model is loaded, checked and warmed and the batchers run",
+)
+async def readyz(service: Service) -> Status:
+    if not service.ready or not all(s.batcher.running for s in service.models.values()):
+        raise NotReady(f"the service is {service.state.value}", code="not_ready")
+    return Status(status="ready")
+
+
+@router.get(
+    "/healthz",
+    response_model=HealthResponse,
+    responses={503: {"model": HealthResponse, "description": "A check failed; the body says which"}},
+    summary="Models, device, memory headroom and queue depths; 503 when a check fails",
+)
+async def healthz(service: Service) -> JSONResponse:
+    free = await service.memory()
+    min_free = service.settings.model.min_free_memory_mb << 20
+    models = [
+        ModelHealth(
+            name=s.name,
+            version=s.version,
+            loaded=True,
+            batcher_running=s.batcher.running,
+            queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
+        )
+        for s in service.models.values()
+    ]
+    memory = MemoryHealth(
+        free_bytes=free.free, total_bytes=free.total, min_free_bytes=min_free, ok=free.free >= min_free
+    )
+    healthy = service.ready and memory.ok and bool(models) and all(m.batcher_running for m in models)
+    report = HealthResponse(
+        status="ok" if healthy else "failing",
+        state=service.state.value,
+        device=str(service.device),
+        dtype=dtype_name(service.dtype),
+        models=models,
+        memory=memory,
+        failure=service.failure,
+    )
+    return JSONResponse(report.model_dump(), status_code=200 if healthy else 503)

@@ -1,0 +1,49 @@
+"""Which models are served, their versions and the default."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.api.deps import Service
+from app.api.errors import error_responses
+from app.api.schemas import ModelsResponse, ModelVersion
+from app.errors import NotFound
+from app.inference.device import dtype_name
+from app.service import InferenceService
+
+router = APIRouter(tags=["models"])
+
+
+def _describe(service: InferenceService) -> ModelsResponse:
+    models = []
+    for entry in service.entries:
+        served = service.models.get(entry.name)
+        models.append(
+            ModelVersion(
+                name=entry.name,
+                versions=list(entry.versions),
+                loaded_version=served.version if served else None,
+                state="loaded" if served else "not_loaded",
+                default=entry.name == service.default_model,
+                labels=len(served.labels) if served else None,
+                device=str(service.device) if served else None,
+                dtype=dtype_name(service.dtype) if served else None,
+                heads_loaded=list(served.model.loaded_heads) if served else [],
+            )
+        )
+    return ModelsResponse(default=service.default_model, models=models)
+
+
+@router.get("/v1/models", response_model=ModelsResponse, summary="List models, versions and the default")
+async def list_models(service: Service) -> ModelsResponse:
+    return _describe(service)
+
+
+@router.get(
+    "/v1/models/{name}", response_model=ModelVersion, responses=error_responses(404), summary="Describe one model"
+)
+async def get_model(name: str, service: Service) -> ModelVersion:
+    for model in _describe(service).models:
+        if model.name == name:
+            return model
+    raise NotFound(f"no model named {name!r}", code="model_not_found")

@@ -1,0 +1,95 @@
+"""Prediction routes: the default model, or one by name."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request
+
+from app.api.body import OPENAPI_BODY, read_image_body
+from app.api.deps import LaneDep, RequestId, Service, TimeoutDep
+from app.api.errors import error_responses
+from app.api.schemas import PredictionItem, PredictResponse, Timings
+from app.errors import SchemaError
+from app.service import Outcome
+
+router = APIRouter(tags=["predict"])
+
+_ERRORS = error_responses(400, 404, 413, 415, 422, 500, 503)
+_TOP_K = Query(ge=1, description="for raw image bodies: how many classes to return")
+
+
+def _response(outcome: Outcome, request_id: str, started: float) -> PredictResponse:
+    return PredictResponse(
+        request_id=request_id,
+        model=outcome.model,
+        version=outcome.version,
+        predictions=[PredictionItem(**vars(p)) for p in outcome.predictions],
+        lane=outcome.lane.value,
+        batch_size=outcome.batch_size,
+        timings=Timings(
+            preprocess=round(outcome.preprocess_s * 1000, 3),
+            queue=round(outcome.queue_s * 1000, 3),
+            inference=round(outcome.inference_s * 1000, 3),
+            total=round((time.perf_counter() - started) * 1000, 3),
+        ),
+    )
+
+
+async def _predict(
+    name: str | None,
+    request: Request,
+    service: Service,
+    lane: LaneDep,
+    timeout_s: float,
+    request_id: str,
+    query_top_k: int | None,
+) -> PredictResponse:
+    server = service.settings.server
+    served = service.served(name)  # 404 / 503 before reading the body
+    body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
+    top_k = body.top_k or query_top_k or server.default_top_k
+    if top_k > min(server.max_top_k, len(served.labels)):
+        raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
+    outcome = await service.predict(served.name, body.image, top_k, lane, timeout_s)
+    return _response(outcome, request_id, request.scope["state"]["started"])
+
+
+@router.post(
+    "/predict",
+    response_model=PredictResponse,
+    responses=_ERRORS,
+    openapi_extra=OPENAPI_BODY,
+    summary="Classify an image with the default model",
+)
+async def predict_default(
+    request: Request,
+    service: Service,
+    lane: LaneDep,
+    timeout_s: TimeoutDep,
+    request_id: RequestId,
+    top_k: Annotated[int | None, _TOP_K] = None,
+) -> PredictResponse:
+    """JSON `{"image_base64": ..., "top_k": 5}`, or the raw bytes with `Content-Type: image/jpeg|png|webp`."""
+    return await _predict(None, request, service, lane, timeout_s, request_id, top_k)
+
+
+@router.post(
+    "/v1/models/{name}/predict",
+    response_model=PredictResponse,
+    responses=_ERRORS,
+    openapi_extra=OPENAPI_BODY,
+    summary="Classify an image with the named model",
+)
+async def predict_named(
+    name: Annotated[str, Path(description="a model name from GET /v1/models")],
+    request: Request,
+    service: Service,
+    lane: LaneDep,
+    timeout_s: TimeoutDep,
+    request_id: RequestId,
+    top_k: Annotated[int | None, _TOP_K] = None,
+) -> PredictResponse:
+    """As `/predict`, for the model `name`; 404 when no such model is served."""
+    return await _predict(name, request, service, lane, timeout_s, request_id, top_k)

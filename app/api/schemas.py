@@ -1,0 +1,96 @@
+"""Request and response bodies, as the OpenAPI document shows them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PredictRequest(BaseModel):
+    """A JSON prediction request: one image, base64-encoded (standard alphabet, padded)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_base64: str = Field(min_length=1, description="JPEG, PNG or WebP bytes, base64-encoded")
+    top_k: int | None = Field(default=None, ge=1, le=1000, description="how many classes to return (default 5)")
+
+
+class PredictionItem(BaseModel):
+    label: str
+    class_index: int
+    probability: float
+
+
+class Timings(BaseModel):
+    """Where the time went, in milliseconds."""
+
+    preprocess: float
+    queue: float
+    inference: float
+    total: float
+
+
+class PredictResponse(BaseModel):
+    request_id: str
+    model: str
+    version: str
+    predictions: list[PredictionItem]
+    lane: Literal["urgent", "normal"]
+    batch_size: int = Field(description="how many requests rode in the same batch")
+    timings: Timings
+
+
+class ErrorResponse(BaseModel):
+    """The one error envelope."""
+
+    code: str = Field(description="stable, machine-readable error code")
+    message: str
+    request_id: str | None
+    details: list[dict[str, object]] | None = None
+
+
+class ModelVersion(BaseModel):
+    name: str
+    versions: list[str]
+    loaded_version: str | None
+    state: Literal["loaded", "not_loaded"]
+    default: bool
+    labels: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    heads_loaded: list[str] = []
+
+
+class ModelsResponse(BaseModel):
+    default: str | None
+    models: list[ModelVersion]
+
+
+class Status(BaseModel):
+    status: str
+
+
+class ModelHealth(BaseModel):
+    name: str
+    version: str
+    loaded: bool
+    batcher_running: bool
+    queue_depth: dict[str, int]
+
+
+class MemoryHealth(BaseModel):
+    free_bytes: int
+    total_bytes: int
+    min_free_bytes: int
+    ok: bool
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "failing"]
+    state: str
+    device: str
+    dtype: str
+    models: list[ModelHealth]
+    memory: MemoryHealth
+    failure: str | None = None

@@ -1,0 +1,16 @@
+"""The dual-window batcher: pure asyncio, free of torch and FastAPI."""
+
+from app.batching.batcher import Completed, DualWindowBatcher, Runner
+from app.batching.clock import Clock, MonotonicClock
+from app.batching.policy import BatchPolicy, Lane, LanePolicy
+
+__all__ = [
+    "BatchPolicy",
+    "Clock",
+    "Completed",
+    "DualWindowBatcher",
+    "Lane",
+    "LanePolicy",
+    "MonotonicClock",
+    "Runner",
+]

@@ -1,0 +1,221 @@
+"""The dual-window batcher: requests wait in two lanes and leave in batches.
+
+One future per request, resolved exactly once: a ``Completed`` result, or an error. A
+batch goes when its lane is full or its oldest request has waited the lane's window;
+urgent batches go first and may take free seats from the head of the normal queue.
+The dispatcher sleeps until the next event or window deadline; it never polls.
+Requests whose future is already done (client gone, deadline passed) are skipped when
+a batch forms and never reach the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from app.batching.clock import Clock, MonotonicClock, Timer
+from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, next_wakeup, plan_batch
+from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+Runner = Callable[[Sequence[P]], Awaitable[Sequence[R]]]
+"""Runs one batch: one output per input, in order. Raising fails exactly that batch."""
+
+
+@dataclass(frozen=True)
+class Completed(Generic[R]):
+    """A request's answer and how it got there."""
+
+    output: R
+    lane: Lane
+    batch_lane: Lane
+    batch_size: int
+    queued_s: float
+    run_s: float
+
+
+@dataclass(eq=False)
+class _Pending(Generic[P, R]):
+    payload: P
+    lane: Lane
+    enqueued_at: float
+    future: asyncio.Future[Completed[R]]
+    timer: Timer | None = None
+    queued: bool = True
+
+
+@dataclass(eq=False)
+class _Queue(Generic[P, R]):
+    items: deque[_Pending[P, R]] = field(default_factory=deque)
+    waiting: int = 0  # live requests; done ones are removed lazily from the deque
+
+    def drop(self, item: _Pending[P, R]) -> None:
+        if item.queued:
+            item.queued = False
+            self.waiting -= 1
+
+    def prune_head(self) -> None:
+        while self.items and (not self.items[0].queued or self.items[0].future.done()):
+            self.drop(self.items.popleft())
+
+    def state(self) -> LaneState:
+        self.prune_head()
+        return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None)
+
+    def take(self, count: int) -> list[_Pending[P, R]]:
+        taken: list[_Pending[P, R]] = []
+        while self.items and len(taken) < count:
+            item = self.items.popleft()
+            if item.queued and not item.future.done():
+                taken.append(item)
+            self.drop(item)
+        return taken
+
+
+class DualWindowBatcher(Generic[P, R]):
+    """Groups submitted payloads into batches for ``runner``, urgent lane first."""
+
+    def __init__(
+        self, runner: Runner[P, R], policy: BatchPolicy, *, clock: Clock | None = None, name: str = "batcher"
+    ) -> None:
+        self._runner = runner
+        self._policy = policy
+        self._clock: Clock = clock or MonotonicClock()
+        self._name = name
+        self._queues: dict[Lane, _Queue[P, R]] = {Lane.URGENT: _Queue(), Lane.NORMAL: _Queue()}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._accepting = False
+        self._flush = False
+        self.batches = 0
+
+    @property
+    def policy(self) -> BatchPolicy:
+        return self._policy
+
+    def set_policy(self, policy: BatchPolicy) -> None:
+        """Takes effect from the next batch."""
+        self._policy = policy
+        self._wakeup.set()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def depth(self, lane: Lane) -> int:
+        return self._queues[lane].waiting
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("batcher already started")
+        self._accepting = True
+        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name=f"{self._name}-dispatch")
+
+    async def submit(self, payload: P, lane: Lane, timeout_s: float) -> Completed[R]:
+        """Queue ``payload`` and wait for its answer.
+
+        Raises ``QueueFull`` at once when the lane is at its bound, ``DeadlineExceeded``
+        when ``timeout_s`` passes before the batch runs, ``Draining`` once closing began.
+        Cancelling the caller cancels the request: it leaves the queue uncomputed.
+        """
+        if not self._accepting:
+            raise Draining("the service is shutting down")
+        queue = self._queues[lane]
+        if queue.waiting >= self._policy.lane(lane).max_queue:
+            raise QueueFull(f"the {lane.value} queue is full")
+        now = self._clock.now()
+        future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
+        item: _Pending[P, R] = _Pending(payload, lane, now, future)
+        item.timer = self._clock.call_at(now + timeout_s, lambda: self._expire(item))
+        future.add_done_callback(lambda _: self._settled(item))
+        queue.items.append(item)
+        queue.waiting += 1
+        self._wakeup.set()
+        try:
+            return await future
+        finally:
+            if not future.done():  # our caller was cancelled: drop the request
+                future.cancel()
+
+    def _expire(self, item: _Pending[P, R]) -> None:
+        if not item.future.done():
+            item.future.set_exception(DeadlineExceeded("the request's deadline passed before it was computed"))
+
+    def _settled(self, item: _Pending[P, R]) -> None:
+        if item.timer is not None:
+            item.timer.cancel()
+        self._queues[item.lane].drop(item)  # a no-op unless it left before being batched
+
+    async def _dispatch(self) -> None:
+        urgent, normal = self._queues[Lane.URGENT], self._queues[Lane.NORMAL]
+        while True:
+            self._wakeup.clear()
+            u_state, n_state = urgent.state(), normal.state()
+            plan = plan_batch(u_state, n_state, self._policy, self._clock.now(), flush=self._flush)
+            if plan is not None:
+                await self._execute(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
+                continue
+            if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0:
+                return
+            wake = next_wakeup(u_state, n_state, self._policy)
+            await self._clock.wait(self._wakeup, None if wake is None else wake - self._clock.now())
+
+    async def _execute(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
+        if not batch:
+            return
+        started = self._clock.now()
+        self.batches += 1
+        try:
+            outputs = await self._runner([item.payload for item in batch])
+            if len(outputs) != len(batch):
+                raise BatchFailed(f"runner returned {len(outputs)} outputs for {len(batch)} inputs")
+        except asyncio.CancelledError:  # closing ran out of grace mid-batch
+            self._fail(batch, Draining("the service shut down while this request ran"))
+            raise
+        except ServiceError as exc:
+            error: BaseException = exc
+        except Exception as exc:  # a bug in the runner: fail exactly this batch, keep serving
+            log.exception("batch of %d failed in %s", len(batch), self._name)
+            error = BatchFailed("inference failed")
+            error.__cause__ = exc
+        else:
+            run_s = self._clock.now() - started
+            for item, output in zip(batch, outputs, strict=True):
+                if not item.future.done():
+                    item.future.set_result(
+                        Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
+                    )
+            return
+        self._fail(batch, error)
+
+    @staticmethod
+    def _fail(batch: Sequence[_Pending[P, R]], error: BaseException) -> None:
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(error)
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop taking requests, run what is queued for up to ``grace_s`` (``None``: no limit), fail the rest."""
+        self._accepting = False
+        self._flush = True  # windows no longer matter: everything queued goes now
+        self._wakeup.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace_s)
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        finally:
+            for queue in self._queues.values():
+                self._fail(queue.take(queue.waiting), Draining("the service shut down before this request ran"))

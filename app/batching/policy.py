@@ -1,0 +1,104 @@
+"""Batching policy and the pure rules that decide when a batch forms and what rides in it.
+
+These functions see only counts and times, never futures or payloads, so they can be
+checked exhaustively with property tests.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Lane(enum.StrEnum):
+    """Which queue a request waits in: ``urgent`` (short window) or ``normal``."""
+
+    URGENT = "urgent"
+    NORMAL = "normal"
+
+
+@dataclass(frozen=True)
+class LanePolicy:
+    """One lane's rules: a batch goes when it holds ``max_batch`` or its oldest waited ``window_s``."""
+
+    window_s: float
+    max_batch: int
+    max_queue: int
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0:
+            raise ValueError("window_s must be > 0")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if self.max_queue < self.max_batch:
+            raise ValueError("max_queue must be >= max_batch")
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """Both lanes, and whether an urgent batch fills its free seats from the normal queue."""
+
+    urgent: LanePolicy
+    normal: LanePolicy
+    urgent_fill: bool = True
+
+    def lane(self, lane: Lane) -> LanePolicy:
+        return self.urgent if lane is Lane.URGENT else self.normal
+
+
+@dataclass(frozen=True)
+class LaneState:
+    """What the rules need to know of a queue: live requests and when the oldest arrived."""
+
+    waiting: int = 0
+    oldest_at: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A batch to dispatch: its lane and how many to take from the head of each queue."""
+
+    lane: Lane
+    from_urgent: int
+    from_normal: int
+
+    @property
+    def size(self) -> int:
+        return self.from_urgent + self.from_normal
+
+
+def ready_at(state: LaneState, policy: LanePolicy) -> float | None:
+    """When the lane's window closes for its oldest request (``None`` if it is empty)."""
+    if state.waiting == 0 or state.oldest_at is None:
+        return None
+    return state.oldest_at + policy.window_s
+
+
+def is_ready(state: LaneState, policy: LanePolicy, now: float, flush: bool = False) -> bool:
+    """Full, or its oldest request has waited the window (or everything goes: ``flush``)."""
+    if state.waiting == 0:
+        return False
+    if flush or state.waiting >= policy.max_batch:
+        return True
+    deadline = ready_at(state, policy)
+    return deadline is not None and now >= deadline
+
+
+def plan_batch(
+    urgent: LaneState, normal: LaneState, policy: BatchPolicy, now: float, flush: bool = False
+) -> BatchPlan | None:
+    """The next batch to run, urgent first; ``None`` when no lane is ready."""
+    if is_ready(urgent, policy.urgent, now, flush):
+        take = min(urgent.waiting, policy.urgent.max_batch)
+        seats = policy.urgent.max_batch - take
+        fill = min(seats, normal.waiting) if policy.urgent_fill else 0
+        return BatchPlan(Lane.URGENT, take, fill)
+    if is_ready(normal, policy.normal, now, flush):
+        return BatchPlan(Lane.NORMAL, 0, min(normal.waiting, policy.normal.max_batch))
+    return None
+
+
+def next_wakeup(urgent: LaneState, normal: LaneState, policy: BatchPolicy) -> float | None:
+    """The earliest time a lane becomes ready by its window, if nothing else arrives."""
+    times = [t for t in (ready_at(urgent, policy.urgent), ready_at(normal, policy.normal)) if t is not None]
+    return min(times) if times else None

@@ -1,0 +1,91 @@
+"""The ``ai-backend`` command: ``serve``, ``export`` and ``train-digits``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+log = logging.getLogger("app.cli")
+
+EXIT_START_FAILED = 1
+EXIT_BAD_SETTINGS = 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+    from app.settings import SettingsError, load_settings
+    from app.telemetry.logging import configure_logging
+
+    overrides: dict[str, object] = {}
+    try:
+        settings = load_settings()
+        server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        if server_overrides:
+            overrides = {"server": settings.server.model_dump() | server_overrides}
+            settings = load_settings(**overrides)
+    except SettingsError as exc:
+        print(f"ai-backend: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    configure_logging(settings.logging.level, settings.logging.json_format)
+
+    failure: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(message: str) -> None:
+        log.critical("start-up failed: %s", message)
+        failure.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    config = uvicorn.Config(
+        create_app(settings, on_fatal=on_fatal),
+        host=settings.server.host,
+        port=settings.server.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.server.shutdown_grace_s) + 1,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if failure:
+        print(f"ai-backend: start-up failed: {failure[0]}", file=sys.stderr)
+        return EXIT_START_FAILED
+    return 0 if server.started else EXIT_START_FAILED
+
+
+def _export(argv: list[str]) -> int:
+    from app.inference.export import main
+
+    return main(argv)
+
+
+def _train_digits(argv: list[str]) -> int:
+    from app.training.digits import main
+
+    return main(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ai-backend`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="ai-backend", description="An inference service for PyTorch models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the model repository over HTTP")
+    serve.add_argument("--host", help="bind address (default: server.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: server.port, 8000)")
+    commands.add_parser("export", help="export a torchvision model into the repository", add_help=False)
+    commands.add_parser("train-digits", help="train the bundled digits model", add_help=False)
+    if argv and argv[0] == "export":
+        return _export(argv[1:])
+    if argv and argv[0] == "train-digits":
+        return _train_digits(argv[1:])
+    args = parser.parse_args(argv)
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The service's errors: each carries its HTTP status and a stable, machine-readable code.
+
+Lower layers raise these (or have theirs translated at the boundary with ``raise ... from``);
+one exception handler renders them all as the same envelope: code, message, request_id.
+This module imports nothing heavy, so the batcher and the loader can use it freely.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of every error the service knows how to answer."""
+
+    status: int = 500
+    code: str = "internal_error"
+    retry_after_s: int | None = None
+
+    def __init__(self, message: str, *, code: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+
+
+class BadRequest(ServiceError):
+    """The client sent something malformed (400)."""
+
+    status = 400
+    code = "bad_request"
+
+
+class SchemaError(ServiceError):
+    """The body parsed but violates the schema (422)."""
+
+    status = 422
+    code = "validation_error"
+
+
+class PayloadTooLarge(ServiceError):
+    """A body or an image over its limit, or a decompression bomb (413)."""
+
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(ServiceError):
+    """A Content-Type the endpoint does not take (415)."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
+class NotFound(ServiceError):
+    """An unknown model, version or route (404)."""
+
+    status = 404
+    code = "not_found"
+
+
+class Unavailable(ServiceError):
+    """The service knows it cannot do this now (503 with Retry-After)."""
+
+    status = 503
+    code = "unavailable"
+    retry_after_s = 1
+
+
+class QueueFull(Unavailable):
+    code = "queue_full"
+
+
+class DeadlineExceeded(Unavailable):
+    code = "deadline_exceeded"
+
+
+class Draining(Unavailable):
+    code = "draining"
+
+
+class NotReady(Unavailable):
+    code = "model_not_ready"
+    retry_after_s = 5
+
+
+class BatchFailed(ServiceError):
+    """The runner failed a batch for a reason nobody planned for: a bug (500, generic body)."""
+
+    code = "inference_failed"

@@ -1,0 +1,200 @@
+"""Layered loading: a version's backbone at start, its heads on first use, exactly once.
+
+Every layer is a TorchScript graph holding code only plus a safetensors file holding
+its tensors. Both are checked against the manifest's sha256 before they are read; the
+weights are cast on the host (fp16 when serving on CUDA) and only then moved to the
+device, put into the graph, and the graph is frozen and optimised for inference.
+
+Everything here blocks: it runs on the device thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from app.inference.manifest import Layer, Manifest
+from app.inference.packaging import sha256_file
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """A version cannot be served: the message names the file and the problem."""
+
+
+def _verify(folder: Path, manifest: Manifest, file: str) -> Path:
+    path = folder / file
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file is missing")
+    actual = sha256_file(path)
+    expected = manifest.files[file]
+    if actual != expected:
+        raise ModelLoadError(
+            f"{path}: sha256 mismatch (manifest says {expected[:12]}..., file has {actual[:12]}...); "
+            "the file is corrupt, truncated or not the one the manifest describes"
+        )
+    return path
+
+
+def _set_tensor(module: torch.jit.ScriptModule, dotted: str, value: torch.Tensor) -> None:
+    *path, leaf = dotted.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, leaf, value)
+
+
+def load_layer(
+    folder: Path, manifest: Manifest, layer: Layer, device: torch.device, dtype: torch.dtype
+) -> torch.jit.ScriptModule:
+    """Verify, read and prepare one layer; raises ``ModelLoadError`` naming the bad file."""
+    graph_path = _verify(folder, manifest, layer.graph)
+    weights_path = _verify(folder, manifest, layer.weights)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # "torch.jit.load is deprecated"
+            graph = torch.jit.load(str(graph_path), map_location="cpu")  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise ModelLoadError(f"{graph_path}: not a loadable TorchScript graph ({exc})") from exc
+    try:
+        weights = load_file(str(weights_path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"{weights_path}: not a readable safetensors file ({exc})") from exc
+
+    expected = set(graph.state_dict())
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{weights_path}: does not match {graph_path.name} (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for key, tensor in weights.items():
+        # cast on the host, before the copy to the device
+        host = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        _set_tensor(graph, key, host.to(device))
+    graph.eval()
+    with warnings.catch_warnings():
+        # freeze and optimize_for_inference warn that they are deprecated; they still
+        # make CPU inference several times faster, which nothing else here does.
+        warnings.simplefilter("ignore")
+        frozen: torch.jit.ScriptModule = torch.jit.freeze(graph)
+        try:
+            optimized: torch.jit.ScriptModule = torch.jit.optimize_for_inference(frozen)
+            return optimized
+        except Exception:  # some graphs (or devices) reject the extra passes
+            log.warning("optimize_for_inference failed for %s; serving the frozen graph", layer.name)
+            return frozen
+
+
+@dataclass
+class LayeredModel:
+    """One loaded model version: normalisation, a backbone and lazily loaded heads."""
+
+    folder: Path
+    manifest: Manifest
+    device: torch.device
+    dtype: torch.dtype
+    backbone: torch.jit.ScriptModule
+    _scale: torch.Tensor
+    _shift: torch.Tensor
+    _heads: dict[str, torch.jit.ScriptModule] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    head_loads: int = 0
+
+    @classmethod
+    def load(cls, folder: Path, manifest: Manifest, device: torch.device, dtype: torch.dtype) -> LayeredModel:
+        """Load the backbone now; heads wait for their first use (or ``load_all_heads``)."""
+        backbone = load_layer(folder, manifest, manifest.backbone, device, dtype)
+        spec = manifest.input
+        std = torch.tensor(spec.std, dtype=torch.float32).view(1, -1, 1, 1)
+        mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, -1, 1, 1)
+        # (x / 255 - mean) / std as one multiply-add on the uint8 batch
+        scale, shift = (1.0 / (255.0 * std)), (-mean / std)
+        return cls(folder, manifest, device, dtype, backbone, scale.to(device), shift.to(device))
+
+    @property
+    def default_head(self) -> str:
+        return self.manifest.heads[0].name
+
+    @property
+    def loaded_heads(self) -> tuple[str, ...]:
+        return tuple(self._heads)
+
+    def head(self, name: str | None = None) -> torch.jit.ScriptModule:
+        """The named head, loaded on first use exactly once even under concurrent callers."""
+        name = name or self.default_head
+        head = self._heads.get(name)
+        if head is not None:
+            return head
+        with self._lock:
+            head = self._heads.get(name)
+            if head is None:
+                layer = next((h for h in self.manifest.heads if h.name == name), None)
+                if layer is None:
+                    raise KeyError(name)
+                head = load_layer(self.folder, self.manifest, layer, self.device, self.dtype)
+                with torch.inference_mode():
+                    self._check_head(name, head, self.features(self.dummy_batch(2)))
+                self._heads[name] = head
+                self.head_loads += 1
+                log.info("loaded head %s of %s/%s", name, self.manifest.name, self.manifest.version)
+        return head
+
+    def load_all_heads(self) -> None:
+        for layer in self.manifest.heads:
+            self.head(layer.name)
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """Backbone features of a ``N x C x H x W`` uint8 batch."""
+        x = images.to(self.device, non_blocking=True).float().mul_(self._scale).add_(self._shift)
+        return self.backbone(x.to(self.dtype))  # type: ignore[no-any-return]
+
+    def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+        """Class probabilities (fp32) for a uint8 batch."""
+        logits = self.head(head)(self.features(images))
+        return torch.softmax(logits.float(), dim=1)
+
+    def dummy_batch(self, size: int) -> torch.Tensor:
+        spec = self.manifest.input
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(
+            0, 256, (size, spec.channels, spec.height, spec.width), dtype=torch.uint8, generator=generator
+        )
+
+    def self_check(self, batch_size: int = 2) -> None:
+        """A dummy batch through backbone and every loaded head: right shape, finite values."""
+        with torch.inference_mode():
+            features = self.features(self.dummy_batch(batch_size))
+            if not torch.isfinite(features).all():
+                raise ModelLoadError(f"{self.folder}: self-check failed, backbone output is not finite")
+            for name, head in self._heads.items():
+                self._check_head(name, head, features)
+
+    def _check_head(self, name: str, head: torch.jit.ScriptModule, features: torch.Tensor) -> None:
+        logits = head(features)
+        expected = (features.shape[0], len(self.manifest.labels))
+        if tuple(logits.shape) != expected:
+            raise ModelLoadError(
+                f"{self.folder}: self-check failed, head {name} gives shape {tuple(logits.shape)}, expected {expected}"
+            )
+        if not torch.isfinite(logits).all():
+            raise ModelLoadError(f"{self.folder}: self-check failed, head {name} output is not finite")
+
+    def warm_up(self, max_batch: int, rounds: int = 3) -> None:
+        """Run the batch sizes serving will see, so the first requests pay no compilation."""
+        with torch.inference_mode():
+            for size in sorted({1, max(1, max_batch // 2), max_batch}):
+                batch = self.dummy_batch(size)
+                for _ in range(rounds):
+                    features = self.features(batch)
+                    for head in self._heads.values():
+                        head(features)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

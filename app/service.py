@@ -1,0 +1,221 @@
+"""The inference service: models, their batchers, the device thread and the decode pool.
+
+It owns everything with a start and a stop below the HTTP layer. ``start`` loads, checks
+and warms every model; ``predict`` takes image bytes through preprocessing, the batcher
+and postprocessing; ``close`` drains the batchers and stops the threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.errors import NotFound, NotReady
+from app.inference import preprocess
+from app.inference.device import DeviceThread, Memory, dtype_name, memory, resolve_device, resolve_dtype
+from app.inference.loader import LayeredModel, ModelLoadError
+from app.inference.postprocess import Prediction, TopK, label
+from app.inference.repository import ModelEntry, Repository
+from app.inference.runner import ModelRunner
+from app.settings import BatchingSettings, LaneSettings, Settings
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+def batch_policy(settings: BatchingSettings) -> BatchPolicy:
+    """The batcher's policy from the settings (milliseconds to seconds)."""
+
+    def lane(s: LaneSettings) -> LanePolicy:
+        return LanePolicy(s.window_ms / 1000.0, s.max_batch, s.max_queue)
+
+    return BatchPolicy(lane(settings.urgent), lane(settings.normal), settings.urgent_fill)
+
+
+@dataclass
+class ServedModel:
+    """A loaded model version with its own batcher."""
+
+    name: str
+    version: str
+    model: LayeredModel
+    batcher: DualWindowBatcher[torch.Tensor, TopK]
+    load_s: float
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.model.manifest.labels
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One answered prediction and the timings of its stages, in seconds."""
+
+    model: str
+    version: str
+    predictions: list[Prediction]
+    lane: Lane
+    batch_size: int
+    preprocess_s: float
+    queue_s: float
+    inference_s: float
+
+
+class InferenceService:
+    """Everything between a validated request and its answer."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.state = State.STARTING
+        self.failure: str | None = None
+        self.device = resolve_device(settings.model.device)
+        self.dtype = resolve_dtype(settings.model.dtype, self.device)
+        self.repository = Repository(settings.model.repository)
+        self.models: dict[str, ServedModel] = {}
+        self.entries: list[ModelEntry] = []
+        self.default_model: str | None = None
+        self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
+        self._device_thread = DeviceThread()
+        self._pool = ThreadPoolExecutor(settings.server.preprocess_workers, thread_name_prefix="preprocess")
+        self._policy = batch_policy(settings.batching)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY
+
+    async def start(self) -> None:
+        """Load, self-check and warm every configured model, then start their batchers.
+
+        Raises ``ModelLoadError`` (or ``TimeoutError``) with a message naming the problem.
+        """
+        try:
+            await self._device_thread.run(self._configure_threads)
+            entries = self.entries = await asyncio.to_thread(self.repository.models)
+            wanted = self.settings.model.names or [entry.name for entry in entries]
+            found = {entry.name: entry for entry in entries}
+            missing = [name for name in wanted if name not in found]
+            if missing or not wanted:
+                raise ModelLoadError(f"model repository {self.repository.root} has no model named {missing or 'any'}")
+            default = self.settings.model.default or wanted[0]
+            if default not in wanted:
+                raise ModelLoadError(f"model.default={default} is not among the models served: {wanted}")
+            for name in wanted:
+                served = await self._load(name, found[name].latest)
+                self.models[name] = served
+            self.default_model = default
+            for served in self.models.values():
+                served.batcher.start()
+            self.state = State.READY
+        except BaseException as exc:
+            self.state = State.FAILED
+            self.failure = str(exc)
+            raise
+
+    def _configure_threads(self) -> None:
+        if self.settings.model.intra_op_threads:
+            torch.set_num_threads(self.settings.model.intra_op_threads)
+        if self.settings.model.inter_op_threads:
+            try:
+                torch.set_num_interop_threads(self.settings.model.inter_op_threads)
+            except RuntimeError:  # only settable once per process
+                log.warning("inter-op threads already set; keeping %d", torch.get_num_interop_threads())
+
+    async def _load(self, name: str, version: str) -> ServedModel:
+        folder = self.repository.folder(name, version)
+        timeout = self.settings.model.load_timeout_s
+        started = time.perf_counter()
+
+        def load() -> LayeredModel:
+            manifest = self.repository.manifest(name, version)
+            model = LayeredModel.load(folder, manifest, self.device, self.dtype)
+            if self.settings.model.eager_heads:
+                model.load_all_heads()
+            model.self_check()
+            return model
+
+        try:
+            model = await asyncio.wait_for(self._device_thread.run(load), timeout)
+        except TimeoutError as exc:
+            raise ModelLoadError(
+                f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
+                "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
+            ) from exc
+        except ValueError as exc:  # a bad manifest
+            raise ModelLoadError(str(exc)) from exc
+        load_s = time.perf_counter() - started
+        if self.settings.model.warmup:
+            biggest = max(self._policy.urgent.max_batch, self._policy.normal.max_batch)
+            await self._device_thread.run(lambda: model.warm_up(biggest))
+        log.info(
+            "model %s/%s ready on %s (%s) in %.2fs",
+            name,
+            version,
+            self.device,
+            dtype_name(self.dtype),
+            time.perf_counter() - started,
+            extra={"model": name, "version": version},
+        )
+        runner = ModelRunner(model, self._device_thread, self.settings.server.max_top_k)
+        batcher: DualWindowBatcher[torch.Tensor, TopK] = DualWindowBatcher(runner, self._policy, name=name)
+        return ServedModel(name, version, model, batcher, load_s)
+
+    def served(self, name: str | None) -> ServedModel:
+        """The named model (or the default); 404 when unknown, 503 while not ready."""
+        if not self.ready:
+            raise NotReady(f"the service is {self.state.value}")
+        key = name or self.default_model
+        served = self.models.get(key) if key else None
+        if served is None:
+            raise NotFound(f"no model named {name!r}", code="model_not_found")
+        return served
+
+    async def predict(self, name: str | None, image: bytes, top_k: int, lane: Lane, timeout_s: float) -> Outcome:
+        """Decode ``image``, batch it, run it, and label the top ``top_k`` classes."""
+        served = self.served(name)
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        tensor = await loop.run_in_executor(
+            self._pool, preprocess.decode, image, served.model.manifest.input, self._limits
+        )
+        preprocessed = time.perf_counter()
+        remaining = timeout_s - (preprocessed - started)
+        done = await served.batcher.submit(tensor, lane, remaining)
+        return Outcome(
+            served.name,
+            served.version,
+            label(done.output, served.labels, top_k),
+            lane,
+            done.batch_size,
+            preprocessed - started,
+            done.queued_s,
+            done.run_s,
+        )
+
+    async def memory(self) -> Memory:
+        return await asyncio.to_thread(memory, self.device)
+
+    async def close(self, grace_s: float | None) -> None:
+        """Drain every batcher within ``grace_s``, then stop the threads."""
+        if self.state is State.READY:
+            self.state = State.DRAINING
+        await asyncio.gather(*(served.batcher.close(grace_s) for served in self.models.values()))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._device_thread.close()
+        if self.device.type == "cuda":
+            self.models.clear()
+            torch.cuda.empty_cache()
+        self.state = State.STOPPED

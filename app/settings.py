@@ -1,0 +1,178 @@
+"""One ``Settings`` object for the whole service.
+
+Precedence, highest first: values passed to ``Settings(...)``, environment variables
+(``AI_SERVICE_`` prefix, ``__`` between nested names, e.g.
+``AI_SERVICE_BATCHING__NORMAL__WINDOW_MS=10``), then the TOML file named by
+``AI_SERVICE_CONFIG_FILE`` (default ``config/default.toml``), then the defaults below,
+which the shipped file repeats. Every field is validated; a bad value stops start-up
+with a message naming the setting and the rule.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+ENV_PREFIX = "AI_SERVICE_"
+CONFIG_FILE_ENV = "AI_SERVICE_CONFIG_FILE"
+DEFAULT_CONFIG_FILE = Path("config/default.toml")
+
+Positive = Annotated[float, Field(gt=0)]
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerSettings(_Group):
+    """HTTP, request limits and the preprocessing pool."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_image_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
+    max_image_pixels: int = Field(default=16_000_000, ge=64, le=200_000_000)
+    default_top_k: int = Field(default=5, ge=1)
+    max_top_k: int = Field(default=20, ge=1, le=1000)
+    default_timeout_ms: int = Field(default=30_000, ge=1)
+    max_timeout_ms: int = Field(default=120_000, ge=1)
+    preprocess_workers: int = Field(default=2, ge=1, le=64)
+    shutdown_grace_s: Positive = 30.0
+
+    @property
+    def max_body_bytes(self) -> int:
+        """Room for the image as base64 inside a small JSON object."""
+        return (self.max_image_bytes + 2) // 3 * 4 + 4096
+
+    @model_validator(mode="after")
+    def _coherent(self) -> ServerSettings:
+        if self.default_top_k > self.max_top_k:
+            raise ValueError("default_top_k must be <= max_top_k")
+        if self.default_timeout_ms > self.max_timeout_ms:
+            raise ValueError("default_timeout_ms must be <= max_timeout_ms")
+        return self
+
+
+class ModelSettings(_Group):
+    """Which models to serve, where they live, and on what device and precision."""
+
+    repository: Path = Path("models")
+    default: str | None = None
+    names: list[str] = Field(default_factory=list, description="models to load; empty loads every model")
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto, cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    eager_heads: bool = False
+    load_timeout_s: Positive = 30.0
+    warmup: bool = True
+    min_free_memory_mb: int = Field(default=256, ge=0)
+    intra_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
+    inter_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
+
+    @model_validator(mode="after")
+    def _default_is_loaded(self) -> ModelSettings:
+        if self.default is not None and self.names and self.default not in self.names:
+            raise ValueError("default must be one of names when names is set")
+        return self
+
+
+class LaneSettings(_Group):
+    """One lane of the batcher."""
+
+    window_ms: Positive
+    max_batch: int = Field(ge=1, le=4096)
+    max_queue: int = Field(ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _queue_holds_a_batch(self) -> LaneSettings:
+        if self.max_queue < self.max_batch:
+            raise ValueError("max_queue must be >= max_batch")
+        return self
+
+
+class BatchingSettings(_Group):
+    """The dual-window batcher: an urgent lane with a short window and a normal lane."""
+
+    normal: LaneSettings = LaneSettings(window_ms=25.0, max_batch=16, max_queue=1024)
+    urgent: LaneSettings = LaneSettings(window_ms=2.0, max_batch=16, max_queue=256)
+    urgent_fill: bool = Field(default=True, description="urgent batches take free seats from the normal queue")
+
+    @model_validator(mode="after")
+    def _urgent_is_faster(self) -> BatchingSettings:
+        if self.urgent.window_ms > self.normal.window_ms:
+            raise ValueError("urgent.window_ms must be <= normal.window_ms")
+        return self
+
+
+class LoggingSettings(_Group):
+    """Log level and format (one JSON object a line, or plain text for a terminal)."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    json_format: bool = True
+    access_log: bool = True
+
+
+class Settings(BaseSettings):
+    """Everything the service can be told. See the module docstring for precedence."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    server: ServerSettings = ServerSettings()
+    model: ModelSettings = ModelSettings()
+    batching: BatchingSettings = BatchingSettings()
+    logging: LoggingSettings = LoggingSettings()
+
+    @model_validator(mode="after")
+    def _windows_fit_in_timeouts(self) -> Settings:
+        if self.batching.normal.window_ms >= self.server.default_timeout_ms:
+            raise ValueError("batching.normal.window_ms must be < server.default_timeout_ms")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        config_file = Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
+        if CONFIG_FILE_ENV in os.environ and not config_file.is_file():
+            raise SettingsError(f"{CONFIG_FILE_ENV}={config_file}: no such file")
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names it, its environment variable and the rule."""
+
+
+def env_name(location: tuple[int | str, ...]) -> str:
+    """The environment variable for a setting's location, e.g. ``AI_SERVICE_MODEL__DEVICE``."""
+    return ENV_PREFIX + "__".join(str(part).upper() for part in location)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build ``Settings``, turning a validation failure into one readable ``SettingsError``."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            location = tuple(part for part in error["loc"] if not isinstance(part, int) or part >= 0)
+            dotted = ".".join(str(part) for part in location) or "settings"
+            where = f"{dotted} ({env_name(location)})" if location else dotted
+            lines.append(f"  {where}: {error['msg']}")
+        raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc

@@ -1,0 +1,72 @@
+"""JSON logs, one object a line, carrying the request id of the request being served.
+
+The request id lives in a context variable set by the request middleware, so every log
+line written while serving a request carries it without being passed around. Payloads
+never go into a log record: only ids, sizes, timings and codes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+# attributes every LogRecord has; anything else was passed through ``extra=`` and is a field
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "request_id",
+    "color_message",  # uvicorn's ANSI-coloured copy of the message
+}
+
+
+class RequestIdFilter(logging.Filter):
+    """Stamps the current request id onto each record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = request_id_var.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: timestamp, level, logger, message, request_id, then extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "timestamp": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": getattr(record, "request_id", None),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _RESERVED and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str, json_format: bool) -> None:
+    """Route the root logger (and uvicorn's) to stderr in the chosen format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    if json_format:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    logging.captureWarnings(True)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for name in ("uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = []
+        logger.propagate = True
+    logging.getLogger("uvicorn.access").disabled = True  # our middleware writes the access log
