@@ -211,11 +211,11 @@ class DualWindowBatcher(Generic[P, R]):
         if self._task is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), grace_s)
-        except TimeoutError:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            _, pending = await asyncio.wait({self._task}, timeout=grace_s)
+            if pending:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
         finally:
             for queue in self._queues.values():
                 self._fail(queue.take(queue.waiting), Draining("the service shut down before this request ran"))

@@ -43,6 +43,8 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
         raise BadRequest("not a JPEG, PNG or WebP image", code="unsupported_image") from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise PayloadTooLarge("image has too many pixels", code="image_too_many_pixels") from exc
+    except (OSError, SyntaxError, ValueError) as exc:  # a known format, but its header is broken
+        raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
     width, height = image.size
     if width * height > limits.max_pixels:
         raise PayloadTooLarge(

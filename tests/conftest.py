@@ -1,0 +1,44 @@
+"""Fixtures shared by every test: a hermetic environment, test settings, sample images."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from app.settings import Settings
+from tests.support import LABELS, REPO_ROOT, build_settings, sample_png
+
+SettingsFactory = Callable[..., Settings]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hermetic_environment() -> Iterator[None]:
+    """Tests see the shipped config/default.toml and no AI_SERVICE_* variables from the shell.
+
+    Session-scoped, so that module-scoped apps are built in the same environment.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith("AI_SERVICE_"):
+                patch.delenv(name)
+        patch.chdir(REPO_ROOT)
+        yield
+
+
+@pytest.fixture
+def make_settings() -> SettingsFactory:
+    """``make_settings(batching={"normal": {...}}, ...)``: test defaults deep-merged with the overrides."""
+
+    def make(**overrides: Any) -> Settings:
+        return build_settings(**overrides)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def sample_pngs() -> dict[str, bytes]:
+    """The ten bundled sample PNGs by label ("0".."9")."""
+    return {label: sample_png(int(label)) for label in LABELS}

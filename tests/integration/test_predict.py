@@ -1,0 +1,130 @@
+"""Right answers through every way in: JSON, raw PNG, JPEG and WebP, both predict routes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.conftest import SettingsFactory
+from tests.support import LABELS, MODEL_NAME, b64, reencode, running_app, top_label
+
+ROUTES = ("/predict", f"/v1/models/{MODEL_NAME}/predict")
+
+
+def _check_answer(body: dict[str, object], expected: str, top_k: int) -> None:
+    """One well-formed response whose best class is ``expected``."""
+    assert top_label(body) == expected, body
+    predictions = body["predictions"]
+    assert isinstance(predictions, list) and len(predictions) == top_k
+    probabilities = [p["probability"] for p in predictions]
+    assert probabilities == sorted(probabilities, reverse=True)
+    assert all(0.0 <= p <= 1.0 for p in probabilities)
+    assert sum(probabilities) <= 1.0 + 1e-5
+    assert all(p["label"] == LABELS[p["class_index"]] for p in predictions)
+    assert len({p["class_index"] for p in predictions}) == top_k
+    assert body["model"] == MODEL_NAME and body["version"] == "1"
+    assert body["lane"] == "normal" and body["batch_size"] >= 1
+    timings = body["timings"]
+    assert isinstance(timings, dict) and set(timings) == {"preprocess", "queue", "inference", "total"}
+    assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in timings.values())
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_samples_as_json_are_classified_right(
+    make_settings: SettingsFactory, sample_pngs: dict[str, bytes], route: str
+) -> None:
+    async with running_app(make_settings()) as running:
+        for label, png in sample_pngs.items():
+            response = await running.client.post(route, json={"image_base64": b64(png), "top_k": 3})
+            assert response.status_code == 200, response.text
+            _check_answer(response.json(), label, top_k=3)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_samples_as_raw_png_are_classified_right(
+    make_settings: SettingsFactory, sample_pngs: dict[str, bytes], route: str
+) -> None:
+    async with running_app(make_settings()) as running:
+        for label, png in sample_pngs.items():
+            response = await running.predict_png(png, path=route, params={"top_k": 10})
+            assert response.status_code == 200, response.text
+            _check_answer(response.json(), label, top_k=10)
+            # every class is listed once: the probabilities are a distribution
+            assert sum(p["probability"] for p in response.json()["predictions"]) == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "content_type", "params"),
+    [
+        ("JPEG", "image/jpeg", {"quality": 95}),
+        ("WEBP", "image/webp", {"quality": 95}),
+        ("WEBP", "image/webp", {"lossless": True}),
+    ],
+)
+async def test_other_formats_are_classified_right(
+    make_settings: SettingsFactory,
+    sample_pngs: dict[str, bytes],
+    fmt: str,
+    content_type: str,
+    params: dict[str, object],
+) -> None:
+    async with running_app(make_settings()) as running:
+        for label, png in sample_pngs.items():
+            image = reencode(png, fmt, size=96, **params)
+            raw = await running.client.post("/predict", content=image, headers={"Content-Type": content_type})
+            assert raw.status_code == 200, raw.text
+            _check_answer(raw.json(), label, top_k=5)
+            as_json = await running.client.post("/predict", json={"image_base64": b64(image)})
+            assert as_json.status_code == 200, as_json.text
+            assert as_json.json()["predictions"] == raw.json()["predictions"]
+
+
+async def test_top_k_defaults_and_json_wins_over_query(
+    make_settings: SettingsFactory, sample_pngs: dict[str, bytes]
+) -> None:
+    async with running_app(make_settings(server={"default_top_k": 4})) as running:
+        png = sample_pngs["7"]
+        default = await running.client.post("/predict", json={"image_base64": b64(png)})
+        assert default.status_code == 200, default.text
+        assert len(default.json()["predictions"]) == 4
+        raw_default = await running.predict_png(png)
+        assert len(raw_default.json()["predictions"]) == 4
+        one = await running.client.post("/predict", json={"image_base64": b64(png), "top_k": 1})
+        assert [p["label"] for p in one.json()["predictions"]] == ["7"]
+
+
+async def test_content_type_parameters_and_case_are_accepted(
+    make_settings: SettingsFactory, sample_pngs: dict[str, bytes]
+) -> None:
+    async with running_app(make_settings()) as running:
+        png = sample_pngs["4"]
+        as_json = await running.client.post(
+            "/predict",
+            content=f'{{"image_base64": "{b64(png)}"}}'.encode(),
+            headers={"Content-Type": "Application/JSON; charset=utf-8"},
+        )
+        assert as_json.status_code == 200, as_json.text
+        raw = await running.client.post("/predict", content=png, headers={"Content-Type": "IMAGE/PNG"})
+        assert raw.status_code == 200, raw.text
+        assert top_label(as_json.json()) == top_label(raw.json()) == "4"
+
+
+async def test_transparent_png_composites_onto_dark_ground(
+    make_settings: SettingsFactory, sample_pngs: dict[str, bytes]
+) -> None:
+    """A light digit drawn only through the alpha channel still reads as the digit."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(sample_pngs["2"])) as image:
+        gray = image.convert("L")
+    rgba = Image.new("RGBA", gray.size, (255, 255, 255, 0))
+    rgba.putalpha(gray)
+    out = io.BytesIO()
+    rgba.save(out, format="PNG")
+    async with running_app(make_settings()) as running:
+        response = await running.predict_png(out.getvalue())
+        assert response.status_code == 200, response.text
+        assert top_label(response.json()) == "2"

@@ -1,0 +1,195 @@
+"""Helpers shared by the integration and end-to-end tests: images, apps, repositories.
+
+Nothing here touches the network: apps run in-process through ``httpx.ASGITransport``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import shutil
+import struct
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+from PIL import Image
+
+from app.main import create_app
+from app.settings import Settings, load_settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = REPO_ROOT / "models"
+DIGITS_DIR = MODELS_DIR / "digits"
+SAMPLES_DIR = DIGITS_DIR / "samples"
+MODEL_NAME = "digits"
+LABELS = tuple(str(d) for d in range(10))
+
+# A request id the middleware must keep: the full allowed alphabet, well under 128 chars.
+VALID_REQUEST_ID = "test-Req_1.2:abc"
+
+
+# --- images -----------------------------------------------------------------------------
+
+
+def sample_png(digit: int) -> bytes:
+    """The bundled sample PNG of ``digit``."""
+    return (SAMPLES_DIR / f"digit_{digit}.png").read_bytes()
+
+
+def reencode(data: bytes, fmt: str, size: int | None = None, **params: object) -> bytes:
+    """``data`` decoded and written again as ``fmt`` (JPEG, WEBP, PNG, GIF, BMP), optionally resized."""
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        converted = image.convert("L")
+    if size is not None:
+        converted = converted.resize((size, size), Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    converted.save(out, format=fmt, **params)
+    return out.getvalue()
+
+
+def png_from_array(pixels: np.ndarray) -> bytes:
+    """A grayscale PNG of a ``H x W`` uint8 array, pixel for pixel."""
+    out = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8), mode="L").save(out, format="PNG")
+    return out.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A tiny PNG whose header declares ``width`` x ``height`` grayscale pixels (a decompression bomb).
+
+    The image data is a few rows of zeros: anything that trusts the header and decodes
+    would have to allocate ``width * height`` bytes. Only a header check stops it cheaply.
+    """
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    rows = zlib.compress(b"\x00" * (width + 1) * 4)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", rows)
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def noise_png(size: int, seed: int = 0) -> bytes:
+    """A PNG of random gray noise: incompressible, so its byte size is about ``size * size``."""
+    rng = np.random.default_rng(seed)
+    return png_from_array(rng.integers(0, 256, (size, size), dtype=np.uint8))
+
+
+def top_label(body: dict[str, object]) -> str:
+    predictions = body["predictions"]
+    assert isinstance(predictions, list) and predictions, body
+    first = predictions[0]
+    assert isinstance(first, dict)
+    return str(first["label"])
+
+
+# --- model repositories -----------------------------------------------------------------
+
+
+def copy_repository(into: Path) -> Path:
+    """A copy of the bundled repository (the digits model, version 1) under ``into``; returns its root."""
+    root = into / "models"
+    shutil.copytree(DIGITS_DIR / "1", root / MODEL_NAME / "1")
+    return root
+
+
+def truncate_file(path: Path, keep: float = 0.5) -> None:
+    """Cut ``path`` to ``keep`` of its length, as a half-finished copy would leave it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+# --- apps under their real lifespan -----------------------------------------------------
+
+
+@dataclass
+class RunningApp:
+    """An app whose lifespan is running, and a client talking to it in-process."""
+
+    app: FastAPI
+    client: httpx.AsyncClient
+    fatal: list[str] = field(default_factory=list)
+
+    @property
+    def service(self):  # type: ignore[no-untyped-def]
+        return self.app.state.service
+
+    @property
+    def starting(self) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = self.app.state.starting
+        return task
+
+    async def wait_started(self, timeout: float = 60.0) -> None:
+        """Wait for the background start task (success or failure) to finish."""
+        await asyncio.wait_for(asyncio.shield(self.starting), timeout)
+
+    async def predict_png(self, data: bytes, *, path: str = "/predict", **kwargs: object) -> httpx.Response:
+        headers = dict(kwargs.pop("headers", None) or {})  # type: ignore[call-overload]
+        headers.setdefault("Content-Type", "image/png")
+        return await self.client.post(path, content=data, headers=headers, **kwargs)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def running_app(
+    settings: Settings, *, wait: bool = True, on_fatal: Callable[[str], None] | None = None
+) -> AsyncIterator[RunningApp]:
+    """``create_app(settings)`` under ``LifespanManager``, with an ``httpx`` client on it.
+
+    ``wait``: return only once the start task finished (the service is ready, or failed).
+    Fatal start-up messages are collected in ``RunningApp.fatal`` unless ``on_fatal`` is given.
+    """
+    fatal: list[str] = []
+    app = create_app(settings, on_fatal=on_fatal or fatal.append)
+    async with LifespanManager(app, startup_timeout=30, shutdown_timeout=30) as manager:
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=30) as client:
+            running = RunningApp(app, client, fatal)
+            if wait:
+                await running.wait_started()
+            yield running
+
+
+# --- settings ---------------------------------------------------------------------------
+
+# Small and quick: one decode worker, CPU fp32 (the service would pick fp16 on a GPU box,
+# which these tests do not mean to exercise), a 64 KiB image limit, no access log.
+TEST_DEFAULTS: dict[str, Any] = {
+    "server": {"preprocess_workers": 1, "max_image_bytes": 64 * 1024, "shutdown_grace_s": 5.0},
+    "model": {"device": "cpu", "dtype": "float32"},
+    "logging": {"access_log": False},
+}
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` deep-merged onto ``base`` (nested dicts merge, everything else replaces)."""
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_settings(**overrides: Any) -> Settings:
+    """Test settings: ``TEST_DEFAULTS`` deep-merged with ``overrides``, over config/default.toml."""
+    return load_settings(**merge(TEST_DEFAULTS, overrides))

@@ -1,0 +1,247 @@
+"""The dual-window batcher under a hand-moved clock and a recording runner."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy
+from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
+from tests.unit.fakes import FakeClock, FakeRunner, settle
+
+MS = 0.001
+
+
+def policy(
+    normal_window: float = 25 * MS,
+    normal_max: int = 16,
+    urgent_window: float = 2 * MS,
+    urgent_max: int = 16,
+    fill: bool = True,
+    max_queue: int = 64,
+) -> BatchPolicy:
+    return BatchPolicy(
+        urgent=LanePolicy(urgent_window, urgent_max, max_queue),
+        normal=LanePolicy(normal_window, normal_max, max_queue),
+        urgent_fill=fill,
+    )
+
+
+class Harness:
+    def __init__(self, batcher: DualWindowBatcher[int, int], clock: FakeClock, runner: FakeRunner) -> None:
+        self.batcher, self.clock, self.runner = batcher, clock, runner
+
+    def submit(self, payload: int, lane: Lane = Lane.NORMAL, timeout: float = 10.0) -> asyncio.Task[Completed[int]]:
+        return asyncio.ensure_future(self.batcher.submit(payload, lane, timeout))
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[object]:
+    made: list[DualWindowBatcher[int, int]] = []
+
+    def build(p: BatchPolicy | None = None, runner: FakeRunner | None = None) -> Harness:
+        clock, runner = FakeClock(), runner or FakeRunner()
+        batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, p or policy(), clock=clock)
+        batcher.start()
+        made.append(batcher)
+        return Harness(batcher, clock, runner)
+
+    yield build
+    for batcher in made:
+        await batcher.close(grace_s=0)
+
+
+async def test_a_batch_goes_when_the_window_of_its_oldest_request_closes(make) -> None:
+    h = make()
+    tasks = [h.submit(i) for i in range(3)]
+    await h.clock.advance(10 * MS)
+    tasks.append(h.submit(3))
+    await h.clock.advance(14 * MS)
+    assert h.runner.batches == []
+    await h.clock.advance(1 * MS)
+    assert h.runner.batches == [[0, 1, 2, 3]]
+    results = await asyncio.gather(*tasks)
+    assert [r.output for r in results] == [0, 2, 4, 6]
+    assert {r.batch_size for r in results} == {4}
+    assert results[0].queued_s == pytest.approx(25 * MS)
+    assert results[3].queued_s == pytest.approx(15 * MS)
+
+
+async def test_a_full_batch_goes_at_once_and_the_rest_waits_for_its_window(make) -> None:
+    h = make(policy(normal_max=4))
+    tasks = [h.submit(i) for i in range(6)]
+    await settle()
+    assert h.runner.batches == [[0, 1, 2, 3]]
+    await h.clock.advance(25 * MS)
+    assert h.runner.batches == [[0, 1, 2, 3], [4, 5]]
+    await asyncio.gather(*tasks)
+
+
+async def test_urgent_requests_leave_after_two_ms(make) -> None:
+    h = make()
+    task = h.submit(7, Lane.URGENT)
+    await h.clock.advance(1.9 * MS)
+    assert h.runner.batches == []
+    await h.clock.advance(0.1 * MS)
+    assert h.runner.batches == [[7]]
+    done = await task
+    assert (done.lane, done.batch_lane, done.batch_size) == (Lane.URGENT, Lane.URGENT, 1)
+
+
+async def test_urgent_goes_before_normal_and_takes_free_seats_oldest_first(make) -> None:
+    h = make(policy(urgent_max=4))
+    h.runner.gate = asyncio.Event()
+    first = h.submit(100)
+    await h.clock.advance(25 * MS)  # [100] is running, held by the gate
+    normals = [h.submit(i) for i in range(1, 6)]
+    await h.clock.advance(5 * MS)
+    urgent = h.submit(50, Lane.URGENT)
+    await h.clock.advance(25 * MS)  # both lanes are ready now
+    h.runner.gate.set()
+    await settle()
+    assert h.runner.batches[1] == [50, 1, 2, 3], "urgent first, then the oldest normal requests"
+    await h.clock.advance(25 * MS)
+    assert h.runner.batches[2] == [4, 5]
+    done = await urgent
+    assert done.batch_lane is Lane.URGENT and done.batch_size == 4
+    rider = await normals[0]
+    assert (rider.lane, rider.batch_lane) == (Lane.NORMAL, Lane.URGENT)
+    await asyncio.gather(first, *normals)
+
+
+async def test_without_fill_urgent_batches_carry_only_urgent_requests(make) -> None:
+    h = make(policy(fill=False))
+    normal = [h.submit(i) for i in range(3)]
+    urgent = h.submit(9, Lane.URGENT)
+    await h.clock.advance(2 * MS)
+    assert h.runner.batches == [[9]]
+    await h.clock.advance(23 * MS)
+    assert h.runner.batches == [[9], [0, 1, 2]]
+    await asyncio.gather(urgent, *normal)
+
+
+async def test_work_accumulates_while_the_device_is_busy_and_goes_when_it_frees(make) -> None:
+    h = make(policy(normal_max=8))
+    h.runner.gate = asyncio.Event()
+    tasks = [h.submit(0)]
+    await h.clock.advance(25 * MS)
+    tasks += [h.submit(i) for i in range(1, 4)]
+    await h.clock.advance(100 * MS)  # windows long closed, device still busy
+    assert len(h.runner.batches) == 1
+    h.runner.gate.set()
+    await settle()
+    assert h.runner.batches == [[0], [1, 2, 3]], "the ready batch goes the moment the device frees"
+    await asyncio.gather(*tasks)
+
+
+async def test_a_failing_batch_fails_exactly_its_own_requests(make) -> None:
+    runner = FakeRunner(fail_on=lambda batch: RuntimeError("boom") if 13 in batch else None)
+    h = make(policy(normal_max=2), runner)
+    bad = [h.submit(13), h.submit(1)]
+    good = [h.submit(2), h.submit(3)]
+    await settle()
+    for task in bad:
+        with pytest.raises(BatchFailed):
+            await task
+    assert [r.output for r in await asyncio.gather(*good)] == [4, 6]
+    later = h.submit(5)
+    await h.clock.advance(25 * MS)
+    assert (await later).output == 10, "the batcher keeps serving after a failed batch"
+
+
+async def test_a_service_error_from_the_runner_reaches_each_request_unchanged(make) -> None:
+    error = ServiceError("device gone", code="device_unavailable")
+    h = make(policy(normal_max=2), FakeRunner(fail_on=lambda _: error))
+    tasks = [h.submit(1), h.submit(2)]
+    await settle()
+    for task in tasks:
+        with pytest.raises(ServiceError) as caught:
+            await task
+        assert caught.value is error
+
+
+async def test_a_runner_that_returns_too_few_outputs_fails_the_batch(make) -> None:
+    h = make(policy(normal_max=3))
+    h.runner.short = True
+    tasks = [h.submit(i) for i in range(3)]
+    await settle()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, BatchFailed) for r in results)
+
+
+async def test_a_cancelled_request_leaves_the_queue_and_is_never_computed(make) -> None:
+    h = make()
+    keep, gone = h.submit(1), h.submit(2)
+    await settle()
+    assert h.batcher.depth(Lane.NORMAL) == 2
+    gone.cancel()
+    await settle()
+    assert h.batcher.depth(Lane.NORMAL) == 1
+    await h.clock.advance(25 * MS)
+    assert h.runner.batches == [[1]]
+    assert (await keep).output == 2
+
+
+async def test_a_request_past_its_deadline_is_answered_at_once_and_never_computed(make) -> None:
+    h = make()
+    late = h.submit(1, timeout=10 * MS)
+    on_time = h.submit(2)
+    await h.clock.advance(10 * MS)
+    assert late.done()
+    with pytest.raises(DeadlineExceeded):
+        await late
+    await h.clock.advance(15 * MS)
+    assert h.runner.batches == [[2]]
+    await on_time
+
+
+async def test_a_full_queue_refuses_at_once(make) -> None:
+    h = make(policy(normal_max=2, urgent_max=2, max_queue=2))
+    h.runner.gate = asyncio.Event()
+    tasks = [h.submit(i) for i in range(2)]
+    await settle()  # running, held by the gate
+    tasks += [h.submit(i) for i in range(2, 4)]
+    await settle()
+    with pytest.raises(QueueFull):
+        await h.batcher.submit(9, Lane.NORMAL, 10.0)
+    assert h.batcher.depth(Lane.URGENT) == 0
+    h.runner.gate.set()
+    await h.clock.advance(25 * MS)
+    await asyncio.gather(*tasks)
+
+
+async def test_a_policy_change_applies_from_the_next_batch(make) -> None:
+    h = make()
+    tasks = [h.submit(i) for i in range(3)]
+    h.batcher.set_policy(policy(normal_max=2))
+    await settle()
+    assert h.runner.batches == [[0, 1]]
+    await h.clock.advance(25 * MS)
+    assert h.runner.batches == [[0, 1], [2]]
+    await asyncio.gather(*tasks)
+
+
+async def test_close_runs_what_is_queued_without_waiting_for_windows(make) -> None:
+    h = make()
+    tasks = [h.submit(i) for i in range(3)]
+    await settle()
+    await h.batcher.close(grace_s=None)
+    assert h.runner.batches == [[0, 1, 2]]
+    assert [r.output for r in await asyncio.gather(*tasks)] == [0, 2, 4]
+    with pytest.raises(Draining):
+        await h.batcher.submit(1, Lane.NORMAL, 1.0)
+
+
+async def test_close_past_its_grace_fails_what_is_left_exactly_once(make) -> None:
+    h = make(policy(normal_max=1))
+    h.runner.gate = asyncio.Event()
+    running = h.submit(1)
+    waiting = h.submit(2)
+    await settle()
+    await h.batcher.close(grace_s=0)
+    for task in (running, waiting):
+        with pytest.raises(Draining):
+            await task
+    assert not h.batcher.running

@@ -1,0 +1,207 @@
+"""Layered loading: graphs and weights apart, lazy heads, and every broken file named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from app.inference.device import resolve_device, resolve_dtype
+from app.inference.loader import LayeredModel, ModelLoadError
+from app.inference.manifest import MANIFEST_FILE, Evaluation, InputSpec, Manifest, Provenance
+from app.inference.packaging import sha256_file, write_version
+
+SPEC = InputSpec(channels=1, height=8, width=8, mean=(0.25,), std=(0.5,))
+
+
+def tiny_modules(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    backbone = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(256, 6))
+    with torch.no_grad():  # non-trivial running statistics, so a lost buffer would show
+        backbone[1].running_mean.uniform_(-0.5, 0.5)
+        backbone[1].running_var.uniform_(0.5, 2.0)
+    return backbone.eval(), nn.Linear(6, 3).eval()
+
+
+@pytest.fixture
+def version(tmp_path: Path) -> Path:
+    backbone, head = tiny_modules()
+    return write_version(
+        tmp_path,
+        name="tiny",
+        version="1",
+        backbone=backbone,
+        heads={"classifier": head},
+        input_spec=SPEC,
+        labels=("a", "b", "c"),
+        provenance=Provenance(source="tests", seed=0),
+        evaluation=Evaluation(dataset="none", samples=1, accuracy={"fp32": 1.0}),
+    )
+
+
+def load(folder: Path, dtype: torch.dtype = torch.float32) -> LayeredModel:
+    return LayeredModel.load(folder, Manifest.read(folder), torch.device("cpu"), dtype)
+
+
+def reference(images: torch.Tensor) -> torch.Tensor:
+    backbone, head = tiny_modules()
+    x = (images.float() / 255 - 0.25) / 0.5
+    with torch.no_grad():
+        return torch.softmax(head(backbone(x)), dim=1)
+
+
+def test_the_loaded_model_matches_the_modules_it_was_written_from(version: Path) -> None:
+    images = torch.randint(0, 256, (5, 1, 8, 8), dtype=torch.uint8)
+    with torch.inference_mode():
+        served = load(version).probabilities(images)
+    torch.testing.assert_close(served, reference(images), atol=1e-5, rtol=1e-4)
+
+
+def test_graph_files_hold_code_and_weights_files_hold_tensors(version: Path) -> None:
+    graph = torch.jit.load(str(version / "backbone.graph.pt"))
+    assert all(t.numel() == 0 for t in graph.state_dict().values())
+    assert (version / "backbone.safetensors").stat().st_size > 1000
+
+
+def test_heads_load_on_first_use_exactly_once_under_concurrency(version: Path) -> None:
+    model = load(version)
+    assert model.loaded_heads == ()
+    barrier = threading.Barrier(8)
+
+    def use() -> None:
+        barrier.wait()
+        model.head()
+
+    threads = [threading.Thread(target=use) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert model.loaded_heads == ("classifier",)
+    assert model.head_loads == 1
+
+
+def test_self_check_and_warm_up_run_on_the_loaded_model(version: Path) -> None:
+    model = load(version)
+    model.load_all_heads()
+    model.self_check()
+    model.warm_up(4)
+
+
+def test_fp16_weights_are_cast_on_the_host(version: Path) -> None:
+    model = load(version, torch.float16)
+    with torch.inference_mode():
+        features = model.features(model.dummy_batch(2))
+    assert features.dtype == torch.float16
+
+
+def test_a_changed_file_fails_its_checksum_naming_the_file(version: Path) -> None:
+    weights = version / "backbone.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"backbone\.safetensors: sha256 mismatch"):
+        load(version)
+
+
+def _rewrite_checksum(version: Path, file: str) -> None:
+    manifest = json.loads((version / MANIFEST_FILE).read_text())
+    manifest["files"][file] = sha256_file(version / file)
+    (version / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_a_truncated_weights_file_is_named_even_with_a_matching_checksum(version: Path) -> None:
+    weights = version / "backbone.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    _rewrite_checksum(version, "backbone.safetensors")
+    with pytest.raises(ModelLoadError, match=r"backbone\.safetensors: not a readable safetensors file"):
+        load(version)
+
+
+def test_a_truncated_graph_is_named(version: Path) -> None:
+    graph = version / "backbone.graph.pt"
+    graph.write_bytes(graph.read_bytes()[:500])
+    _rewrite_checksum(version, "backbone.graph.pt")
+    with pytest.raises(ModelLoadError, match=r"backbone\.graph\.pt: not a loadable TorchScript graph"):
+        load(version)
+
+
+def test_weights_of_another_model_are_a_mismatch(version: Path) -> None:
+    shutil.copy(version / "classifier.safetensors", version / "backbone.safetensors")
+    _rewrite_checksum(version, "backbone.safetensors")
+    with pytest.raises(ModelLoadError, match=r"backbone\.safetensors: does not match backbone\.graph\.pt"):
+        load(version)
+
+
+def test_weights_of_the_wrong_shape_fail_the_self_check(version: Path, tmp_path: Path) -> None:
+    other = write_version(
+        tmp_path / "other",
+        name="tiny",
+        version="1",
+        backbone=tiny_modules()[0],
+        heads={"classifier": nn.Linear(6, 5)},  # five classes where the manifest has three
+        input_spec=SPEC,
+        labels=("a", "b", "c"),
+        provenance=Provenance(source="tests"),
+    )
+    shutil.copy(other / "classifier.safetensors", version / "classifier.safetensors")
+    _rewrite_checksum(version, "classifier.safetensors")
+    model = load(version)
+    with pytest.raises(ModelLoadError, match="self-check failed, head classifier"):
+        model.head()
+
+
+def test_a_missing_file_is_named(version: Path) -> None:
+    (version / "classifier.graph.pt").unlink()
+    model = load(version)
+    with pytest.raises(ModelLoadError, match=r"classifier\.graph\.pt: file is missing"):
+        model.load_all_heads()
+
+
+def test_a_manifest_in_the_wrong_folder_is_refused(version: Path, tmp_path: Path) -> None:
+    moved = tmp_path / "tiny" / "2"
+    version.rename(moved)
+    with pytest.raises(ValueError, match="says tiny/1 but lives in tiny/2"):
+        Manifest.read(moved)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["files"].pop("backbone.graph.pt"), "has no sha256 in files"),
+        (lambda m: m.update(layers=[m["layers"][1]]), "exactly one layer must have role 'backbone'"),
+        (lambda m: m["input"].update(mean=[0.1, 0.2]), "one value per channel"),
+        (lambda m: m["files"].update({"../../etc/passwd": "0" * 64}), "files"),
+        (lambda m: m.update(extra="field"), "extra"),
+    ],
+    ids=["unlisted-file", "no-backbone", "mean-per-channel", "traversal", "unknown-field"],
+)
+def test_an_invalid_manifest_is_refused_naming_the_file(version: Path, edit, message: str) -> None:
+    manifest = json.loads((version / MANIFEST_FILE).read_text())
+    edit(manifest)
+    (version / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="manifest.json") as caught:
+        Manifest.read(version)
+    assert message in str(caught.value)
+
+
+def test_a_manifest_that_is_not_json_is_refused(version: Path) -> None:
+    (version / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="invalid manifest"):
+        Manifest.read(version)
+
+
+def test_device_and_precision_resolution() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda:0")) == torch.float16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == cpu
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            resolve_device("cuda")
