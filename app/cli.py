@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -57,16 +58,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if server.started else EXIT_START_FAILED
 
 
-def _export(argv: list[str]) -> int:
-    from app.inference.export import main
-
-    return main(argv)
-
-
-def _train_digits(argv: list[str]) -> int:
-    from app.training.digits import main
-
-    return main(argv)
+# subcommands that parse their own arguments: name -> (module, help)
+_DELEGATED = {
+    "export": ("app.inference.export", "export a torchvision model into the model repository"),
+    "train-digits": ("app.training.digits", "train the bundled digits model"),
+    "bench": ("app.bench.loadgen", "send bounded load to a running service on loopback"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,12 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="serve the model repository over HTTP")
     serve.add_argument("--host", help="bind address (default: server.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: server.port, 8000)")
-    commands.add_parser("export", help="export a torchvision model into the repository", add_help=False)
-    commands.add_parser("train-digits", help="train the bundled digits model", add_help=False)
-    if argv and argv[0] == "export":
-        return _export(argv[1:])
-    if argv and argv[0] == "train-digits":
-        return _train_digits(argv[1:])
+    for name, (_, help_text) in _DELEGATED.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    if argv and argv[0] in _DELEGATED:
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        code: int = module.main(argv[1:])
+        return code
     args = parser.parse_args(argv)
     return _serve(args)
 

@@ -117,6 +117,7 @@ class InferenceService:
                 served = await self._load(name, found[name].latest)
                 self.models[name] = served
             self.default_model = default
+            await self._warm_pool()
             for served in self.models.values():
                 served.batcher.start()
             self.state = State.READY
@@ -124,6 +125,16 @@ class InferenceService:
             self.state = State.FAILED
             self.failure = str(exc)
             raise
+
+    async def _warm_pool(self) -> None:
+        """Decode one image per worker, so the first requests pay no thread or codec start-up."""
+        spec = next(iter(self.models.values())).model.manifest.input
+        sample = preprocess.blank_png(spec.width, spec.height)
+        loop = asyncio.get_running_loop()
+        workers = self.settings.server.preprocess_workers
+        await asyncio.gather(
+            *(loop.run_in_executor(self._pool, preprocess.decode, sample, spec, self._limits) for _ in range(workers))
+        )
 
     def _configure_threads(self) -> None:
         if self.settings.model.intra_op_threads:

@@ -171,9 +171,11 @@ async def running_app(
 # --- settings ---------------------------------------------------------------------------
 
 # Small and quick: one decode worker, CPU fp32 (the service would pick fp16 on a GPU box,
-# which these tests do not mean to exercise), a 64 KiB image limit, no access log.
+# which these tests do not mean to exercise), a 64 KiB image limit, a 5 ms normal window
+# (tests that send one request at a time would otherwise wait 25 ms each), no access log.
 TEST_DEFAULTS: dict[str, Any] = {
     "server": {"preprocess_workers": 1, "max_image_bytes": 64 * 1024, "shutdown_grace_s": 5.0},
+    "batching": {"normal": {"window_ms": 5.0}},
     "model": {"device": "cpu", "dtype": "float32"},
     "logging": {"access_log": False},
 }

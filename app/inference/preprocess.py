@@ -77,6 +77,13 @@ def _resize(image: Image.Image, spec: InputSpec) -> Image.Image:
     return resized.crop((left, top, left + spec.width, top + spec.height))
 
 
+def blank_png(width: int, height: int) -> bytes:
+    """A black PNG, for warming the decoding pool."""
+    buffer = io.BytesIO()
+    Image.new("L", (width, height)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def decode(data: bytes, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:
     """Decode, validate and resize one image; raises ``BadRequest`` or ``PayloadTooLarge``."""
     image = _open(data, limits)

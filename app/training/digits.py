@@ -21,6 +21,7 @@ import logging
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -315,11 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace the version if it exists")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        folder = build(args.out, args.version, args.seed, epochs=args.epochs, overwrite=args.overwrite)
-    except (FileExistsError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    with warnings.catch_warnings():
+        # write_version uses TorchScript on purpose (see DESIGN.md); its deprecation
+        # notices would only bury the lines this command prints.
+        warnings.filterwarnings("ignore", message=r".*torch\.jit.* is deprecated", category=FutureWarning)
+        try:
+            folder = build(args.out, args.version, args.seed, epochs=args.epochs, overwrite=args.overwrite)
+        except (FileExistsError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     samples = write_samples(folder.parent / "samples", load_split(args.seed))
     manifest = Manifest.read(folder)
     accuracy = manifest.evaluation.accuracy["fp32"] if manifest.evaluation else float("nan")

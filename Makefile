@@ -1,0 +1,9 @@
+.PHONY: check test serve lint
+check:  ## lint, types and tests, as CI runs them
+	bash scripts/check
+test:
+	python3 -m uv run --frozen pytest
+serve:
+	python3 -m uv run --frozen ai-backend serve
+lint:
+	python3 -m uv run --frozen ruff check app tests && python3 -m uv run --frozen mypy app
