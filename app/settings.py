@@ -36,16 +36,23 @@ class _Group(BaseModel):
 class ServerSettings(_Group):
     """HTTP, request limits and the preprocessing pool."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    max_image_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
-    max_image_pixels: int = Field(default=16_000_000, ge=64, le=200_000_000)
-    default_top_k: int = Field(default=5, ge=1)
-    max_top_k: int = Field(default=20, ge=1, le=1000)
-    default_timeout_ms: int = Field(default=30_000, ge=1)
-    max_timeout_ms: int = Field(default=120_000, ge=1)
-    preprocess_workers: int = Field(default=2, ge=1, le=64)
-    shutdown_grace_s: Positive = 30.0
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port")
+    max_image_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        le=64 << 20,
+        description="encoded image size limit (413 above); a JSON body may be 4/3 of it",
+    )
+    max_image_pixels: int = Field(
+        default=16_000_000, ge=64, le=200_000_000, description="width x height limit, checked from the header (413)"
+    )
+    default_top_k: int = Field(default=5, ge=1, description="classes returned when the request names no top_k")
+    max_top_k: int = Field(default=20, ge=1, le=1000, description="largest top_k accepted (also capped by the labels)")
+    default_timeout_ms: int = Field(default=30_000, ge=1, description="deadline without X-Request-Timeout")
+    max_timeout_ms: int = Field(default=120_000, ge=1, description="largest X-Request-Timeout accepted")
+    preprocess_workers: int = Field(default=2, ge=1, le=64, description="threads decoding images")
+    shutdown_grace_s: Positive = Field(default=30.0, description="how long queued work may drain at shutdown")
 
     @property
     def max_body_bytes(self) -> int:
@@ -64,15 +71,17 @@ class ServerSettings(_Group):
 class ModelSettings(_Group):
     """Which models to serve, where they live, and on what device and precision."""
 
-    repository: Path = Path("models")
-    default: str | None = None
+    repository: Path = Field(default=Path("models"), description="model repository root")
+    default: str | None = Field(default=None, description="model behind /predict; unset: the first by name")
     names: list[str] = Field(default_factory=list, description="models to load; empty loads every model")
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto, cpu, cuda or cuda:N")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    eager_heads: bool = False
-    load_timeout_s: Positive = 30.0
-    warmup: bool = True
-    min_free_memory_mb: int = Field(default=256, ge=0)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="auto: float16 on CUDA, float32 on the CPU"
+    )
+    eager_heads: bool = Field(default=False, description="load every head at start instead of on first use")
+    load_timeout_s: Positive = Field(default=30.0, description="a model load taking longer stops start-up")
+    warmup: bool = Field(default=True, description="run batches up to the max batch size before ready")
+    min_free_memory_mb: int = Field(default=256, ge=0, description="/healthz fails below this device headroom")
     intra_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
     inter_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
 
@@ -86,9 +95,9 @@ class ModelSettings(_Group):
 class LaneSettings(_Group):
     """One lane of the batcher."""
 
-    window_ms: Positive
-    max_batch: int = Field(ge=1, le=4096)
-    max_queue: int = Field(ge=1, le=1_000_000)
+    window_ms: Positive = Field(description="a batch goes when its oldest request has waited this long")
+    max_batch: int = Field(ge=1, le=4096, description="a batch goes as soon as it holds this many")
+    max_queue: int = Field(ge=1, le=1_000_000, description="requests waiting beyond this are refused (503 queue_full)")
 
     @model_validator(mode="after")
     def _queue_holds_a_batch(self) -> LaneSettings:
@@ -114,9 +123,9 @@ class BatchingSettings(_Group):
 class LoggingSettings(_Group):
     """Log level and format (one JSON object a line, or plain text for a terminal)."""
 
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    json_format: bool = True
-    access_log: bool = True
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="log level")
+    json_format: bool = Field(default=True, description="one JSON object a line; false: plain text")
+    access_log: bool = Field(default=True, description="one line per request: method, path, status, duration")
 
 
 class Settings(BaseSettings):

@@ -80,12 +80,7 @@ def png_header_only(width: int, height: int) -> bytes:
     """
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     rows = zlib.compress(b"\x00" * (width + 1) * 4)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + _png_chunk(b"IHDR", ihdr)
-        + _png_chunk(b"IDAT", rows)
-        + _png_chunk(b"IEND", b"")
-    )
+    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", rows) + _png_chunk(b"IEND", b"")
 
 
 def noise_png(size: int, seed: int = 0) -> bytes:

@@ -21,7 +21,9 @@ SPEC = InputSpec(channels=1, height=8, width=8, mean=(0.25,), std=(0.5,))
 
 def tiny_modules(seed: int = 0) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(seed)
-    backbone = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(256, 6))
+    backbone = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(256, 6)
+    )
     with torch.no_grad():  # non-trivial running statistics, so a lost buffer would show
         backbone[1].running_mean.uniform_(-0.5, 0.5)
         backbone[1].running_var.uniform_(0.5, 2.0)

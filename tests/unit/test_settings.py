@@ -45,8 +45,18 @@ def test_a_missing_config_file_named_explicitly_is_an_error(monkeypatch: pytest.
     ("variable", "value", "named", "rule"),
     [
         ("AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "0", "AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "greater than 0"),
-        ("AI_SERVICE_BATCHING__URGENT__MAX_BATCH", "0", "AI_SERVICE_BATCHING__URGENT__MAX_BATCH", "greater than or equal"),
-        ("AI_SERVICE_BATCHING__NORMAL__MAX_QUEUE", "4", "AI_SERVICE_BATCHING__NORMAL", "max_queue must be >= max_batch"),
+        (
+            "AI_SERVICE_BATCHING__URGENT__MAX_BATCH",
+            "0",
+            "AI_SERVICE_BATCHING__URGENT__MAX_BATCH",
+            "greater than or equal",
+        ),
+        (
+            "AI_SERVICE_BATCHING__NORMAL__MAX_QUEUE",
+            "4",
+            "AI_SERVICE_BATCHING__NORMAL",
+            "max_queue must be >= max_batch",
+        ),
         ("AI_SERVICE_BATCHING__URGENT__WINDOW_MS", "50", "AI_SERVICE_BATCHING", "urgent.window_ms must be <="),
         ("AI_SERVICE_MODEL__DEVICE", "tpu", "AI_SERVICE_MODEL__DEVICE", "pattern"),
         ("AI_SERVICE_MODEL__LOAD_TIMEOUT_S", "-1", "AI_SERVICE_MODEL__LOAD_TIMEOUT_S", "greater than 0"),
