@@ -176,8 +176,7 @@ def summarise(run: Run, settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    image = Path(args.image).read_bytes()
+async def bench(args: argparse.Namespace, image: bytes) -> dict[str, Any]:
     body = json.dumps({"image_base64": base64.b64encode(image).decode(), "top_k": 1}).encode()
     path = f"/v1/models/{args.model}/predict" if args.model else "/predict"
     rng = random.Random(args.seed)
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--url must point at a loopback address (127.0.0.0/8, ::1 or localhost)")
     if not 0 < args.duration <= 600 or args.warmup < 0 or not 0 <= args.urgent_fraction <= 1:
         parser.error("need 0 < duration <= 600, warmup >= 0 and 0 <= urgent-fraction <= 1")
-    report = asyncio.run(bench(args))
+    report = asyncio.run(bench(args, Path(args.image).read_bytes()))
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
