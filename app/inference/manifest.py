@@ -41,12 +41,15 @@ class ResizeSpec(_Strict):
     """How a decoded image of any size maps onto the input grid.
 
     ``stretch`` resizes straight to height x width; ``shorter_side_then_center_crop``
-    resizes the shorter side to ``resize_to`` and crops the centre, as ImageNet models expect.
+    resizes the shorter side to ``resize_to`` and crops the centre, as ImageNet models expect;
+    ``fit_content`` crops to the content (pixels brighter than ``content_threshold`` of the
+    brightest), centres it in a square and resizes that, as the digits set was size-normalised.
     """
 
-    mode: Literal["stretch", "shorter_side_then_center_crop"] = "stretch"
+    mode: Literal["stretch", "shorter_side_then_center_crop", "fit_content"] = "stretch"
     filter: Literal["box", "bilinear", "bicubic", "nearest"] = "bilinear"
     resize_to: int | None = Field(default=None, ge=1, le=4096)
+    content_threshold: float = Field(default=0.25, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _crop_needs_size(self) -> ResizeSpec:

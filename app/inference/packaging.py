@@ -104,6 +104,10 @@ def write_version(
         (staging / MANIFEST_FILE).write_text(
             json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8"
         )
+        # mkdtemp makes the folder private; a repository is read by whoever serves it
+        staging.chmod(0o755)
+        for file in staging.iterdir():
+            file.chmod(0o644)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)

@@ -64,9 +64,26 @@ def _to_mode(image: Image.Image, channels: int) -> Image.Image:
     return image.convert(mode) if image.mode != mode else image
 
 
+def _fit_content(image: Image.Image, threshold: float) -> Image.Image:
+    """The content's bounding box, centred in a square of its longer side (dark padding)."""
+    gray = image if image.mode == "L" else image.convert("L")
+    peak = gray.getextrema()[1]
+    assert isinstance(peak, int)
+    box = gray.point(lambda v: 255 if v > threshold * peak else 0).getbbox() if peak > 0 else None
+    if box is None:
+        return image
+    content = image.crop(box)
+    side = max(content.size)
+    square = Image.new(image.mode, (side, side))
+    square.paste(content, ((side - content.width) // 2, (side - content.height) // 2))
+    return square
+
+
 def _resize(image: Image.Image, spec: InputSpec) -> Image.Image:
     resample = _FILTERS[spec.resize.filter]
-    if spec.resize.mode == "stretch":
+    if spec.resize.mode == "fit_content":
+        image = _fit_content(image, spec.resize.content_threshold)
+    if spec.resize.mode in ("stretch", "fit_content"):
         return image.resize((spec.width, spec.height), resample)
     shorter = spec.resize.resize_to or min(spec.width, spec.height)
     width, height = image.size
