@@ -1,0 +1,71 @@
+"""The service's start-up rules: the load timeout, missing models, the default model."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from app.inference.loader import LayeredModel, ModelLoadError
+from app.service import InferenceService, State
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def settings_for(repository: Path, **model: object) -> Settings:
+    return Settings(model={"repository": repository, "warmup": False, **model})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
+    return tmp_path
+
+
+async def test_a_load_past_its_timeout_stops_start_up_naming_the_setting(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_load = LayeredModel.load
+
+    def slow_load(*args: object, **kwargs: object) -> LayeredModel:
+        time.sleep(1.0)
+        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayeredModel, "load", slow_load)
+    service = InferenceService(settings_for(repository, load_timeout_s=0.1))
+    with pytest.raises(ModelLoadError, match=r"load_timeout_s=0.1s \(AI_SERVICE_MODEL__LOAD_TIMEOUT_S\)"):
+        await service.start()
+    assert service.state is State.FAILED and not service.ready
+    await service.close(0)
+
+
+async def test_a_model_named_in_settings_but_absent_stops_start_up(repository: Path) -> None:
+    service = InferenceService(settings_for(repository, names=["digits", "resnet9000"]))
+    with pytest.raises(ModelLoadError, match="resnet9000"):
+        await service.start()
+    await service.close(0)
+
+
+async def test_an_empty_repository_stops_start_up(tmp_path: Path) -> None:
+    service = InferenceService(settings_for(tmp_path))
+    with pytest.raises(ModelLoadError, match="has no model"):
+        await service.start()
+    await service.close(0)
+
+
+async def test_the_latest_version_is_served_and_the_default_resolves(repository: Path) -> None:
+    shutil.copytree(repository / "digits" / "1", repository / "digits" / "10")
+    manifest = repository / "digits" / "10" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"version": "1"', '"version": "10"'))
+    service = InferenceService(settings_for(repository))
+    await service.start()
+    try:
+        assert service.ready
+        assert service.served(None).version == "10", "versions sort as integers: 10 after 1"
+        assert service.served("digits").name == "digits"
+    finally:
+        await service.close(1.0)
+    assert service.state is State.STOPPED
