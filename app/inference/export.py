@@ -217,7 +217,9 @@ def export_torchvision(
 
 def main(argv: list[str] | None = None) -> int:
     """``export``: write a torchvision architecture as a model version."""
-    parser = argparse.ArgumentParser(prog="export", description="Export a torchvision classifier as a model version.")
+    parser = argparse.ArgumentParser(
+        prog="ai-backend export", description="Export a torchvision classifier as a model version."
+    )
     parser.add_argument("--arch", required=True, help="torchvision architecture, e.g. resnet18")
     parser.add_argument("--out", type=Path, default=Path("models"), help="model repository root (default: models)")
     parser.add_argument("--name", help="model name (default: the architecture)")
