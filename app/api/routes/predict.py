@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path, Query, Request
 
 from app.api.body import OPENAPI_BODY, read_image_body
 from app.api.deps import LaneDep, RequestId, Service, TimeoutDep
+from app.api.disconnect import unless_disconnected
 from app.api.errors import error_responses
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.errors import SchemaError
@@ -52,7 +53,7 @@ async def _predict(
     top_k = body.top_k or query_top_k or server.default_top_k
     if top_k > min(server.max_top_k, len(served.labels)):
         raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
-    outcome = await service.predict(served.name, body.image, top_k, lane, timeout_s)
+    outcome = await unless_disconnected(request, service.predict(served.name, body.image, top_k, lane, timeout_s))
     return _response(outcome, request_id, request.scope["state"]["started"])
 
 
