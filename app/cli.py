@@ -15,11 +15,7 @@ EXIT_BAD_SETTINGS = 2
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from app.main import create_app
     from app.settings import SettingsError, load_settings
-    from app.telemetry.logging import configure_logging
 
     overrides: dict[str, object] = {}
     try:
@@ -31,6 +27,12 @@ def _serve(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"ai-backend: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    # imported only now: a bad setting is reported before torch takes seconds to import
+    import uvicorn
+
+    from app.main import create_app
+    from app.telemetry.logging import configure_logging
+
     configure_logging(settings.logging.level, settings.logging.json_format)
 
     failure: list[str] = []

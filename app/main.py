@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
+from app.api.openapi import install_openapi
 from app.api.routes import health, models, predict
 from app.service import InferenceService
 from app.settings import Settings, load_settings
@@ -64,6 +65,7 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
     )
     app.state.settings = settings
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(RequestContextMiddleware, access_log=settings.logging.access_log)
     for router in (predict.router, models.router, health.router):
         app.include_router(router)

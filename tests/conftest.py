@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from app.settings import Settings
-from tests.support import LABELS, REPO_ROOT, build_settings, sample_png
+from tests import support
+from tests.support import LABELS, REPO_ROOT, build_settings, copy_repository, sample_png
 
 SettingsFactory = Callable[..., Settings]
 
@@ -26,6 +28,17 @@ def _hermetic_environment() -> Iterator[None]:
                 patch.delenv(name)
         patch.chdir(REPO_ROOT)
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_model_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """In-process apps serve a session copy of models/ (the e2e tests serve models/ itself)."""
+    root = copy_repository(tmp_path_factory.mktemp("repository"))
+    support.test_repository = root
+    try:
+        yield root
+    finally:
+        support.test_repository = None
 
 
 @pytest.fixture

@@ -22,8 +22,11 @@ import numpy as np
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from PIL import Image
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.batching import Lane
 from app.main import create_app
+from app.service import InferenceService
 from app.settings import Settings, load_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -125,8 +128,9 @@ class RunningApp:
     fatal: list[str] = field(default_factory=list)
 
     @property
-    def service(self):  # type: ignore[no-untyped-def]
-        return self.app.state.service
+    def service(self) -> InferenceService:
+        service: InferenceService = self.app.state.service
+        return service
 
     @property
     def starting(self) -> asyncio.Task[None]:
@@ -137,10 +141,34 @@ class RunningApp:
         """Wait for the background start task (success or failure) to finish."""
         await asyncio.wait_for(asyncio.shield(self.starting), timeout)
 
-    async def predict_png(self, data: bytes, *, path: str = "/predict", **kwargs: object) -> httpx.Response:
-        headers = dict(kwargs.pop("headers", None) or {})  # type: ignore[call-overload]
-        headers.setdefault("Content-Type", "image/png")
-        return await self.client.post(path, content=data, headers=headers, **kwargs)  # type: ignore[arg-type]
+    async def predict_png(
+        self,
+        data: bytes,
+        *,
+        path: str = "/predict",
+        headers: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        """POST ``data`` as a raw ``image/png`` body (unless ``headers`` say another type)."""
+        sent = {"Content-Type": "image/png", **(headers or {})}
+        return await self.client.post(path, content=data, headers=sent, params=params)
+
+
+def state_per_request(app: ASGIApp) -> ASGIApp:
+    """Give each request its own shallow copy of the lifespan state, as uvicorn does.
+
+    ``asgi_lifespan.LifespanManager`` puts one shared dict into every request's
+    ``scope["state"]``; the ASGI spec (and uvicorn) copy it per request. The service keeps
+    per-request values there (the request id), so without this concurrent in-process
+    requests would overwrite each other's ids: a harness artefact, not a service bug.
+    """
+
+    async def app_with_own_state(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and "state" in scope:
+            scope = {**scope, "state": dict(scope["state"])}
+        await app(scope, receive, send)
+
+    return app_with_own_state
 
 
 @contextlib.asynccontextmanager
@@ -154,7 +182,7 @@ async def running_app(
     """
     fatal: list[str] = []
     app = create_app(settings, on_fatal=on_fatal or fatal.append)
-    async with LifespanManager(app, startup_timeout=30, shutdown_timeout=30) as manager:
+    async with LifespanManager(state_per_request(app), startup_timeout=30, shutdown_timeout=30) as manager:
         transport = httpx.ASGITransport(app=manager.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=30) as client:
             running = RunningApp(app, client, fatal)
@@ -167,11 +195,13 @@ async def running_app(
 
 # Small and quick: one decode worker, CPU fp32 (the service would pick fp16 on a GPU box,
 # which these tests do not mean to exercise), a 64 KiB image limit, a 5 ms normal window
-# (tests that send one request at a time would otherwise wait 25 ms each), no access log.
+# (tests that send one request at a time would otherwise wait 25 ms each), no access log,
+# and no warm-up (it costs about a second per app on a busy 2-core machine; the readiness
+# tests and the end-to-end server keep it on).
 TEST_DEFAULTS: dict[str, Any] = {
     "server": {"preprocess_workers": 1, "max_image_bytes": 64 * 1024, "shutdown_grace_s": 5.0},
     "batching": {"normal": {"window_ms": 5.0}},
-    "model": {"device": "cpu", "dtype": "float32"},
+    "model": {"device": "cpu", "dtype": "float32", "warmup": False},
     "logging": {"access_log": False},
 }
 
@@ -187,6 +217,26 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+# Set once per session by tests/conftest.py: a private copy of the bundled repository, so
+# that in-process tests never read models/ while something rebuilds it in place.
+test_repository: Path | None = None
+
+
 def build_settings(**overrides: Any) -> Settings:
     """Test settings: ``TEST_DEFAULTS`` deep-merged with ``overrides``, over config/default.toml."""
-    return load_settings(**merge(TEST_DEFAULTS, overrides))
+    defaults = TEST_DEFAULTS
+    if test_repository is not None:
+        defaults = merge(defaults, {"model": {"repository": test_repository}})
+    return load_settings(**merge(defaults, overrides))
+
+
+async def wait_queued(running: RunningApp, lane: Lane, depth: int, timeout: float = 30.0) -> None:
+    """Until exactly ``depth`` requests wait in ``lane`` of the default model's batcher.
+
+    The batcher exposes no event for "a request was queued", so this polls its depth; the
+    condition holds within one decode (milliseconds), and the timeout only bounds a failure.
+    """
+    batcher = running.service.models[MODEL_NAME].batcher
+    async with asyncio.timeout(timeout):
+        while batcher.depth(lane) != depth:  # noqa: ASYNC110 - nothing to wait on but the depth
+            await asyncio.sleep(0.002)

@@ -16,6 +16,8 @@ from app.inference.preprocess import ACCEPTED_FORMATS
 IMAGE_TYPES = frozenset(ACCEPTED_FORMATS.values())
 JSON_TYPE = "application/json"
 
+# The body is read by hand (JSON or raw image bytes), so FastAPI cannot see its model:
+# the route declares both media types, and ``extra_openapi_schemas`` defines the JSON one.
 OPENAPI_BODY = {
     "requestBody": {
         "required": True,
@@ -33,16 +35,16 @@ class ImageBody:
     top_k: int | None
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
+async def read_limited(request: Request, limit: int, code: str = "body_too_large") -> bytes:
     """The body, refused with 413 as soon as it is known to pass ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}", code="body_too_large")
+        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}", code=code)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes", code="body_too_large")
+            raise PayloadTooLarge(f"body is over the limit of {limit} bytes", code=code)
     return bytes(body)
 
 
@@ -72,7 +74,7 @@ async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes
             )
         return ImageBody(image, parsed.top_k)
     if content_type in IMAGE_TYPES:
-        raw = await read_limited(request, max_image_bytes)
+        raw = await read_limited(request, max_image_bytes, code="image_too_large")
         if not raw:
             raise BadRequest("the body is empty", code="empty_body")
         return ImageBody(raw, None)  # top_k comes from the query string

@@ -69,7 +69,9 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     code = _HTTP_CODES.get(exc.status_code, "http_error")
-    return envelope(exc.status_code, code, str(exc.detail))
+    response = envelope(exc.status_code, code, str(exc.detail))
+    response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -13,7 +13,9 @@ class PredictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     image_base64: str = Field(min_length=1, description="JPEG, PNG or WebP bytes, base64-encoded")
-    top_k: int | None = Field(default=None, ge=1, le=1000, description="how many classes to return (default 5)")
+    top_k: int | None = Field(
+        default=None, ge=1, le=1000, strict=True, description="how many classes to return (default 5)"
+    )
 
 
 class PredictionItem(BaseModel):

@@ -110,8 +110,15 @@ class LayeredModel:
 
     @classmethod
     def load(cls, folder: Path, manifest: Manifest, device: torch.device, dtype: torch.dtype) -> LayeredModel:
-        """Load the backbone now; heads wait for their first use (or ``load_all_heads``)."""
+        """Load the backbone now; heads wait for their first use (or ``load_all_heads``).
+
+        Every head's files are checksummed now too, so a corrupt head stops start-up
+        instead of failing its first requests.
+        """
         backbone = load_layer(folder, manifest, manifest.backbone, device, dtype)
+        for head in manifest.heads:
+            _verify(folder, manifest, head.graph)
+            _verify(folder, manifest, head.weights)
         spec = manifest.input
         std = torch.tensor(spec.std, dtype=torch.float32).view(1, -1, 1, 1)
         mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, -1, 1, 1)

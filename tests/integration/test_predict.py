@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from tests.support import LABELS, MODEL_NAME, b64, reencode, running_app, top_la
 ROUTES = ("/predict", f"/v1/models/{MODEL_NAME}/predict")
 
 
-def _check_answer(body: dict[str, object], expected: str, top_k: int) -> None:
+def _check_answer(body: dict[str, Any], expected: str, top_k: int) -> None:
     """One well-formed response whose best class is ``expected``."""
     assert top_label(body) == expected, body
     predictions = body["predictions"]

@@ -40,7 +40,7 @@ async def list_models(service: Service) -> ModelsResponse:
 
 
 @router.get(
-    "/v1/models/{name}", response_model=ModelVersion, responses=error_responses(404), summary="Describe one model"
+    "/v1/models/{name}", response_model=ModelVersion, responses=error_responses(404, 422), summary="Describe one model"
 )
 async def get_model(name: str, service: Service) -> ModelVersion:
     for model in _describe(service).models:
