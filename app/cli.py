@@ -31,12 +31,13 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.main import create_app
+    from app.server import DrainingServer
     from app.telemetry.logging import configure_logging
 
     configure_logging(settings.logging.level, settings.logging.json_format)
 
     failure: list[str] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def on_fatal(message: str) -> None:
         log.critical("start-up failed: %s", message)
@@ -44,15 +45,19 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
+    app = create_app(settings, on_fatal=on_fatal)
     config = uvicorn.Config(
-        create_app(settings, on_fatal=on_fatal),
+        app,
         host=settings.server.host,
         port=settings.server.port,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.server.shutdown_grace_s) + 1,
     )
-    server = uvicorn.Server(config)
+    async def drain() -> None:
+        await app.state.service.drain(settings.server.shutdown_grace_s)
+
+    server = DrainingServer(config, drain)
     server.run()
     if failure:
         print(f"ai-backend: start-up failed: {failure[0]}", file=sys.stderr)

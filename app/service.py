@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
-from app.errors import NotFound, NotReady
+from app.errors import Draining, NotFound, NotReady
 from app.inference import preprocess
 from app.inference.device import DeviceThread, Memory, dtype_name, memory, resolve_device, resolve_dtype
 from app.inference.loader import LayeredModel, ModelLoadError
@@ -185,7 +185,9 @@ class InferenceService:
         return ServedModel(name, version, model, batcher, load_s)
 
     def served(self, name: str | None) -> ServedModel:
-        """The named model (or the default); 404 when unknown, 503 while not ready."""
+        """The named model (or the default); 404 when unknown, 503 while not ready or draining."""
+        if self.state in (State.DRAINING, State.STOPPED):
+            raise Draining("the service is shutting down")
         if not self.ready:
             raise NotReady(f"the service is {self.state.value}")
         key = name or self.default_model
@@ -219,11 +221,18 @@ class InferenceService:
     async def memory(self) -> Memory:
         return await asyncio.to_thread(memory, self.device)
 
-    async def close(self, grace_s: float | None) -> None:
-        """Drain every batcher within ``grace_s``, then stop the threads."""
+    async def drain(self, grace_s: float | None) -> None:
+        """Stop taking work (readiness and predictions turn 503 at once) and let queued and
+        running requests finish within ``grace_s``; whatever is left then gets 503."""
         if self.state is State.READY:
             self.state = State.DRAINING
+        started = time.perf_counter()
         await asyncio.gather(*(served.batcher.close(grace_s) for served in self.models.values()))
+        log.info("drained in %.2fs", time.perf_counter() - started)
+
+    async def close(self, grace_s: float | None) -> None:
+        """Drain (if nobody did yet), then stop the threads and release the device."""
+        await self.drain(grace_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._device_thread.close()
         if self.device.type == "cuda":
