@@ -1,4 +1,4 @@
-"""The ``ai-backend`` command: ``serve``, ``export`` and ``train-digits``."""
+"""The ``ai-backend`` command: ``serve``, ``export``, ``train-digits``, ``bench`` and ``sweep``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=int(settings.server.shutdown_grace_s) + 1,
     )
+
     async def drain() -> None:
         await app.state.service.drain(settings.server.shutdown_grace_s)
 
@@ -70,6 +71,7 @@ _DELEGATED = {
     "export": ("app.inference.export", "export a torchvision model into the model repository"),
     "train-digits": ("app.training.digits", "train the bundled digits model"),
     "bench": ("app.bench.loadgen", "send bounded load to a running service on loopback"),
+    "sweep": ("app.bench.sweep", "time a model in process at batch sizes 1..N and find the knee"),
 }
 
 

@@ -18,8 +18,10 @@ from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.openapi import install_openapi
 from app.api.routes import health, models, predict
+from app.api.routes import metrics as metrics_route
 from app.service import InferenceService
 from app.settings import Settings, load_settings
+from app.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +36,11 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
     """Build the ASGI app for ``settings`` (read from the environment and config/ when omitted)."""
     settings = settings or load_settings()
     fatal = on_fatal or _log_fatal
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service = InferenceService(settings)
+        service = InferenceService(settings, metrics)
         app.state.service = service
 
         async def start() -> None:
@@ -64,9 +67,10 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.metrics = metrics
     install_error_handlers(app)
     install_openapi(app)
-    app.add_middleware(RequestContextMiddleware, access_log=settings.logging.access_log)
-    for router in (predict.router, models.router, health.router):
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, access_log=settings.logging.access_log)
+    for router in (predict.router, models.router, health.router, metrics_route.router):
         app.include_router(router)
     return app

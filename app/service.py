@@ -25,6 +25,7 @@ from app.inference.postprocess import Prediction, TopK, label
 from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
 from app.settings import BatchingSettings, LaneSettings, Settings
+from app.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ class Outcome:
 class InferenceService:
     """Everything between a validated request and its answer."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or Metrics()
         self.state = State.STARTING
         self.failure: str | None = None
         self.device = resolve_device(settings.model.device)
@@ -92,6 +94,18 @@ class InferenceService:
         self._device_thread = DeviceThread()
         self._pool = ThreadPoolExecutor(settings.server.preprocess_workers, thread_name_prefix="preprocess")
         self._policy = batch_policy(settings.batching)
+        self.metrics.scrape_time.queue_depths = self._queue_depths
+        if self.device.type == "cuda":
+            self.metrics.scrape_time.device_memory = self._cuda_memory
+
+    def _queue_depths(self) -> list[tuple[str, str, int]]:
+        return [(s.name, lane.value, s.batcher.depth(lane)) for s in self.models.values() for lane in Lane]
+
+    def _cuda_memory(self) -> list[tuple[str, int]]:
+        return [
+            ("allocated", torch.cuda.memory_allocated(self.device)),
+            ("reserved", torch.cuda.memory_reserved(self.device)),
+        ]
 
     @property
     def ready(self) -> bool:
@@ -181,7 +195,11 @@ class InferenceService:
             extra={"model": name, "version": version},
         )
         runner = ModelRunner(model, self._device_thread, self.settings.server.max_top_k)
-        batcher: DualWindowBatcher[torch.Tensor, TopK] = DualWindowBatcher(runner, self._policy, name=name)
+        batcher: DualWindowBatcher[torch.Tensor, TopK] = DualWindowBatcher(
+            runner, self._policy, observer=self.metrics.observer(name), name=name
+        )
+        self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
+        self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
         return ServedModel(name, version, model, batcher, load_s)
 
     def served(self, name: str | None) -> ServedModel:

@@ -17,19 +17,18 @@ def get_service(request: Request) -> InferenceService:
 
 
 def get_lane(
+    request: Request,
     x_urgency: Annotated[
         str | None,
         Header(description="`high` rides the urgent lane (2 ms window); `normal` or absent, the normal lane"),
     ] = None,
 ) -> Lane:
-    if x_urgency is None:
-        return Lane.NORMAL
-    value = x_urgency.strip().lower()
-    if value == "high":
-        return Lane.URGENT
-    if value == "normal":
-        return Lane.NORMAL
-    raise BadRequest("X-Urgency must be 'high' or 'normal'", code="invalid_header")
+    value = "normal" if x_urgency is None else x_urgency.strip().lower()
+    lanes = {"high": Lane.URGENT, "normal": Lane.NORMAL}
+    if value not in lanes:
+        raise BadRequest("X-Urgency must be 'high' or 'normal'", code="invalid_header")
+    request.scope["state"]["lane"] = lanes[value].value  # for the latency metric
+    return lanes[value]
 
 
 def get_timeout_s(

@@ -36,6 +36,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def envelope(
+    request: Request,
     status: int,
     code: str,
     message: str,
@@ -43,33 +44,36 @@ def envelope(
     retry_after_s: int | None = None,
     details: list[dict[str, Any]] | None = None,
 ) -> JSONResponse:
+    request.scope.setdefault("state", {})["error_code"] = code  # for the requests metric
     body = ErrorResponse(code=code, message=message, request_id=request_id_var.get(), details=details)
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
 
 
-async def _service_error(_: Request, exc: Exception) -> JSONResponse:
+async def _service_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
     if exc.status >= 500 and exc.status != 503:
         log.error("request failed: %s", exc.code, exc_info=exc.__cause__ or exc)
-        return envelope(500, "internal_error", "internal server error")
+        return envelope(request, 500, "internal_error", "internal server error")
     retry = exc.retry_after_s if exc.status == 503 else None
-    return envelope(exc.status, exc.code, exc.message, retry_after_s=retry or (1 if exc.status == 503 else None))
+    return envelope(
+        request, exc.status, exc.code, exc.message, retry_after_s=retry or (1 if exc.status == 503 else None)
+    )
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     details = [
         {"loc": list(error.get("loc", ())), "msg": error.get("msg", ""), "type": error.get("type", "")}
         for error in exc.errors()
     ]
-    return envelope(422, "validation_error", "the request does not match the schema", details=details)
+    return envelope(request, 422, "validation_error", "the request does not match the schema", details=details)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     code = _HTTP_CODES.get(exc.status_code, "http_error")
-    response = envelope(exc.status_code, code, str(exc.detail))
+    response = envelope(request, exc.status_code, code, str(exc.detail))
     response.headers.update(exc.headers or {})  # e.g. Allow on a 405
     return response
 

@@ -16,6 +16,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.telemetry.logging import request_id_var
+from app.telemetry.metrics import Metrics
 
 log = logging.getLogger("app.access")
 _error_log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ def request_id_from(scope: Scope) -> str:
 class RequestContextMiddleware:
     """Request id, timing, access log and the 500 of last resort."""
 
-    def __init__(self, app: ASGIApp, access_log: bool = True) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, access_log: bool = True) -> None:
         self.app = app
+        self.metrics = metrics
         self.access_log = access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -53,6 +55,7 @@ class RequestContextMiddleware:
         scope["state"]["started"] = started
         token = request_id_var.set(request_id)
         status = 0
+        self.metrics.in_flight.inc()
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -68,6 +71,7 @@ class RequestContextMiddleware:
             _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if status == 0:
                 status = 500
+                scope["state"]["error_code"] = "internal_error"
                 body = {"code": "internal_error", "message": "internal server error", "request_id": request_id}
                 await send_with_id(
                     {
@@ -78,6 +82,8 @@ class RequestContextMiddleware:
                 )
                 await send_with_id({"type": "http.response.body", "body": json.dumps(body).encode()})
         finally:
+            self.metrics.in_flight.dec()
+            self._record(scope, status, time.perf_counter() - started)
             if self.access_log:
                 log.info(
                     "%s %s %d",
@@ -92,3 +98,10 @@ class RequestContextMiddleware:
                     },
                 )
             request_id_var.reset(token)
+
+    def _record(self, scope: Scope, status: int, seconds: float) -> None:
+        route = scope.get("route")
+        template = getattr(route, "path", None) or "unmatched"
+        state = scope["state"]
+        self.metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)
+        self.metrics.requests.labels(str(status), state.get("error_code", "ok" if status < 400 else "error")).inc()

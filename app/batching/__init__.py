@@ -2,9 +2,11 @@
 
 from app.batching.batcher import Completed, DualWindowBatcher, Runner
 from app.batching.clock import Clock, MonotonicClock
+from app.batching.observer import BatchObserver, NullObserver
 from app.batching.policy import BatchPolicy, Lane, LanePolicy
 
 __all__ = [
+    "BatchObserver",
     "BatchPolicy",
     "Clock",
     "Completed",
@@ -12,5 +14,6 @@ __all__ = [
     "Lane",
     "LanePolicy",
     "MonotonicClock",
+    "NullObserver",
     "Runner",
 ]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from app.batching.clock import Clock, MonotonicClock, Timer
+from app.batching.observer import BatchObserver, NullObserver
 from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, next_wakeup, plan_batch
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
 
@@ -85,9 +86,16 @@ class DualWindowBatcher(Generic[P, R]):
     """Groups submitted payloads into batches for ``runner``, urgent lane first."""
 
     def __init__(
-        self, runner: Runner[P, R], policy: BatchPolicy, *, clock: Clock | None = None, name: str = "batcher"
+        self,
+        runner: Runner[P, R],
+        policy: BatchPolicy,
+        *,
+        clock: Clock | None = None,
+        observer: BatchObserver | None = None,
+        name: str = "batcher",
     ) -> None:
         self._runner = runner
+        self._observer: BatchObserver = observer or NullObserver()
         self._policy = policy
         self._clock: Clock = clock or MonotonicClock()
         self._name = name
@@ -131,6 +139,7 @@ class DualWindowBatcher(Generic[P, R]):
             raise Draining("the service is shutting down")
         queue = self._queues[lane]
         if queue.waiting >= self._policy.lane(lane).max_queue:
+            self._observer.on_rejected(lane, "queue_full")
             raise QueueFull(f"the {lane.value} queue is full")
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
@@ -153,7 +162,10 @@ class DualWindowBatcher(Generic[P, R]):
     def _settled(self, item: _Pending[P, R]) -> None:
         if item.timer is not None:
             item.timer.cancel()
-        self._queues[item.lane].drop(item)  # a no-op unless it left before being batched
+        if item.queued:  # it left before being batched: cancelled by its caller, or expired
+            reason = "cancelled" if item.future.cancelled() else "deadline"
+            self._observer.on_dropped(item.lane, reason)
+        self._queues[item.lane].drop(item)
 
     async def _dispatch(self) -> None:
         urgent, normal = self._queues[Lane.URGENT], self._queues[Lane.NORMAL]
@@ -189,13 +201,20 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
+            self._report(plan, batch, started, run_s, ok=True)
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
                     item.future.set_result(
                         Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
                     )
             return
+        self._report(plan, batch, started, self._clock.now() - started, ok=False)
         self._fail(batch, error)
+
+    def _report(self, plan: BatchPlan, batch: Sequence[_Pending[P, R]], started: float, run_s: float, ok: bool) -> None:
+        waits = [started - item.enqueued_at for item in batch]
+        capacity = self._policy.lane(plan.lane).max_batch
+        self._observer.on_batch(plan.lane, len(batch), capacity, waits, run_s, ok)
 
     @staticmethod
     def _fail(batch: Sequence[_Pending[P, R]], error: BaseException) -> None:

@@ -3,8 +3,11 @@
 The data set ships inside scikit-learn, so the service can give right answers out of the
 box without downloading anything. Images are the set's own 8x8 pixels (0-16) scaled to
 0-255: a light digit on a dark ground. Users send images of any size; the model's input
-spec asks for a box-filter ("area") downsample to 8x8, which is how the set itself was
-made from 32x32 bitmaps.
+spec asks the service to crop to the digit, centre it in a square and box-filter ("area")
+downsample that to 8x8, which is how the set itself was made from size-normalised 32x32
+bitmaps. Training mixes the set's own pixels with copies of them drawn large and passed
+through the service's own decoding (``served_copies``), so the model knows the blur and
+the framing that a real upload arrives with.
 
 Training is seeded and deterministic, so ``build`` with the same seed on the same
 software rebuilds the same weights. The held-out accuracy in the manifest is measured
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import logging
 import sys
 import tempfile
@@ -45,7 +49,12 @@ EPOCHS = 40
 BATCH_SIZE = 64
 LEARNING_RATE = 3e-3
 MAX_SHIFT = 1  # pixels, each way
-INTENSITY_RANGE = (0.8, 1.0)
+INTENSITY_RANGE = (0.4, 1.0)
+COPIES = 6  # re-photographed copies of each training image, made once before training
+NATIVE_SHARE = 0.3  # chance that a training step sees the set's own pixels, not a copy
+COPY_SIZES = (32, 256)  # height in pixels of a copy before the service shrinks it back to 8x8
+COPY_ASPECT = (2 / 3, 3 / 2)  # width / height of a copy, log-uniform
+JPEG_SHARE = 0.25  # of the copies; the rest are PNG
 SAMPLE_SIZE = 64  # pixels a side for the sample PNGs, so a person can see them
 
 Images = npt.NDArray[np.uint8]
@@ -106,12 +115,16 @@ def load_split(seed: int = 0) -> DigitsSplit:
 
 
 def input_spec(split: DigitsSplit) -> InputSpec:
-    """One channel, 8x8, box-filter stretch, normalised with the training split's statistics."""
+    """One channel, 8x8, fit to the content then box-filtered, normalised with the training statistics.
+
+    Every digit in the set spans its 8 rows (the set was size-normalised), so cropping a
+    user's image to its content before shrinking it is what makes the two alike.
+    """
     return InputSpec(
         channels=1,
         height=8,
         width=8,
-        resize=ResizeSpec(mode="stretch", filter="box"),
+        resize=ResizeSpec(mode="fit_content", filter="box"),
         mean=(split.mean,),
         std=(split.std,),
     )
@@ -144,6 +157,44 @@ def _normalise(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
     return ((images.float() / 255.0 - mean) / std).unsqueeze(1)
 
 
+def served_copies(images: Images, spec: InputSpec, seed: int, copies: int = COPIES) -> Images:
+    """``N x copies x 8 x 8`` uint8: each image as a user might send it, after the service's decoding.
+
+    A copy is the image drawn large (``COPY_SIZES`` pixels tall, width/height in
+    ``COPY_ASPECT``, bilinear, bicubic or nearest), its strokes made thinner or bolder by a
+    contrast curve, saved as PNG or JPEG, then decoded by ``app.inference.preprocess.decode``:
+    the very path a request takes, so training sees the blur of the round trip and the
+    framing of ``fit_content``. Deterministic in ``seed``; a few seconds for the whole set.
+    """
+    from PIL import Image
+
+    from app.inference.preprocess import ImageLimits, decode
+
+    rng = np.random.default_rng(seed)
+    limits = ImageLimits(max_bytes=1 << 24, max_pixels=1 << 20)
+    filters = (Image.Resampling.BILINEAR, Image.Resampling.BICUBIC, Image.Resampling.NEAREST)
+    ramp = np.arange(256, dtype=np.float64)
+    out = np.empty((len(images), copies, spec.height, spec.width), dtype=np.uint8)
+    for index, pixels in enumerate(images):
+        source = Image.fromarray(pixels)
+        for copy in range(copies):
+            height = int(rng.integers(COPY_SIZES[0], COPY_SIZES[1] + 1))
+            width = round(height * np.exp(rng.uniform(*np.log(COPY_ASPECT))))
+            large = source.resize((width, height), filters[int(rng.integers(len(filters)))])
+            # Values below `low` go dark and those above `low + span` go full: a high
+            # `low` thins the strokes, a low one with a short span thickens them.
+            low = rng.uniform(0.0, 160.0)
+            span = rng.uniform(16.0, 255.0 - low)
+            large = large.point(list(np.rint(np.clip((ramp - low) / span, 0.0, 1.0) * 255.0).astype(int)))
+            buffer = io.BytesIO()
+            if rng.random() < JPEG_SHARE:
+                large.convert("RGB").save(buffer, format="JPEG", quality=int(rng.integers(60, 96)))
+            else:
+                large.save(buffer, format="PNG", compress_level=1)
+            out[index, copy] = decode(buffer.getvalue(), spec, limits)[0].numpy()
+    return out
+
+
 def _augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Random shifts of up to ``MAX_SHIFT`` pixels and intensity scaling, on 0-255 floats.
 
@@ -164,20 +215,34 @@ def _augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return shifted * scale
 
 
+def _pick(native: torch.Tensor, copies: torch.Tensor, batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """For each index in ``batch``, its native image (``NATIVE_SHARE`` of the time) or a random served copy."""
+    which = torch.randint(0, copies.shape[1], (len(batch),), generator=generator)
+    chosen = copies[batch, which]
+    keep_native = torch.rand(len(batch), generator=generator) < NATIVE_SHARE
+    chosen[keep_native] = native[batch[keep_native]]
+    return chosen
+
+
 def _accuracy(predicted: torch.Tensor, labels: Labels) -> float:
     return float((predicted.cpu().numpy() == labels).mean())
 
 
-def train(seed: int = 0, epochs: int = EPOCHS) -> tuple[nn.Module, nn.Module, float]:
+def train(
+    seed: int = 0, epochs: int = EPOCHS, *, split: DigitsSplit | None = None, copies: int = COPIES
+) -> tuple[nn.Module, nn.Module, float]:
     """Train backbone and head with ``seed``; return them (eval mode) and the held-out accuracy.
 
-    The accuracy here comes from the eager modules; ``build`` records the one measured
-    through the loader. The caller's global RNG and determinism settings are left as found.
+    ``split`` defaults to ``load_split(seed)``; ``copies`` is how many ``served_copies`` each
+    training image gets (fewer train faster and less robustly). The accuracy here comes from
+    the eager modules; ``build`` records the one measured through the loader. The caller's
+    global RNG, thread count and determinism settings are left as found.
     """
-    split = load_split(seed)
+    split = split or load_split(seed)
     mean, std = split.mean, split.std
     train_x = torch.from_numpy(split.train_images).float()
     train_y = torch.from_numpy(split.train_labels)
+    served = torch.from_numpy(served_copies(split.train_images, input_spec(split), seed, copies)).float()
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]):
@@ -199,7 +264,7 @@ def train(seed: int = 0, epochs: int = EPOCHS) -> tuple[nn.Module, nn.Module, fl
                 order = torch.randperm(len(train_y), generator=generator)
                 for start in range(0, len(order), BATCH_SIZE):
                     batch = order[start : start + BATCH_SIZE]
-                    inputs = _normalise(_augment(train_x[batch], generator), mean, std)
+                    inputs = _normalise(_augment(_pick(train_x, served, batch, generator), generator), mean, std)
                     loss = loss_fn(model(inputs), train_y[batch])
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
@@ -235,7 +300,7 @@ def build(root: Path, version: str = "1", seed: int = 0, *, epochs: int = EPOCHS
         raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
     started = time.perf_counter()
     split = load_split(seed)
-    backbone, head, eager_accuracy = train(seed, epochs)
+    backbone, head, eager_accuracy = train(seed, epochs, split=split)
     seconds = time.perf_counter() - started
     spec = input_spec(split)
     provenance = Provenance(
@@ -253,7 +318,13 @@ def build(root: Path, version: str = "1", seed: int = 0, *, epochs: int = EPOCHS
             "train_samples": len(split.train_labels),
             "heldout_samples": len(split.heldout_labels),
             "epochs": epochs,
-            "augmentation": f"shift <= {MAX_SHIFT} px, intensity x U{INTENSITY_RANGE}",
+            "augmentation": (
+                f"{COPIES} copies per image through preprocess.decode (height U{COPY_SIZES} px, "
+                f"aspect {COPY_ASPECT[0]:.2f}-{COPY_ASPECT[1]:.2f} log-uniform, bilinear/bicubic/nearest, "
+                "stroke contrast curve, "
+                f"JPEG {JPEG_SHARE:.0%}), native {NATIVE_SHARE:.0%}; "
+                f"shift <= {MAX_SHIFT} px, intensity x U{INTENSITY_RANGE}"
+            ),
         },
     )
 
@@ -290,8 +361,8 @@ def build(root: Path, version: str = "1", seed: int = 0, *, epochs: int = EPOCHS
 def write_samples(folder: Path, split: DigitsSplit) -> list[Path]:
     """Write ``folder/digit_<label>.png``: the first held-out image of each class, upscaled.
 
-    Nearest-neighbour upscaling keeps the pixels exact, so a box-filter downsample to
-    8x8 (what the service does) gives back the very image the model was evaluated on.
+    Nearest-neighbour upscaling keeps the pixels exact, so a plain box-filter downsample
+    to 8x8 gives back the very held-out image (the service also crops to the digit first).
     """
     from PIL import Image
 
@@ -308,7 +379,9 @@ def write_samples(folder: Path, split: DigitsSplit) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``train-digits``: build ``<out>/digits/<version>`` and the sample images beside it."""
-    parser = argparse.ArgumentParser(prog="train-digits", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="ai-backend train-digits", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--out", type=Path, default=Path("models"), help="model repository root (default: models)")
     parser.add_argument("--version", default="1", help="version folder to write (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the split, initialisation and shuffling")

@@ -114,6 +114,7 @@ async def test_openapi_lists_every_endpoint_with_its_errors(running: RunningApp)
         "/livez": {"get"},
         "/readyz": {"get"},
         "/healthz": {"get"},
+        "/metrics": {"get"},
     }
     assert {path: set(ops) for path, ops in paths.items()} == expected
 

@@ -158,11 +158,10 @@ def test_weights_of_the_wrong_shape_fail_the_self_check(version: Path, tmp_path:
         model.head()
 
 
-def test_a_missing_file_is_named(version: Path) -> None:
+def test_a_missing_head_file_stops_the_load_even_though_heads_are_lazy(version: Path) -> None:
     (version / "classifier.graph.pt").unlink()
-    model = load(version)
     with pytest.raises(ModelLoadError, match=r"classifier\.graph\.pt: file is missing"):
-        model.load_all_heads()
+        load(version)
 
 
 def test_a_manifest_in_the_wrong_folder_is_refused(version: Path, tmp_path: Path) -> None:

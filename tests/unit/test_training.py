@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from app.inference.loader import LayeredModel
 from app.inference.manifest import Manifest
+from app.inference.preprocess import ImageLimits, decode
 from app.training.digits import build, load_split, main, train, write_samples
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "digits"
+LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=16_000_000)
+# Accuracy floors for the bundled model on images as users send them, each a little
+# under what it measured when built (in the comment), so a rebuild that regresses shows.
+ROBUSTNESS_FLOORS = {
+    "native 8x8": 0.985,  # 0.997
+    "bilinear 256x256": 0.97,  # 0.983
+    "nearest 40x40": 0.97,  # 0.992
+    "JPEG 256x256 RGB": 0.97,  # 0.983
+    "padded like MNIST": 0.97,  # 0.986
+    "printed": 0.7,  # 0.800 (30 images)
+}
 
 
 def _load(folder: Path) -> LayeredModel:
@@ -29,12 +43,44 @@ def _heldout_accuracy(model: LayeredModel, seed: int) -> float:
     return float((predicted.numpy() == split.heldout_labels).mean())
 
 
-def _classify(model: LayeredModel, image: Image.Image) -> str:
-    """What the service does for this model: grey, box-filter stretch to 8x8, uint8 in."""
-    pixels = np.asarray(image.convert("L").resize((8, 8), Image.Resampling.BOX), dtype=np.uint8)
+def _encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def _predict(model: LayeredModel, images: list[bytes]) -> list[int]:
+    """What the service does: decode each image per the manifest, then run the model."""
+    batch = torch.stack([decode(data, model.manifest.input, LIMITS) for data in images])
     with torch.inference_mode():
-        index = int(model.probabilities(torch.from_numpy(pixels.copy())[None, None]).argmax())
-    return model.manifest.labels[index]
+        return [int(index) for index in model.probabilities(batch).argmax(dim=1)]
+
+
+def _classify(model: LayeredModel, image: Image.Image) -> str:
+    return model.manifest.labels[_predict(model, [_encode(image)])[0]]
+
+
+def _as_sent(pixels: npt.NDArray[np.uint8]) -> dict[str, bytes]:
+    """One held-out 8x8 image the ways a user might send it."""
+    image = Image.fromarray(pixels)
+    large = image.resize((256, 256), Image.Resampling.BILINEAR)
+    canvas = Image.new("L", (100, 100))  # MNIST's framing: the digit in the middle, a wide margin
+    canvas.paste(image.resize((60, 60), Image.Resampling.BILINEAR), (20, 20))
+    return {
+        "native 8x8": _encode(image),
+        "bilinear 256x256": _encode(large),
+        "nearest 40x40": _encode(image.resize((40, 40), Image.Resampling.NEAREST)),
+        "JPEG 256x256 RGB": _encode(large.convert("RGB"), "JPEG"),
+        "padded like MNIST": _encode(canvas),
+    }
+
+
+def _printed(digit: int, stroke: int) -> bytes:
+    """``digit`` in Pillow's bundled font, white on a black 200x200 square."""
+    image = Image.new("L", (200, 200))
+    font = ImageFont.load_default(size=180)
+    ImageDraw.Draw(image).text((100, 100), str(digit), font=font, anchor="mm", fill=255, stroke_width=stroke)
+    return _encode(image)
 
 
 def test_load_split_is_deterministic_and_stratified() -> None:
@@ -57,15 +103,16 @@ def test_load_split_is_deterministic_and_stratified() -> None:
 def test_training_twice_with_one_seed_gives_identical_weights() -> None:
     rng_before = torch.random.get_rng_state()
     threads_before = torch.get_num_threads()
-    backbone, head, accuracy = train(seed=0, epochs=2)
-    backbone_again, head_again, accuracy_again = train(seed=0, epochs=2)
+    # one served copy per image keeps this quick; the copies are drawn from the seed all the same
+    backbone, head, accuracy = train(seed=0, epochs=2, copies=1)
+    backbone_again, head_again, accuracy_again = train(seed=0, epochs=2, copies=1)
 
     for ours, theirs in ((backbone, backbone_again), (head, head_again)):
         mine, other = ours.state_dict(), theirs.state_dict()
         assert mine.keys() == other.keys()
         assert all(torch.equal(mine[key], other[key]) for key in mine)
     assert accuracy == accuracy_again
-    _, other_head, _ = train(seed=1, epochs=1)
+    _, other_head, _ = train(seed=1, epochs=1, copies=1)
     assert not torch.equal(head.state_dict()["weight"], other_head.state_dict()["weight"])
     # the caller's global state is left as it was
     assert torch.equal(torch.random.get_rng_state(), rng_before)
@@ -83,7 +130,7 @@ def test_build_records_the_accuracy_the_loader_measures(tmp_path: Path) -> None:
     assert manifest.evaluation.accuracy["fp32"] == _heldout_accuracy(_load(folder), seed=2)
     assert manifest.provenance.seed == 2
     assert manifest.provenance.data_sha256 == load_split(2).data_sha256
-    assert manifest.input.resize.filter == "box"
+    assert (manifest.input.resize.mode, manifest.input.resize.filter) == ("fit_content", "box")
     with pytest.raises(FileExistsError):
         build(tmp_path, "7", seed=2, epochs=1)
 
@@ -139,3 +186,23 @@ def test_bundled_samples_are_classified_right_at_any_size() -> None:
         assert _classify(model, image.resize((256, 256), Image.Resampling.BILINEAR)) == str(digit)
         assert _classify(model, image.resize((32, 32), Image.Resampling.BILINEAR)) == str(digit)
         assert _classify(model, image.convert("RGB").resize((300, 200), Image.Resampling.BICUBIC)) == str(digit)
+
+
+def test_bundled_model_reads_digits_as_users_send_them() -> None:
+    """Held-out digits resized, re-encoded and framed, and printed digits, through the real decoding."""
+    model = _load(BUNDLED / "1")
+    seed = model.manifest.provenance.seed
+    assert seed is not None
+    split = load_split(seed)
+    sent = [_as_sent(pixels) for pixels in split.heldout_images]
+    printed = [(digit, _printed(digit, stroke)) for stroke in (0, 4, 10) for digit in range(10)]
+
+    measured = {
+        way: float(np.mean(np.array(_predict(model, [images[way] for images in sent])) == split.heldout_labels))
+        for way in sent[0]
+    }
+    predicted = _predict(model, [data for _, data in printed])
+    measured["printed"] = float(np.mean([digit == guess for (digit, _), guess in zip(printed, predicted, strict=True)]))
+
+    below = {way: round(accuracy, 3) for way, accuracy in measured.items() if accuracy < ROBUSTNESS_FLOORS[way]}
+    assert not below, f"under the floors {ROBUSTNESS_FLOORS}: {below} (all: {measured})"

@@ -1,0 +1,14 @@
+"""Prometheus scrapes ``/metrics``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get("/metrics", response_class=Response, summary="Prometheus metrics in the text exposition format")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

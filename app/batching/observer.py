@@ -1,0 +1,33 @@
+"""What the batcher tells the outside world, without knowing who listens (metrics, traces)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from app.batching.policy import Lane
+
+
+class BatchObserver(Protocol):
+    """Called on the event loop; implementations must be cheap and must not raise."""
+
+    def on_batch(
+        self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool
+    ) -> None: ...
+
+    def on_rejected(self, lane: Lane, reason: str) -> None: ...
+
+    def on_dropped(self, lane: Lane, reason: str) -> None: ...
+
+
+class NullObserver:
+    """Listens to nothing."""
+
+    def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
+        return None
+
+    def on_rejected(self, lane: Lane, reason: str) -> None:
+        return None
+
+    def on_dropped(self, lane: Lane, reason: str) -> None:
+        return None

@@ -1,0 +1,135 @@
+"""Prometheus metrics, on a registry of the app's own (tests build theirs).
+
+Histograms, so figures aggregate across replicas. Labels are small, closed sets: route
+templates, status codes, error codes, lanes, model names. Queue depths and device memory
+are read when Prometheus scrapes, so the request path pays nothing for them.
+
+One process serves one device; several uvicorn workers are not supported (the CLI runs
+one), so the default single-process registry is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from app.batching import Lane
+
+PREFIX = "ai_backend"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+
+
+def batch_bucket(size: int) -> str:
+    """A bounded label for a batch size: 1, 2, 3-4, 5-8, ... 129+."""
+    if size <= 2:
+        return str(size)
+    upper = 4
+    while upper < size and upper < 256:
+        upper *= 2
+    return f"{upper // 2 + 1}-{upper}" if size <= upper else f"{upper + 1}+"
+
+
+class _ScrapeTimeGauges(Collector):
+    """Gauges computed when scraped: queue depths, and device memory on CUDA."""
+
+    def __init__(self) -> None:
+        self.queue_depths: Callable[[], Iterable[tuple[str, str, int]]] = lambda: ()
+        self.device_memory: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        depth = GaugeMetricFamily(f"{PREFIX}_queue_depth", "Requests waiting in a lane", labels=["model", "lane"])
+        for model, lane, value in self.queue_depths():
+            depth.add_metric([model, lane], value)
+        yield depth
+        memory = GaugeMetricFamily(f"{PREFIX}_device_memory_bytes", "CUDA memory held by the process", labels=["kind"])
+        for kind, value in self.device_memory():
+            memory.add_metric([kind], value)
+        yield memory
+
+
+class Metrics:
+    """Every metric the service exports, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.request_latency = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "HTTP request latency",
+            ["route", "status", "lane"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered", ["status", "code"], registry=r)
+        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "HTTP requests being served", registry=r)
+        self.queue_wait = Histogram(
+            f"{PREFIX}_queue_wait_seconds",
+            "Time from submit to dispatch",
+            ["lane"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            f"{PREFIX}_batch_size", "Requests per batch", ["lane"], buckets=BATCH_BUCKETS, registry=r
+        )
+        self.batch_fill = Histogram(
+            f"{PREFIX}_batch_fill_ratio",
+            "Batch size over the lane's max batch",
+            ["lane"],
+            buckets=FILL_BUCKETS,
+            registry=r,
+        )
+        self.inference = Histogram(
+            f"{PREFIX}_inference_seconds",
+            "Time to run one batch on the device",
+            ["model", "batch_size"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_failures = Counter(f"{PREFIX}_batch_failures", "Batches that failed", ["model"], registry=r)
+        self.rejections = Counter(f"{PREFIX}_rejections", "Requests refused at admission", ["reason"], registry=r)
+        self.cancellations = Counter(
+            f"{PREFIX}_cancellations", "Requests that left the queue uncomputed", ["reason"], registry=r
+        )
+        self.dropped_spans = Counter(f"{PREFIX}_dropped_spans", "Spans the exporter queue dropped", registry=r)
+        self.model_load = Gauge(
+            f"{PREFIX}_model_load_seconds", "Time to load, check and warm a model", ["model", "version"], registry=r
+        )
+        self.model_info = Gauge(
+            f"{PREFIX}_model_info", "Models served (value 1)", ["model", "version", "device", "dtype"], registry=r
+        )
+        self.scrape_time = _ScrapeTimeGauges()
+        r.register(self.scrape_time)
+
+    def observer(self, model: str) -> BatchMetrics:
+        return BatchMetrics(self, model)
+
+
+class BatchMetrics:
+    """The batcher's observer for one model."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self._metrics = metrics
+        self._model = model
+
+    def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
+        m = self._metrics
+        wait = m.queue_wait.labels(lane.value)
+        for seconds in waits_s:
+            wait.observe(seconds)
+        m.batch_size.labels(lane.value).observe(size)
+        m.batch_fill.labels(lane.value).observe(min(1.0, size / capacity))
+        m.inference.labels(self._model, batch_bucket(size)).observe(run_s)
+        if not ok:
+            m.batch_failures.labels(self._model).inc()
+
+    def on_rejected(self, lane: Lane, reason: str) -> None:
+        self._metrics.rejections.labels(reason).inc()
+
+    def on_dropped(self, lane: Lane, reason: str) -> None:
+        self._metrics.cancellations.labels(reason).inc()

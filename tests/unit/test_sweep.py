@@ -1,0 +1,274 @@
+"""``ai-backend sweep``: the knee and recommendation on hand-made curves, the schedule, the
+percentile, the timing loop on a fake clock, OOM handling, and one real run on the digits model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from app.bench import sweep as sw
+from app.bench.chart import nice_ticks
+from app.bench.sweep import Limits, SizeResult, batch_sizes, find_knee, percentile, recommend
+from tests.support import copy_repository
+
+
+def curve(
+    points: dict[int, float], latency_ms: dict[int, float] | None = None, oom_at: int | None = None
+) -> list[SizeResult]:
+    """Results with the given throughput per size; latency defaults to size / throughput."""
+    results = [
+        SizeResult(size, median_ms=(latency_ms or {}).get(size, size / tp * 1000), throughput=tp)
+        for size, tp in sorted(points.items())
+    ]
+    if oom_at is not None:
+        results.append(SizeResult(oom_at, "oom", error="CUDA out of memory"))
+    return results
+
+
+# ---- schedule and percentile -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "expected"),
+    [(1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]), (64, [1, 2, 4, 8, 16, 32, 64]), (100, [1, 2, 4, 8, 16, 32, 64])],
+)
+def test_the_schedule_doubles_from_one_up_to_the_max(max_batch: int, expected: list[int]) -> None:
+    assert batch_sizes(max_batch) == expected
+
+
+def test_the_schedule_refuses_a_max_below_one() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        batch_sizes(0)
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile([1.0, 2.0], 50) == 1.5
+    assert percentile([7.0], 90) == 7.0
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+def test_nice_ticks_start_at_zero_cover_the_maximum_and_use_round_steps() -> None:
+    assert nice_ticks(100) == [0, 20, 40, 60, 80, 100]
+    assert nice_ticks(0.6) == pytest.approx([0, 0.2, 0.4, 0.6])
+    ticks = nice_ticks(105_447.8)
+    assert ticks[0] == 0 and ticks[-1] >= 105_447.8 and len(ticks) <= 7
+    assert nice_ticks(0) == [0.0, 1.0]
+
+
+# ---- knee and recommendation -------------------------------------------------------------
+
+
+def test_a_flat_curve_has_its_knee_at_one() -> None:
+    assert find_knee(curve({1: 100, 2: 102, 4: 101, 8: 103}), 0.10) == (1, True)
+
+
+def test_a_falling_curve_has_its_knee_at_one() -> None:
+    assert find_knee(curve({1: 100, 2: 90, 4: 70}), 0.10) == (1, True)
+
+
+def test_a_curve_that_keeps_rising_has_its_knee_at_the_largest_size_not_reached() -> None:
+    rec = recommend(curve({1: 100, 2: 200, 4: 390, 8: 700}), 0.10)
+    assert (rec.knee, rec.knee_reached, rec.max_batch) == (8, False, 8)
+    assert "still gained" in rec.reason
+
+
+def test_a_saturating_curve_has_its_knee_where_doubling_stops_paying() -> None:
+    results = curve({1: 100, 2: 190, 4: 350, 8: 370, 16: 380, 32: 381})
+    rec = recommend(results, 0.10)
+    assert (rec.knee, rec.knee_reached, rec.max_batch) == (4, True, 4)
+    assert "beyond batch 4" in rec.reason
+
+
+def test_the_gain_threshold_decides_the_knee() -> None:
+    results = curve({1: 100, 2: 190, 4: 350, 8: 400})  # 4 -> 8 gains 14%
+    assert find_knee(results, 0.10) == (8, False)
+    assert find_knee(results, 0.20) == (4, True)
+
+
+def test_a_plateau_followed_by_a_real_jump_is_not_the_knee() -> None:
+    results = curve({1: 100, 2: 104, 4: 106, 8: 160, 16: 165})
+    assert find_knee(results, 0.10) == (8, True)
+
+
+def test_sizes_after_an_out_of_memory_do_not_count() -> None:
+    rec = recommend(curve({1: 100, 2: 190, 4: 350}, oom_at=8), 0.10)
+    assert (rec.knee, rec.knee_reached, rec.max_batch) == (4, False, 4)
+    assert "batch 8 ran out of memory" in rec.reason
+
+
+def test_a_single_size_is_its_own_knee() -> None:
+    rec = recommend(curve({1: 100}, oom_at=2), 0.10)
+    assert (rec.knee, rec.knee_reached, rec.max_batch) == (1, False, 1)
+    assert rec.reason == "only batch 1 was measured (batch 2 ran out of memory)"
+
+
+def test_an_out_of_memory_at_batch_one_recommends_nothing() -> None:
+    rec = recommend(curve({}, oom_at=1), 0.10)
+    assert (rec.knee, rec.max_batch) == (None, None)
+    assert "out of memory at batch 1" in rec.reason
+    assert recommend([], 0.10).knee is None
+
+
+def test_the_latency_budget_caps_the_recommendation_below_the_knee() -> None:
+    latency = {1: 2.0, 2: 3.0, 4: 5.0, 8: 9.0, 16: 17.0}
+    results = curve({1: 500, 2: 660, 4: 800, 8: 890, 16: 940}, latency)  # knee at 8
+    assert recommend(results, 0.10, latency_budget_ms=100).max_batch == 8
+    capped = recommend(results, 0.10, latency_budget_ms=6.0)
+    assert (capped.knee, capped.max_batch) == (8, 4)
+    assert "capped to 4 by the 6 ms latency budget" in capped.reason
+    assert recommend(results, 0.10, latency_budget_ms=9.0).max_batch == 8  # within means <=
+
+
+def test_a_budget_that_even_batch_one_misses_recommends_nothing() -> None:
+    rec = recommend(curve({1: 100, 2: 190}, {1: 10.0, 2: 10.5}), 0.10, latency_budget_ms=5)
+    assert (rec.knee, rec.max_batch) == (2, None)
+    assert "within 5 ms" in rec.reason
+
+
+# ---- the timing loop, on a fake clock ------------------------------------------------------
+
+
+class FakeClock:
+    """Time moves only when the fake model runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeProbe:
+    kind = "fake"
+    description = "fake"
+
+    def __init__(self) -> None:
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+
+    def stop(self) -> dict[str, int]:
+        return {"growth_bytes": 0}
+
+
+def fake_model(clock: FakeClock, ms_per_item: float, oom_from: int | None = None) -> tuple[sw.Forward, list[int]]:
+    calls: list[int] = []
+
+    def forward(batch: torch.Tensor) -> object:
+        size = batch.shape[0]
+        calls.append(size)
+        if oom_from is not None and size >= oom_from:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        clock.now += 0.001 + size * ms_per_item / 1000
+        return batch
+
+    return forward, calls
+
+
+def run(
+    sizes: Iterable[int], limits: Limits, ms_per_item: float = 1.0, oom_from: int | None = None
+) -> tuple[list[SizeResult], list[int]]:
+    clock = FakeClock()
+    forward, calls = fake_model(clock, ms_per_item, oom_from)
+    results = sw.sweep(forward, lambda n: torch.zeros(n, 1), list(sizes), FakeProbe(), limits, clock=clock)
+    return results, calls
+
+
+def test_each_size_gets_warm_up_then_its_timed_passes() -> None:
+    results, calls = run([1, 2], Limits(warmup=2, iterations=5, seconds_per_size=100))
+    assert calls == [1] * 7 + [2] * 7
+    assert [r.iterations for r in results] == [5, 5]
+    assert results[0].median_ms == pytest.approx(2.0)
+    assert results[1].throughput == pytest.approx(2 / 0.003)
+
+
+def test_the_time_budget_bounds_the_passes_but_never_below_one() -> None:
+    results, _ = run([1, 64], Limits(warmup=1, iterations=1000, seconds_per_size=0.01), ms_per_item=1.0)
+    assert results[0].iterations == 5  # 2 ms a pass, 10 ms budget
+    assert results[1].iterations == 1  # one pass already overruns the budget
+
+
+def test_an_out_of_memory_is_recorded_and_ends_the_sweep() -> None:
+    results, calls = run([1, 2, 4, 8, 16], Limits(warmup=1, iterations=3, seconds_per_size=1), oom_from=4)
+    assert [(r.batch_size, r.status) for r in results] == [(1, "ok"), (2, "ok"), (4, "oom")]
+    assert results[-1].error == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert 8 not in calls and 16 not in calls
+
+
+def test_process_memory_reads_rss_and_peak(tmp_path: Path) -> None:
+    status, clear_refs = tmp_path / "status", tmp_path / "clear_refs"
+    status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
+    probe = sw.ProcessMemory(status, clear_refs)
+    probe.start()
+    status.write_text("VmHWM:\t  4096 kB\nVmRSS:\t  1536 kB\n")
+    assert probe.stop() == {
+        "rss_before_bytes": 1024 * 1024,
+        "peak_rss_bytes": 4096 * 1024,
+        "rss_after_bytes": 1536 * 1024,
+        "growth_bytes": 3072 * 1024,
+    }
+    assert clear_refs.read_text() == "5"
+    probe = sw.ProcessMemory(status, tmp_path / "missing" / "clear_refs")
+    probe.start()
+    assert not probe.peak_resets and "could not be reset" in probe.description
+
+
+# ---- a real run on the bundled model -------------------------------------------------------
+
+
+def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repository = copy_repository(tmp_path)
+    out_json, out_png = tmp_path / "out" / "sweep.json", tmp_path / "out" / "sweep.png"
+    code = sw.main(
+        [
+            "--repository", str(repository), "--model", "digits", "--device", "cpu",
+            "--max-batch", "8", "--warmup", "1", "--iterations", "5", "--seconds-per-size", "0.2",
+            "--latency-budget-ms", "10000", "--out-json", str(out_json), "--out-png", str(out_png),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out_json.read_text())
+    assert (report["model"], report["version"], report["device"], report["dtype"]) == ("digits", "1", "cpu", "float32")
+    assert report["memory"]["kind"] == "process-rss"
+    assert [row["batch_size"] for row in report["sizes"]] == [1, 2, 4, 8]
+    for row in report["sizes"]:
+        assert row["status"] == "ok"
+        assert 1 <= row["iterations"] <= 5
+        assert 0 < row["min_ms"] <= row["median_ms"] <= row["p90_ms"]
+        assert row["throughput"] == pytest.approx(row["batch_size"] / row["median_ms"] * 1000)
+        assert set(row["memory"]) == {"rss_before_bytes", "peak_rss_bytes", "rss_after_bytes", "growth_bytes"}
+    rec = report["recommendation"]
+    assert rec["knee"] in (1, 2, 4, 8) and rec["max_batch"] == rec["knee"] and rec["reason"]
+    assert report["settings"]["max_batch"] == 8 and report["settings"]["latency_budget_ms"] == 10000
+
+    with Image.open(out_png) as image:
+        image.verify()
+    with Image.open(out_png) as image:
+        assert image.format == "PNG"
+        assert image.size == (report["plot"]["width"], report["plot"]["height"])
+
+    table = capsys.readouterr().out
+    assert "| batch | iters | median ms | p90 ms | items/s | RSS growth MiB | peak RSS MiB | note |" in table
+    assert f"recommended max batch: {rec['max_batch']}" in table
+
+
+def test_an_unknown_model_fails_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repository = copy_repository(tmp_path)
+    assert sw.main(["--repository", str(repository), "--model", "nope", "--out-json", str(tmp_path / "x.json")]) == 1
+    assert "model 'nope' is not in" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
