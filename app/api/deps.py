@@ -1,4 +1,8 @@
-"""Dependencies: the service from ``app.state``, and the request headers, validated."""
+"""Dependencies: the service from ``app.state``, and the request headers, validated.
+
+All ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread, a thread
+hop per dependency per request for work that takes microseconds.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,12 @@ from app.errors import BadRequest
 from app.service import InferenceService
 
 
-def get_service(request: Request) -> InferenceService:
+async def get_service(request: Request) -> InferenceService:
     service: InferenceService = request.app.state.service
     return service
 
 
-def get_lane(
+async def get_lane(
     request: Request,
     x_urgency: Annotated[
         str | None,
@@ -31,13 +35,13 @@ def get_lane(
     return lanes[value]
 
 
-def get_timeout_s(
+async def get_timeout_s(
     request: Request,
     x_request_timeout: Annotated[
         str | None, Header(description="milliseconds this request may take, at most server.max_timeout_ms")
     ] = None,
 ) -> float:
-    server = get_service(request).settings.server
+    server = (await get_service(request)).settings.server
     if x_request_timeout is None:
         return server.default_timeout_ms / 1000.0
     try:
@@ -52,7 +56,7 @@ def get_timeout_s(
     return millis / 1000.0
 
 
-def get_request_id(request: Request) -> str:
+async def get_request_id(request: Request) -> str:
     request_id: str = request.scope["state"]["request_id"]
     return request_id
 
