@@ -1,0 +1,40 @@
+"""Logs: one JSON object a line, the request id on each line of a request, never a payload."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from app.telemetry.logging import JsonFormatter, RequestIdFilter
+from tests.conftest import SettingsFactory
+from tests.support import b64, running_app, sample_png
+
+
+async def test_request_lines_are_json_with_the_request_id_and_no_payload(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = make_settings(logging={"access_log": True, "level": "DEBUG"})
+    image = sample_png(4)
+    encoded = b64(image)
+    caplog.handler.addFilter(RequestIdFilter())
+    async with running_app(settings) as running:
+        with caplog.at_level(logging.DEBUG):
+            ok = await running.client.post(
+                "/predict", json={"image_base64": encoded}, headers={"X-Request-ID": "log-check-1"}
+            )
+            bad = await running.client.post(
+                "/predict", json={"image_base64": encoded[:-3] + "!!!"}, headers={"X-Request-ID": "log-check-2"}
+            )
+    assert ok.status_code == 200 and bad.status_code == 400
+    formatter = JsonFormatter()
+    lines = [formatter.format(record) for record in caplog.records]
+    parsed = [json.loads(line) for line in lines]
+    access = [p for p in parsed if p["logger"] == "app.access"]
+    assert {(p["request_id"], p["status"]) for p in access} >= {("log-check-1", 200), ("log-check-2", 400)}
+    for entry in parsed:
+        assert {"timestamp", "level", "logger", "message", "request_id"} <= set(entry)
+    text = "\n".join(lines)
+    assert encoded[:64] not in text and encoded[-64:] not in text
+    assert repr(image[:32])[2:-1] not in text
