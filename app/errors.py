@@ -75,6 +75,19 @@ class DeadlineExceeded(Unavailable):
     code = "deadline_exceeded"
 
 
+class WouldMissDeadline(Unavailable):
+    """Refused at admission: the queue ahead, at the measured batch latency, outlasts the deadline."""
+
+    code = "would_miss_deadline"
+
+
+class DeviceUnavailable(Unavailable):
+    """The device keeps failing (e.g. out of memory at batch size 1) and no fallback is enabled."""
+
+    code = "device_unavailable"
+    retry_after_s = 5
+
+
 class Draining(Unavailable):
     code = "draining"
 
@@ -82,6 +95,20 @@ class Draining(Unavailable):
 class NotReady(Unavailable):
     code = "model_not_ready"
     retry_after_s = 5
+
+
+class Unauthorized(ServiceError):
+    """No credentials (401)."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(ServiceError):
+    """Wrong credentials (403)."""
+
+    status = 403
+    code = "forbidden"
 
 
 class BatchFailed(ServiceError):

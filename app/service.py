@@ -54,6 +54,7 @@ class ServedModel:
     name: str
     version: str
     model: LayeredModel
+    runner: ModelRunner
     batcher: DualWindowBatcher[torch.Tensor, TopK]
     load_s: float
 
@@ -110,6 +111,11 @@ class InferenceService:
     @property
     def ready(self) -> bool:
         return self.state is State.READY
+
+    @property
+    def degraded(self) -> bool:
+        """Some model is served by its CPU fallback after its device kept failing."""
+        return any(served.runner.degraded for served in self.models.values())
 
     async def start(self) -> None:
         """Load, self-check and warm every configured model, then start their batchers.
@@ -194,13 +200,34 @@ class InferenceService:
             time.perf_counter() - started,
             extra={"model": name, "version": version},
         )
-        runner = ModelRunner(model, self._device_thread, self.settings.server.max_top_k)
+        loop = asyncio.get_running_loop()
+        batchers: list[DualWindowBatcher[torch.Tensor, TopK]] = []
+
+        def on_pressure(size: int) -> None:  # called on the device thread
+            loop.call_soon_threadsafe(batchers[0].lower_ceiling, size)
+
+        def cpu_fallback() -> LayeredModel:  # called on the device thread
+            fallback = LayeredModel.load(folder, model.manifest, torch.device("cpu"), torch.float32)
+            fallback.load_all_heads()
+            fallback.self_check()
+            self.metrics.model_info.labels(name, version, "cpu", "float32").set(1)
+            return fallback
+
+        runner = ModelRunner(
+            model,
+            self._device_thread,
+            self.settings.server.max_top_k,
+            on_pressure=on_pressure,
+            fallback=cpu_fallback if self.settings.model.cpu_fallback else None,
+            fallback_after=self.settings.model.fallback_after_failures,
+        )
         batcher: DualWindowBatcher[torch.Tensor, TopK] = DualWindowBatcher(
             runner, self._policy, observer=self.metrics.observer(name), name=name
         )
+        batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
-        return ServedModel(name, version, model, batcher, load_s)
+        return ServedModel(name, version, model, runner, batcher, load_s)
 
     def served(self, name: str | None) -> ServedModel:
         """The named model (or the default); 404 when unknown, 503 while not ready or draining."""
@@ -215,8 +242,13 @@ class InferenceService:
         return served
 
     async def predict(self, name: str | None, image: bytes, top_k: int, lane: Lane, timeout_s: float) -> Outcome:
-        """Decode ``image``, batch it, run it, and label the top ``top_k`` classes."""
+        """Decode ``image``, batch it, run it, and label the top ``top_k`` classes.
+
+        ``timeout_s`` is what is left of the request's deadline. Admission is checked before
+        decoding, so refusals under overload cost almost nothing, and again when queued.
+        """
         served = self.served(name)
+        served.batcher.admit(lane, timeout_s)
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         tensor = await loop.run_in_executor(

@@ -81,6 +81,12 @@ class ModelSettings(_Group):
     eager_heads: bool = Field(default=False, description="load every head at start instead of on first use")
     load_timeout_s: Positive = Field(default=30.0, description="a model load taking longer stops start-up")
     warmup: bool = Field(default=True, description="run batches up to the max batch size before ready")
+    cpu_fallback: bool = Field(
+        default=False, description="serve from the CPU in fp32 when the device keeps failing (health: degraded)"
+    )
+    fallback_after_failures: int = Field(
+        default=3, ge=1, le=1000, description="consecutive device failures before the CPU fallback takes over"
+    )
     min_free_memory_mb: int = Field(default=256, ge=0, description="/healthz fails below this device headroom")
     intra_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
     inter_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")

@@ -76,6 +76,7 @@ class Status(BaseModel):
 class ModelHealth(BaseModel):
     name: str
     version: str
+    device: str = Field(description="where it runs now: the configured device, or cpu after a fallback")
     loaded: bool
     batcher_running: bool
     queue_depth: dict[str, int]
@@ -89,7 +90,9 @@ class MemoryHealth(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "failing"]
+    status: Literal["ok", "degraded", "failing"] = Field(
+        description="degraded: serving, but from a CPU fallback after the device kept failing"
+    )
     state: str
     device: str
     dtype: str

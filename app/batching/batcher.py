@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +21,8 @@ from typing import Generic, TypeVar
 
 from app.batching.clock import Clock, MonotonicClock, Timer
 from app.batching.observer import BatchObserver, NullObserver
-from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, next_wakeup, plan_batch
-from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
+from app.batching.policy import BatchPlan, BatchPolicy, Lane, LanePolicy, LaneState, next_wakeup, plan_batch
+from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,11 @@ class DualWindowBatcher(Generic[P, R]):
         self._task: asyncio.Task[None] | None = None
         self._accepting = False
         self._flush = False
+        self._running = False
+        self._ceiling: int | None = None  # lowered under device memory pressure
+        self._calm_batches = 0
+        self.recovery_batches = 32  # successful batches before a lowered ceiling doubles again
+        self.batch_s: float | None = None  # moving estimate of one batch's run time
         self.batches = 0
 
     @property
@@ -114,6 +120,67 @@ class DualWindowBatcher(Generic[P, R]):
         """Takes effect from the next batch."""
         self._policy = policy
         self._wakeup.set()
+
+    @property
+    def ceiling(self) -> int | None:
+        """The batch size cap set by memory pressure, if any."""
+        return self._ceiling
+
+    def lower_ceiling(self, failed_size: int) -> None:
+        """A batch of ``failed_size`` ran out of device memory: cap batches below it."""
+        self._ceiling = max(1, min(failed_size // 2, self._ceiling or failed_size))
+        self._calm_batches = 0
+        log.warning("%s: batch ceiling lowered to %d after a failure at %d", self._name, self._ceiling, failed_size)
+
+    def _effective_policy(self) -> BatchPolicy:
+        if self._ceiling is None:
+            return self._policy
+        return BatchPolicy(
+            urgent=_capped(self._policy.urgent, self._ceiling),
+            normal=_capped(self._policy.normal, self._ceiling),
+            urgent_fill=self._policy.urgent_fill,
+        )
+
+    def _calm(self) -> None:
+        if self._ceiling is None:
+            return
+        self._calm_batches += 1
+        if self._calm_batches >= self.recovery_batches:
+            largest = max(self._policy.urgent.max_batch, self._policy.normal.max_batch)
+            self._ceiling = None if self._ceiling * 2 >= largest else self._ceiling * 2
+            self._calm_batches = 0
+            log.info("%s: batch ceiling raised to %s", self._name, self._ceiling or "the policy's max")
+
+    def predicted_wait(self, lane: Lane) -> float | None:
+        """Seconds until a request submitted now to ``lane`` would be answered, if known.
+
+        The requests ahead (urgent ones are ahead of everything), in batches, plus the batch
+        running now, times the measured batch latency, plus the lane's window.
+        """
+        if self.batch_s is None:
+            return None
+        policy = self._effective_policy()
+        ahead = self.depth(Lane.URGENT) + (self.depth(Lane.NORMAL) if lane is Lane.NORMAL else 0)
+        batches = ahead // policy.lane(lane).max_batch + 1 + (1 if self._running else 0)
+        return policy.lane(lane).window_s + batches * self.batch_s
+
+    def admit(self, lane: Lane, timeout_s: float) -> None:
+        """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach."""
+        if not self._accepting:
+            raise Draining("the service is shutting down")
+        if timeout_s <= 0:
+            self._observer.on_rejected(lane, "deadline_exceeded")
+            raise DeadlineExceeded("the request's deadline passed before it was queued")
+        if self._queues[lane].waiting >= self._policy.lane(lane).max_queue:
+            self._observer.on_rejected(lane, "queue_full")
+            raise QueueFull(f"the {lane.value} queue is full")
+        wait = self.predicted_wait(lane)
+        if wait is not None and wait > timeout_s:
+            self._observer.on_rejected(lane, "would_miss_deadline")
+            raise WouldMissDeadline(
+                f"predicted wait {wait * 1000:.0f} ms exceeds the deadline of {timeout_s * 1000:.0f} ms",
+                retry_after_s=max(1, math.ceil(wait)),
+            )
 
     @property
     def running(self) -> bool:
@@ -135,12 +202,8 @@ class DualWindowBatcher(Generic[P, R]):
         when ``timeout_s`` passes before the batch runs, ``Draining`` once closing began.
         Cancelling the caller cancels the request: it leaves the queue uncomputed.
         """
-        if not self._accepting:
-            raise Draining("the service is shutting down")
+        self.admit(lane, timeout_s)
         queue = self._queues[lane]
-        if queue.waiting >= self._policy.lane(lane).max_queue:
-            self._observer.on_rejected(lane, "queue_full")
-            raise QueueFull(f"the {lane.value} queue is full")
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
         item: _Pending[P, R] = _Pending(payload, lane, now, future)
@@ -172,13 +235,13 @@ class DualWindowBatcher(Generic[P, R]):
         while True:
             self._wakeup.clear()
             u_state, n_state = urgent.state(), normal.state()
-            plan = plan_batch(u_state, n_state, self._policy, self._clock.now(), flush=self._flush)
+            plan = plan_batch(u_state, n_state, self._effective_policy(), self._clock.now(), flush=self._flush)
             if plan is not None:
                 await self._execute(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
                 continue
             if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0:
                 return
-            wake = next_wakeup(u_state, n_state, self._policy)
+            wake = next_wakeup(u_state, n_state, self._effective_policy())
             await self._clock.wait(self._wakeup, None if wake is None else wake - self._clock.now())
 
     async def _execute(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
@@ -186,6 +249,7 @@ class DualWindowBatcher(Generic[P, R]):
             return
         started = self._clock.now()
         self.batches += 1
+        self._running = True
         try:
             outputs = await self._runner([item.payload for item in batch])
             if len(outputs) != len(batch):
@@ -201,6 +265,8 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
+            self.batch_s = run_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * run_s
+            self._calm()
             self._report(plan, batch, started, run_s, ok=True)
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
@@ -208,12 +274,14 @@ class DualWindowBatcher(Generic[P, R]):
                         Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
                     )
             return
+        finally:
+            self._running = False
         self._report(plan, batch, started, self._clock.now() - started, ok=False)
         self._fail(batch, error)
 
     def _report(self, plan: BatchPlan, batch: Sequence[_Pending[P, R]], started: float, run_s: float, ok: bool) -> None:
         waits = [started - item.enqueued_at for item in batch]
-        capacity = self._policy.lane(plan.lane).max_batch
+        capacity = self._effective_policy().lane(plan.lane).max_batch
         self._observer.on_batch(plan.lane, len(batch), capacity, waits, run_s, ok)
 
     @staticmethod
@@ -238,3 +306,8 @@ class DualWindowBatcher(Generic[P, R]):
         finally:
             for queue in self._queues.values():
                 self._fail(queue.take(queue.waiting), Draining("the service shut down before this request ran"))
+
+
+def _capped(lane: LanePolicy, ceiling: int) -> LanePolicy:
+    size = min(lane.max_batch, ceiling)
+    return LanePolicy(lane.window_s, size, max(lane.max_queue, size))

@@ -110,6 +110,7 @@ async def test_health_report_when_ready(make_settings: SettingsFactory) -> None:
                 {
                     "name": MODEL_NAME,
                     "version": "1",
+                    "device": "cpu",
                     "loaded": True,
                     "batcher_running": True,
                     "queue_depth": {"urgent": 0, "normal": 0},

@@ -45,6 +45,7 @@ async def healthz(service: Service) -> JSONResponse:
         ModelHealth(
             name=s.name,
             version=s.version,
+            device=str(s.runner.model.device),
             loaded=True,
             batcher_running=s.batcher.running,
             queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
@@ -56,7 +57,7 @@ async def healthz(service: Service) -> JSONResponse:
     )
     healthy = service.ready and memory.ok and bool(models) and all(m.batcher_running for m in models)
     report = HealthResponse(
-        status="ok" if healthy else "failing",
+        status=("degraded" if service.degraded else "ok") if healthy else "failing",
         state=service.state.value,
         device=str(service.device),
         dtype=dtype_name(service.dtype),

@@ -53,7 +53,8 @@ async def _predict(
     top_k = body.top_k or query_top_k or server.default_top_k
     if top_k > min(server.max_top_k, len(served.labels)):
         raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
-    outcome = await unless_disconnected(request, service.predict(served.name, body.image, top_k, lane, timeout_s))
+    remaining = timeout_s - (time.perf_counter() - request.scope["state"]["started"])
+    outcome = await unless_disconnected(request, service.predict(served.name, body.image, top_k, lane, remaining))
     return _response(outcome, request_id, request.scope["state"]["started"])
 
 
