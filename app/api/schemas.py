@@ -79,6 +79,7 @@ class ModelHealth(BaseModel):
     device: str = Field(description="where it runs now: the configured device, or cpu after a fallback")
     loaded: bool
     batcher_running: bool
+    device_failures: int = Field(description="consecutive batches the device failed; the check fails at the limit")
     queue_depth: dict[str, int]
 
 

@@ -266,8 +266,8 @@ class DualWindowBatcher(Generic[P, R]):
         else:
             run_s = self._clock.now() - started
             self.batch_s = run_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * run_s
-            self._calm()
             self._report(plan, batch, started, run_s, ok=True)
+            self._calm()
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
                     item.future.set_result(

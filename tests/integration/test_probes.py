@@ -113,6 +113,7 @@ async def test_health_report_when_ready(make_settings: SettingsFactory) -> None:
                     "device": "cpu",
                     "loaded": True,
                     "batcher_running": True,
+                    "device_failures": 0,
                     "queue_depth": {"urgent": 0, "normal": 0},
                 }
             ],

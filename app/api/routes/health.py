@@ -48,6 +48,7 @@ async def healthz(service: Service) -> JSONResponse:
             device=str(s.runner.model.device),
             loaded=True,
             batcher_running=s.batcher.running,
+            device_failures=s.runner.failures,
             queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
         )
         for s in service.models.values()
@@ -55,7 +56,13 @@ async def healthz(service: Service) -> JSONResponse:
     memory = MemoryHealth(
         free_bytes=free.free, total_bytes=free.total, min_free_bytes=min_free, ok=free.free >= min_free
     )
-    healthy = service.ready and memory.ok and bool(models) and all(m.batcher_running for m in models)
+    failure_limit = service.settings.model.fallback_after_failures
+    healthy = (
+        service.ready
+        and memory.ok
+        and bool(models)
+        and all(m.batcher_running and m.device_failures < failure_limit for m in models)
+    )
     report = HealthResponse(
         status=("degraded" if service.degraded else "ok") if healthy else "failing",
         state=service.state.value,

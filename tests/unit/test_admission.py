@@ -1,0 +1,111 @@
+"""Admission and pressure in the batcher: predicted-wait refusals, deadlines, the batch ceiling."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.errors import DeadlineExceeded, WouldMissDeadline
+from tests.unit.fakes import FakeClock, FakeRunner, settle
+
+MS = 0.001
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rejected: list[tuple[Lane, str]] = []
+        self.batches: list[tuple[Lane, int, int]] = []
+
+    def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
+        self.batches.append((lane, size, capacity))
+
+    def on_rejected(self, lane: Lane, reason: str) -> None:
+        self.rejected.append((lane, reason))
+
+    def on_dropped(self, lane: Lane, reason: str) -> None:
+        pass
+
+
+def make(
+    max_batch: int = 4, max_queue: int = 64
+) -> tuple[DualWindowBatcher[int, int], FakeClock, FakeRunner, Recorder]:
+    clock, runner, recorder = FakeClock(), FakeRunner(), Recorder()
+    policy = BatchPolicy(LanePolicy(2 * MS, max_batch, max_queue), LanePolicy(25 * MS, max_batch, max_queue))
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, observer=recorder)
+    batcher.start()
+    return batcher, clock, runner, recorder
+
+
+async def run_one_timed_batch(batcher: DualWindowBatcher[int, int], clock: FakeClock, runner: FakeRunner) -> None:
+    """One full batch that takes 100 ms of (fake) device time: the batcher learns its latency."""
+    runner.gate = asyncio.Event()
+    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await settle()
+    await clock.advance(100 * MS)
+    runner.gate.set()
+    await asyncio.gather(*tasks)
+    runner.gate = None
+
+
+async def test_no_estimate_admits_everything() -> None:
+    batcher, _, _, recorder = make()
+    assert batcher.predicted_wait(Lane.NORMAL) is None
+    batcher.admit(Lane.NORMAL, 0.001)
+    assert recorder.rejected == []
+    await batcher.close(0)
+
+
+async def test_a_request_that_would_miss_its_deadline_is_refused_at_once() -> None:
+    batcher, clock, runner, recorder = make()
+    await run_one_timed_batch(batcher, clock, runner)
+    assert batcher.batch_s == pytest.approx(0.1)
+    runner.gate = asyncio.Event()
+    queued = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]
+    await settle()  # one batch of 4 runs (gated), 8 wait: two more batches, then ours
+    wait = batcher.predicted_wait(Lane.NORMAL)
+    assert wait == pytest.approx(0.025 + (8 // 4 + 1 + 1) * 0.1)
+    with pytest.raises(WouldMissDeadline) as refused:
+        await batcher.submit(99, Lane.NORMAL, 0.3)
+    assert refused.value.retry_after_s == 1
+    assert recorder.rejected == [(Lane.NORMAL, "would_miss_deadline")]
+    accepted = asyncio.ensure_future(batcher.submit(100, Lane.NORMAL, 1.0))
+    urgent_wait = batcher.predicted_wait(Lane.URGENT)
+    assert urgent_wait is not None and urgent_wait < wait, "urgent requests only wait for urgent ones"
+    runner.gate.set()
+    await clock.advance(1.0)
+    await asyncio.gather(accepted, *queued)
+    await batcher.close(0)
+
+
+async def test_a_deadline_already_spent_is_refused_before_queueing() -> None:
+    batcher, _, runner, recorder = make()
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit(1, Lane.URGENT, 0.0)
+    assert recorder.rejected == [(Lane.URGENT, "deadline_exceeded")]
+    assert batcher.depth(Lane.URGENT) == 0 and runner.batches == []
+    await batcher.close(0)
+
+
+async def test_memory_pressure_caps_batches_until_enough_calm_batches() -> None:
+    batcher, clock, runner, recorder = make(max_batch=8)
+    batcher.recovery_batches = 2
+    batcher.lower_ceiling(8)
+    assert batcher.ceiling == 4
+    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(8)]
+    await settle()
+    assert [len(b) for b in runner.batches] == [4, 4], "full at the ceiling, not at the policy's 8"
+    assert [capacity for _, _, capacity in recorder.batches] == [4, 4]
+    await asyncio.gather(*tasks)
+    assert batcher.ceiling is None, "two calm batches: 4 doubles to 8, the policy's max"
+    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(8)]
+    await settle()
+    assert len(runner.batches[-1]) == 8
+    await asyncio.gather(*tasks)
+    batcher.lower_ceiling(3)
+    assert batcher.ceiling == 1
+    batcher.lower_ceiling(1)
+    assert batcher.ceiling == 1, "never below one"
+    await batcher.close(0)
