@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI
 
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.openapi import install_openapi
-from app.api.routes import health, models, predict
+from app.api.routes import admin, health, models, predict
 from app.api.routes import metrics as metrics_route
+from app.policy import PolicyManager
 from app.service import InferenceService
 from app.settings import Settings, load_settings
 from app.telemetry.metrics import Metrics
@@ -30,6 +32,32 @@ FatalHandler = Callable[[str], None]
 
 def _log_fatal(message: str) -> None:
     log.critical("start-up failed: %s", message)
+
+
+def _admin_token(settings: Settings) -> bytes:
+    admin = settings.admin
+    if admin.token is not None:
+        return admin.token.get_secret_value().encode()
+    assert admin.token_file is not None
+    token = admin.token_file.read_text(encoding="utf-8").strip()
+    if len(token) < 16:
+        raise ValueError(f"admin.token_file {admin.token_file} holds fewer than 16 characters")
+    return token.encode()
+
+
+@contextlib.contextmanager
+def _on_sighup(handler: Callable[[], object]) -> Iterator[None]:
+    """Reload on SIGHUP while serving, where signals can be handled (the main thread, POSIX)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, handler)
+    except (RuntimeError, ValueError, NotImplementedError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
 
 
 def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None = None) -> FastAPI:
@@ -49,16 +77,25 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
             except Exception as exc:
                 fatal(str(exc))
 
+        if settings.admin.enabled:
+            app.state.admin_token = await asyncio.to_thread(_admin_token, settings)
+        policy = PolicyManager(settings, service.set_policy)
+        app.state.policy = policy
         starting = asyncio.create_task(start(), name="model-start")
         app.state.starting = starting
-        try:
-            yield
-        finally:
-            if not starting.done():
-                starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-            await service.close(settings.server.shutdown_grace_s)
+        background = [starting]
+        if settings.admin.config_watch_s > 0:
+            background.append(asyncio.create_task(policy.watch(settings.admin.config_watch_s), name="config-watch"))
+        with _on_sighup(lambda: asyncio.ensure_future(asyncio.to_thread(policy.reload))):
+            try:
+                yield
+            finally:
+                for task in background:
+                    task.cancel()
+                for task in background:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                await service.close(settings.server.shutdown_grace_s)
 
     app = FastAPI(
         title="ai-backend",
@@ -73,4 +110,6 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
     app.add_middleware(RequestContextMiddleware, metrics=metrics, access_log=settings.logging.access_log)
     for router in (predict.router, models.router, health.router, metrics_route.router):
         app.include_router(router)
+    if settings.admin.enabled:
+        app.include_router(admin.router)
     return app

@@ -229,6 +229,12 @@ class InferenceService:
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
         return ServedModel(name, version, model, runner, batcher, load_s)
 
+    def set_policy(self, batching: BatchingSettings) -> None:
+        """Every batcher takes the new policy from its next batch."""
+        self._policy = batch_policy(batching)
+        for served in self.models.values():
+            served.batcher.set_policy(self._policy)
+
     def served(self, name: str | None) -> ServedModel:
         """The named model (or the default); 404 when unknown, 503 while not ready or draining."""
         if self.state in (State.DRAINING, State.STOPPED):

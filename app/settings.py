@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -126,6 +126,25 @@ class BatchingSettings(_Group):
         return self
 
 
+class AdminSettings(_Group):
+    """The admin API (runtime policy; later, model lifecycle), behind a bearer token."""
+
+    enabled: bool = Field(default=False, description="mount /admin; needs a token")
+    token: SecretStr | None = Field(default=None, description="bearer token for /admin (prefer token_file)")
+    token_file: Path | None = Field(default=None, description="file holding the bearer token")
+    config_watch_s: float = Field(
+        default=2.0, ge=0, description="poll the config file this often and apply batching changes (0: off)"
+    )
+
+    @model_validator(mode="after")
+    def _token_when_enabled(self) -> AdminSettings:
+        if self.enabled and self.token is None and self.token_file is None:
+            raise ValueError("admin.enabled needs admin.token or admin.token_file")
+        if self.token is not None and len(self.token.get_secret_value()) < 16:
+            raise ValueError("admin.token must be at least 16 characters")
+        return self
+
+
 class LoggingSettings(_Group):
     """Log level and format (one JSON object a line, or plain text for a terminal)."""
 
@@ -147,6 +166,7 @@ class Settings(BaseSettings):
     server: ServerSettings = ServerSettings()
     model: ModelSettings = ModelSettings()
     batching: BatchingSettings = BatchingSettings()
+    admin: AdminSettings = AdminSettings()
     logging: LoggingSettings = LoggingSettings()
 
     @model_validator(mode="after")
