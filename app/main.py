@@ -14,6 +14,8 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
@@ -24,10 +26,12 @@ from app.policy import PolicyManager
 from app.service import InferenceService
 from app.settings import Settings, load_settings
 from app.telemetry.metrics import Metrics
+from app.telemetry.tracing import build_tracer_provider
 
 log = logging.getLogger(__name__)
 
 FatalHandler = Callable[[str], None]
+UNTRACED_PATHS = "/livez,/readyz,/healthz,/metrics"  # probes and scrapes make no spans
 
 
 def _log_fatal(message: str) -> None:
@@ -60,15 +64,23 @@ def _on_sighup(handler: Callable[[], object]) -> Iterator[None]:
         loop.remove_signal_handler(signal.SIGHUP)
 
 
-def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None = None) -> FastAPI:
-    """Build the ASGI app for ``settings`` (read from the environment and config/ when omitted)."""
+def create_app(
+    settings: Settings | None = None,
+    on_fatal: FatalHandler | None = None,
+    span_exporter: SpanExporter | None = None,
+) -> FastAPI:
+    """Build the ASGI app for ``settings`` (read from the environment and config/ when omitted).
+
+    ``span_exporter`` replaces the configured one (tests pass an in-memory exporter).
+    """
     settings = settings or load_settings()
     fatal = on_fatal or _log_fatal
     metrics = Metrics()
+    tracer_provider, _ = build_tracer_provider(settings.telemetry, span_exporter, metrics.dropped_spans.inc)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service = InferenceService(settings, metrics)
+        service = InferenceService(settings, metrics, tracer_provider.get_tracer("app.service"))
         app.state.service = service
 
         async def start() -> None:
@@ -96,6 +108,7 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
                 await service.close(settings.server.shutdown_grace_s)
+                await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take
 
     app = FastAPI(
         title="ai-backend",
@@ -105,6 +118,7 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.tracer_provider = tracer_provider
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, access_log=settings.logging.access_log)
@@ -112,4 +126,7 @@ def create_app(settings: Settings | None = None, on_fatal: FatalHandler | None =
         app.include_router(router)
     if settings.admin.enabled:
         app.include_router(admin.router)
+    FastAPIInstrumentor.instrument_app(
+        app, tracer_provider=tracer_provider, excluded_urls=UNTRACED_PATHS, exclude_spans=["receive", "send"]
+    )
     return app

@@ -15,11 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.errors import Draining, NotFound, NotReady
 from app.inference import preprocess
 from app.inference.device import DeviceThread, Memory, dtype_name, memory, resolve_device, resolve_dtype
+from app.inference.jobs import Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.postprocess import Prediction, TopK, label
 from app.inference.repository import ModelEntry, Repository
@@ -55,7 +58,7 @@ class ServedModel:
     version: str
     model: LayeredModel
     runner: ModelRunner
-    batcher: DualWindowBatcher[torch.Tensor, TopK]
+    batcher: DualWindowBatcher[Job, TopK]
     load_s: float
 
     @property
@@ -80,9 +83,10 @@ class Outcome:
 class InferenceService:
     """Everything between a validated request and its answer."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, tracer: trace.Tracer | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.tracer = tracer or trace.NoOpTracer()
         self.state = State.STARTING
         self.failure: str | None = None
         self.device = resolve_device(settings.model.device)
@@ -201,7 +205,7 @@ class InferenceService:
             extra={"model": name, "version": version},
         )
         loop = asyncio.get_running_loop()
-        batchers: list[DualWindowBatcher[torch.Tensor, TopK]] = []
+        batchers: list[DualWindowBatcher[Job, TopK]] = []
 
         def on_pressure(size: int) -> None:  # called on the device thread
             loop.call_soon_threadsafe(batchers[0].lower_ceiling, size)
@@ -221,8 +225,9 @@ class InferenceService:
             fallback=cpu_fallback if self.settings.model.cpu_fallback else None,
             fallback_after=self.settings.model.fallback_after_failures,
         )
-        batcher: DualWindowBatcher[torch.Tensor, TopK] = DualWindowBatcher(
-            runner, self._policy, observer=self.metrics.observer(name), name=name
+        traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype))
+        batcher: DualWindowBatcher[Job, TopK] = DualWindowBatcher(
+            traced, self._policy, observer=self.metrics.observer(name), name=name
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
@@ -247,26 +252,45 @@ class InferenceService:
             raise NotFound(f"no model named {name!r}", code="model_not_found")
         return served
 
-    async def predict(self, name: str | None, image: bytes, top_k: int, lane: Lane, timeout_s: float) -> Outcome:
+    async def predict(
+        self, name: str | None, image: bytes, top_k: int, lane: Lane, timeout_s: float, request_id: str = ""
+    ) -> Outcome:
         """Decode ``image``, batch it, run it, and label the top ``top_k`` classes.
 
         ``timeout_s`` is what is left of the request's deadline. Admission is checked before
         decoding, so refusals under overload cost almost nothing, and again when queued.
+        Each stage is a span under the caller's (the HTTP request's) span.
         """
         served = self.served(name)
         served.batcher.admit(lane, timeout_s)
+        ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        tensor = await loop.run_in_executor(
-            self._pool, preprocess.decode, image, served.model.manifest.input, self._limits
-        )
+        with self.tracer.start_as_current_span("preprocess", attributes=ids):
+            tensor = await asyncio.get_running_loop().run_in_executor(
+                self._pool, preprocess.decode, image, served.model.manifest.input, self._limits
+            )
         preprocessed = time.perf_counter()
-        remaining = timeout_s - (preprocessed - started)
-        done = await served.batcher.submit(tensor, lane, remaining)
+        job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context())
+        queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})
+        try:
+            done = await served.batcher.submit(job, lane, timeout_s - (preprocessed - started))
+        except BaseException as exc:
+            queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            queue_span.end()
+            raise
+        dispatched_ns = time.time_ns() - int(done.run_s * 1e9)
+        queue_span.end(end_time=dispatched_ns)
+        self.tracer.start_span(
+            "inference",
+            start_time=dispatched_ns,
+            attributes={**ids, "batch.size": done.batch_size, "batch.lane": done.batch_lane.value},
+        ).end()
+        with self.tracer.start_as_current_span("postprocess", attributes=ids):
+            predictions = label(done.output, served.labels, top_k)
         return Outcome(
             served.name,
             served.version,
-            label(done.output, served.labels, top_k),
+            predictions,
             lane,
             done.batch_size,
             preprocessed - started,

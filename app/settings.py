@@ -145,6 +145,21 @@ class AdminSettings(_Group):
         return self
 
 
+class TelemetrySettings(_Group):
+    """Tracing. The OTLP exporters also read the standard ``OTEL_EXPORTER_OTLP_*`` variables."""
+
+    service_name: str = Field(default="ai-backend", description="service.name on every span")
+    exporter: Literal["none", "console", "otlp_grpc", "otlp_http"] = Field(default="none", description="where spans go")
+    endpoint: str | None = Field(
+        default=None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)"
+    )
+    sampling_ratio: float = Field(default=1.0, ge=0, le=1, description="parent-based ratio sampler")
+    max_queue: int = Field(default=2048, ge=1, le=1_000_000, description="spans waiting for export; more are dropped")
+    batch_size: int = Field(default=256, ge=1, le=65536, description="spans per export call")
+    schedule_delay_ms: float = Field(default=1000.0, gt=0, description="longest wait before an export")
+    export_timeout_s: float = Field(default=5.0, gt=0, description="one export call's timeout")
+
+
 class LoggingSettings(_Group):
     """Log level and format (one JSON object a line, or plain text for a terminal)."""
 
@@ -167,6 +182,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     batching: BatchingSettings = BatchingSettings()
     admin: AdminSettings = AdminSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
     logging: LoggingSettings = LoggingSettings()
 
     @model_validator(mode="after")

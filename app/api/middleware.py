@@ -13,6 +13,7 @@ import re
 import time
 import uuid
 
+from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.telemetry.logging import request_id_var
@@ -55,6 +56,10 @@ class RequestContextMiddleware:
         scope["state"]["started"] = started
         token = request_id_var.set(request_id)
         status = 0
+        span = trace.get_current_span()  # the HTTP server span, when tracing is on
+        span.set_attribute("request.id", request_id)
+        context = span.get_span_context()
+        trace_header = [(b"x-trace-id", format(context.trace_id, "032x").encode())] if context.is_valid else []
         self.metrics.in_flight.inc()
 
         async def send_with_id(message: Message) -> None:
@@ -62,7 +67,7 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode()), *trace_header]
             await send(message)
 
         try:

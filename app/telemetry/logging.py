@@ -14,6 +14,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from opentelemetry import trace
+
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 # attributes every LogRecord has; anything else was passed through ``extra=`` and is a field
@@ -26,11 +28,15 @@ _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
 
 
 class RequestIdFilter(logging.Filter):
-    """Stamps the current request id onto each record."""
+    """Stamps the current request id, trace id and span id onto each record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
             record.request_id = request_id_var.get()
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid and not hasattr(record, "trace_id"):
+            record.trace_id = format(context.trace_id, "032x")
+            record.span_id = format(context.span_id, "016x")
         return True
 
 

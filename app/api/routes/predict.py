@@ -54,7 +54,9 @@ async def _predict(
     if top_k > min(server.max_top_k, len(served.labels)):
         raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
     remaining = timeout_s - (time.perf_counter() - request.scope["state"]["started"])
-    outcome = await unless_disconnected(request, service.predict(served.name, body.image, top_k, lane, remaining))
+    outcome = await unless_disconnected(
+        request, service.predict(served.name, body.image, top_k, lane, remaining, request_id)
+    )
     return _response(outcome, request_id, request.scope["state"]["started"])
 
 

@@ -1,0 +1,50 @@
+"""What rides in a batch, and the batch runner that traces each batch.
+
+The batcher is generic over its payload; the service sends ``Job``s, which carry the image
+and what a trace needs (the request's span context and id). ``TracedRunner`` wraps the
+model runner: one ``batch`` span per batch, linked to every member request's span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext
+
+from app.batching import Lane
+from app.inference.postprocess import TopK
+from app.inference.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Job:
+    image: torch.Tensor
+    lane: Lane
+    request_id: str
+    span_context: SpanContext | None
+
+
+class TracedRunner:
+    """The batcher's runner: one ``batch`` span around the model runner."""
+
+    def __init__(self, runner: ModelRunner, tracer: trace.Tracer, model: str, version: str, dtype: str) -> None:
+        self.runner = runner
+        self._tracer = tracer
+        self._attributes = {"model.name": model, "model.version": version, "model.dtype": dtype}
+
+    async def __call__(self, jobs: Sequence[Job]) -> list[TopK]:
+        links = [Link(job.span_context) for job in jobs if job.span_context is not None and job.span_context.is_valid]
+        lane = Lane.URGENT if any(job.lane is Lane.URGENT for job in jobs) else Lane.NORMAL
+        attributes = {
+            **self._attributes,
+            "batch.size": len(jobs),
+            "batch.lane": lane.value,
+            "device": str(self.runner.model.device),
+            "request.ids": [job.request_id for job in jobs],
+        }
+        # the context manager records an exception and marks the span as failed
+        with self._tracer.start_as_current_span("batch", links=links, attributes=attributes):
+            return await self.runner([job.image for job in jobs])

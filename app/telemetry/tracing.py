@@ -1,0 +1,154 @@
+"""Tracing: a tracer provider per app, and an exporter that can never slow a request.
+
+Ended spans go into a bounded queue; one daemon thread exports them in batches. When the
+collector is slow, down or a black hole, the queue fills and further spans are dropped
+and counted (``ai_backend_dropped_spans_total``), instead of blocking the request path
+or growing memory. Shutdown flushes what it can within a bounded time.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+from app.settings import TelemetrySettings
+
+log = logging.getLogger(__name__)
+
+
+class BoundedSpanProcessor(SpanProcessor):
+    """Queue ended spans (bounded, drop-and-count when full); export them off the request path."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        *,
+        max_queue: int = 2048,
+        batch_size: int = 256,
+        schedule_delay_s: float = 1.0,
+        on_drop: Callable[[int], None] = lambda count: None,
+    ) -> None:
+        self._exporter = exporter
+        self._max_queue = max_queue
+        self._batch_size = batch_size
+        self._delay = schedule_delay_s
+        self._on_drop = on_drop
+        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._last_error_log = 0.0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._work, name="span-export", daemon=True)
+        self._thread.start()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.context is None or not span.context.trace_flags.sampled or self._stopping:
+            return
+        with self._lock:
+            if len(self._queue) >= self._max_queue:
+                self.dropped += 1
+                full = True
+            else:
+                self._queue.append(span)
+                full = False
+                ready = len(self._queue) >= self._batch_size
+        if full:
+            self._on_drop(1)
+        elif ready:
+            self._wake.set()
+
+    def _take(self) -> list[ReadableSpan]:
+        with self._lock:
+            count = min(self._batch_size, len(self._queue))
+            return [self._queue.popleft() for _ in range(count)]
+
+    def _export(self, batch: Sequence[ReadableSpan]) -> None:
+        try:
+            result = self._exporter.export(batch)
+        except Exception as exc:  # a broken collector must not kill the export thread
+            result = SpanExportResult.FAILURE
+            error: object = exc
+        else:
+            error = "exporter reported failure"
+        if result is not SpanExportResult.SUCCESS and time.monotonic() - self._last_error_log > 60:
+            self._last_error_log = time.monotonic()
+            log.warning("span export failed (%s); %d spans dropped so far", error, self.dropped)
+
+    def _work(self) -> None:
+        while not self._stopping:
+            self._wake.wait(self._delay)
+            self._wake.clear()
+            while batch := self._take():
+                self._export(batch)
+                if self._stopping:
+                    return
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        deadline = time.monotonic() + timeout_millis / 1000
+        while time.monotonic() < deadline:
+            batch = self._take()
+            if not batch:
+                return True
+            self._export(batch)
+        return False
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=1.0)
+        self.force_flush(2_000)
+        self._exporter.shutdown()
+
+
+def make_exporter(settings: TelemetrySettings) -> SpanExporter | None:
+    """The configured exporter; OTLP endpoints default to the standard ``OTEL_*`` variables."""
+    timeout = settings.export_timeout_s
+    if settings.exporter == "none":
+        return None
+    if settings.exporter == "console":
+        return ConsoleSpanExporter()
+    if settings.exporter == "otlp_grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=settings.endpoint, insecure=True, timeout=timeout)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    endpoint = settings.endpoint.rstrip("/") + "/v1/traces" if settings.endpoint else None
+    return HttpExporter(endpoint=endpoint, timeout=timeout)
+
+
+def build_tracer_provider(
+    settings: TelemetrySettings,
+    exporter: SpanExporter | None = None,
+    on_drop: Callable[[int], None] = lambda count: None,
+) -> tuple[TracerProvider, BoundedSpanProcessor | None]:
+    """A provider with a parent-based ratio sampler and (unless ``none``) the bounded processor."""
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": settings.service_name}),
+        sampler=ParentBased(TraceIdRatioBased(settings.sampling_ratio)),
+    )
+    exporter = exporter or make_exporter(settings)
+    if exporter is None:
+        return provider, None
+    processor = BoundedSpanProcessor(
+        exporter,
+        max_queue=settings.max_queue,
+        batch_size=settings.batch_size,
+        schedule_delay_s=settings.schedule_delay_ms / 1000,
+        on_drop=on_drop,
+    )
+    provider.add_span_processor(processor)
+    return provider, processor

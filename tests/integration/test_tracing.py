@@ -1,0 +1,108 @@
+"""Spans under real concurrency: stages per request, one batch span linked to its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+from asgi_lifespan import LifespanManager
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from app.main import create_app
+from tests.conftest import SettingsFactory
+from tests.support import sample_png, state_per_request
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+
+@contextlib.asynccontextmanager
+async def traced_app(settings) -> AsyncIterator[tuple[httpx.AsyncClient, InMemorySpanExporter, object]]:  # type: ignore[no-untyped-def]
+    exporter = InMemorySpanExporter()
+    app = create_app(settings, span_exporter=exporter)
+    async with LifespanManager(state_per_request(app)) as manager:
+        await app.state.starting
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client, exporter, app.state.tracer_provider
+
+
+async def test_a_batch_span_links_every_request_span_and_each_request_has_its_stages(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 16}},
+        telemetry={"exporter": "console"},  # replaced by the in-memory exporter
+    )
+    async with traced_app(settings) as (client, exporter, provider):
+        ids = [f"req-{i}" for i in range(4)]
+        responses = await asyncio.gather(
+            *(
+                client.post(
+                    "/predict",
+                    content=sample_png(i),
+                    headers={"Content-Type": "image/png", "X-Request-ID": rid},
+                )
+                for i, rid in enumerate(ids)
+            )
+        )
+        assert [r.status_code for r in responses] == [200] * 4
+        await client.get("/healthz")
+        await client.get("/readyz")
+        await client.get("/metrics")
+        provider.force_flush()  # type: ignore[attr-defined]
+    spans = exporter.get_finished_spans()
+    batches = [s for s in spans if s.name == "batch"]
+    assert len(batches) == 1
+    batch = batches[0]
+    assert batch.attributes["batch.size"] == 4 and batch.attributes["batch.lane"] == "normal"
+    assert batch.attributes["model.name"] == "digits" and batch.attributes["model.dtype"] == "float32"
+    assert sorted(batch.attributes["request.ids"]) == ids
+    servers = {s.attributes["request.id"]: s for s in spans if s.kind.name == "SERVER"}
+    assert set(servers) == set(ids), "probes, readiness and scrapes make no spans"
+    linked = {link.context.span_id for link in batch.links}
+    assert linked == {s.context.span_id for s in servers.values()}
+    for rid, server in servers.items():
+        stages = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == server.context.span_id}
+        assert {"preprocess", "queue", "inference", "postprocess"} <= set(stages), (rid, sorted(stages))
+        for stage in ("preprocess", "queue", "inference", "postprocess"):
+            assert stages[stage].attributes["request.id"] == rid
+            assert stages[stage].context.trace_id == server.context.trace_id
+        assert stages["queue"].end_time <= stages["inference"].end_time
+    for response, rid in zip(responses, ids, strict=True):
+        assert response.headers["x-trace-id"] == format(servers[rid].context.trace_id, "032x")
+
+
+async def test_an_incoming_traceparent_is_continued(make_settings: SettingsFactory) -> None:
+    settings = make_settings(telemetry={"exporter": "console"})
+    async with traced_app(settings) as (client, exporter, provider):
+        response = await client.post(
+            "/predict", content=sample_png(2), headers={"Content-Type": "image/png", "traceparent": PARENT}
+        )
+        assert response.status_code == 200
+        assert response.headers["x-trace-id"] == TRACE_ID
+        provider.force_flush()  # type: ignore[attr-defined]
+    server = next(s for s in exporter.get_finished_spans() if s.kind.name == "SERVER")
+    assert format(server.context.trace_id, "032x") == TRACE_ID
+    assert server.parent is not None and format(server.parent.span_id, "016x") == "00f067aa0ba902b7"
+
+
+async def test_a_failed_request_marks_its_queue_span(make_settings: SettingsFactory) -> None:
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 16}},
+        telemetry={"exporter": "console"},
+    )
+    async with traced_app(settings) as (client, exporter, provider):
+        response = await client.post(
+            "/predict",
+            content=sample_png(2),
+            headers={"Content-Type": "image/png", "X-Request-Timeout": "100", "X-Request-ID": "late-1"},
+        )
+        assert response.status_code == 503
+        provider.force_flush()  # type: ignore[attr-defined]
+    queue = next(s for s in exporter.get_finished_spans() if s.name == "queue")
+    assert queue.status.status_code.name == "ERROR" and queue.attributes["request.id"] == "late-1"

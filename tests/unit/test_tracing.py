@@ -1,0 +1,71 @@
+"""The span processor never blocks the request path: a stuck exporter costs dropped spans, not time."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from app.settings import TelemetrySettings
+from app.telemetry.tracing import BoundedSpanProcessor, build_tracer_provider, make_exporter
+
+
+class StuckExporter(SpanExporter):
+    """A collector that accepts the connection and never answers (until released)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.exported: list[str] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.entered.set()
+        self.release.wait(10)
+        self.exported += [s.name for s in spans]
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+def test_a_stuck_exporter_fills_the_bounded_queue_and_drops_are_counted() -> None:
+    exporter = StuckExporter()
+    drops: list[int] = []
+    processor = BoundedSpanProcessor(exporter, max_queue=10, batch_size=1, schedule_delay_s=0.01, on_drop=drops.append)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    tracer.start_span("first").end()
+    assert exporter.entered.wait(5), "the export thread took the first span and is now stuck"
+    for i in range(50):
+        tracer.start_span(f"span-{i}").end()  # returns at once though the exporter hangs
+    assert processor.dropped == 40 and sum(drops) == 40
+    exporter.release.set()
+    assert processor.force_flush(5_000)
+    provider.shutdown()
+    assert "first" in exporter.exported and len(exporter.exported) == 11
+
+
+def test_unsampled_spans_are_not_queued() -> None:
+    settings = TelemetrySettings(exporter="console", sampling_ratio=0.0)
+    exporter = StuckExporter()
+    exporter.release.set()
+    provider, processor = build_tracer_provider(settings, exporter)
+    provider.get_tracer("test").start_span("never").end()
+    assert processor is not None and processor.force_flush(1_000)
+    provider.shutdown()
+    assert exporter.exported == []
+
+
+def test_exporters_by_setting() -> None:
+    assert make_exporter(TelemetrySettings()) is None
+    assert type(make_exporter(TelemetrySettings(exporter="console"))).__name__ == "ConsoleSpanExporter"
+    grpc = make_exporter(TelemetrySettings(exporter="otlp_grpc", endpoint="http://127.0.0.1:4317"))
+    http = make_exporter(TelemetrySettings(exporter="otlp_http", endpoint="http://127.0.0.1:4318"))
+    assert type(grpc).__module__.endswith("grpc.trace_exporter")
+    assert type(http).__module__.endswith("http.trace_exporter")
+    for exporter in (grpc, http):
+        assert exporter is not None
+        exporter.shutdown()
