@@ -100,6 +100,7 @@ class RequestContextMiddleware:
                         "path": scope["path"],
                         "status": status,
                         "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                        **scope["state"].get("log_fields", {}),
                     },
                 )
             request_id_var.reset(token)

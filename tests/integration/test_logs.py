@@ -33,6 +33,10 @@ async def test_request_lines_are_json_with_the_request_id_and_no_payload(
     parsed = [json.loads(line) for line in lines]
     access = [p for p in parsed if p["logger"] == "app.access"]
     assert {(p["request_id"], p["status"]) for p in access} >= {("log-check-1", 200), ("log-check-2", 400)}
+    served = next(p for p in access if p["request_id"] == "log-check-1")
+    assert served["model"] == "digits" and served["version"] == "1" and served["lane"] == "normal"
+    assert len(served["trace_id"]) == 32 and len(served["span_id"]) == 16
+    assert served["batch_size"] == 1 and set(served["timings_ms"]) == {"preprocess", "queue", "inference", "total"}
     for entry in parsed:
         assert {"timestamp", "level", "logger", "message", "request_id"} <= set(entry)
     text = "\n".join(lines)

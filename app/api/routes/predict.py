@@ -57,7 +57,15 @@ async def _predict(
     outcome = await unless_disconnected(
         request, service.predict(served.name, body.image, top_k, lane, remaining, request_id)
     )
-    return _response(outcome, request_id, request.scope["state"]["started"])
+    response = _response(outcome, request_id, request.scope["state"]["started"])
+    request.scope["state"]["log_fields"] = {  # the access log line carries the stages
+        "model": response.model,
+        "version": response.version,
+        "lane": response.lane,
+        "batch_size": response.batch_size,
+        "timings_ms": response.timings.model_dump(),
+    }
+    return response
 
 
 @router.post(
