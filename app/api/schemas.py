@@ -54,10 +54,13 @@ class ErrorResponse(BaseModel):
 
 class ModelVersion(BaseModel):
     name: str
-    versions: list[str]
-    loaded_version: str | None
+    versions: list[str] = Field(description="every version in the repository")
+    loaded_version: str | None = Field(description="the default version, which unpinned traffic gets")
+    loaded_versions: list[str] = Field(default=[], description="versions loaded and routable")
+    previous_version: str | None = Field(default=None, description="what a rollback returns to")
+    canary: dict[str, float] = Field(default={}, description="traffic shares of non-default versions")
     state: Literal["loaded", "not_loaded"]
-    default: bool
+    default: bool = Field(description="this model answers /predict")
     labels: int | None = None
     device: str | None = None
     dtype: str | None = None

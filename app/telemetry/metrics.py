@@ -38,13 +38,15 @@ class _ScrapeTimeGauges(Collector):
     """Gauges computed when scraped: queue depths, and device memory on CUDA."""
 
     def __init__(self) -> None:
-        self.queue_depths: Callable[[], Iterable[tuple[str, str, int]]] = lambda: ()
+        self.queue_depths: Callable[[], Iterable[tuple[str, str, str, int]]] = lambda: ()
         self.device_memory: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        depth = GaugeMetricFamily(f"{PREFIX}_queue_depth", "Requests waiting in a lane", labels=["model", "lane"])
-        for model, lane, value in self.queue_depths():
-            depth.add_metric([model, lane], value)
+        depth = GaugeMetricFamily(
+            f"{PREFIX}_queue_depth", "Requests waiting in a lane", labels=["model", "version", "lane"]
+        )
+        for model, version, lane, value in self.queue_depths():
+            depth.add_metric([model, version, lane], value)
         yield depth
         memory = GaugeMetricFamily(f"{PREFIX}_device_memory_bytes", "CUDA memory held by the process", labels=["kind"])
         for kind, value in self.device_memory():

@@ -84,7 +84,7 @@ async def test_queue_depth_rejections_and_cancellations_are_counted(make_setting
             doomed = asyncio.ensure_future(running.predict_png(sample_png(4), headers={"X-Request-Timeout": "300"}))
             await wait_queued(running, Lane.NORMAL, 2)
             samples = await scrape(running)
-            assert value(samples, "ai_backend_queue_depth", model="digits", lane="normal") == 2
+            assert value(samples, "ai_backend_queue_depth", model="digits", version="1", lane="normal") == 2
             refused = await running.client.post("/predict", json={"image_base64": b64(sample_png(5))})
             assert refused.status_code == 503 and refused.json()["code"] == "queue_full"
             assert refused.headers["Retry-After"]
@@ -96,7 +96,7 @@ async def test_queue_depth_rejections_and_cancellations_are_counted(make_setting
             assert value(samples, "ai_backend_rejections_total", reason="queue_full") == 1
             assert value(samples, "ai_backend_cancellations_total", reason="deadline") == 1
             assert value(samples, "ai_backend_cancellations_total", reason="cancelled") == 1
-            assert value(samples, "ai_backend_queue_depth", model="digits", lane="normal") == 0
+            assert value(samples, "ai_backend_queue_depth", model="digits", version="1", lane="normal") == 0
         finally:
             gate.set()
         assert [r.status_code for r in await asyncio.gather(*running_batch)] == [200, 200]

@@ -17,12 +17,17 @@ router = APIRouter(tags=["models"])
 def _describe(service: InferenceService) -> ModelsResponse:
     models = []
     for entry in service.entries:
-        served = service.models.get(entry.name)
+        group = service.groups.get(entry.name)
+        routing = group.routing if group else None
+        served = group.default if group else None
         models.append(
             ModelVersion(
                 name=entry.name,
-                versions=list(entry.versions),
+                versions=list(group.known_versions if group else entry.versions),
                 loaded_version=served.version if served else None,
+                loaded_versions=sorted(routing.loaded, key=int) if routing else [],
+                previous_version=routing.previous if routing else None,
+                canary=dict(routing.canary) if routing else {},
                 state="loaded" if served else "not_loaded",
                 default=entry.name == service.default_model,
                 labels=len(served.labels) if served else None,

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request
 
 from app.api.body import OPENAPI_BODY, read_image_body
-from app.api.deps import LaneDep, RequestId, Service, TimeoutDep
+from app.api.deps import LaneDep, RequestId, Service, TimeoutDep, VersionDep
 from app.api.disconnect import unless_disconnected
 from app.api.errors import error_responses
 from app.api.schemas import PredictionItem, PredictResponse, Timings
@@ -46,16 +46,17 @@ async def _predict(
     timeout_s: float,
     request_id: str,
     query_top_k: int | None,
+    version: str | None,
 ) -> PredictResponse:
     server = service.settings.server
-    served = service.served(name)  # 404 / 503 before reading the body
+    served = service.served(name, version)  # 404 / 503 before reading the body
     body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
     top_k = body.top_k or query_top_k or server.default_top_k
     if top_k > min(server.max_top_k, len(served.labels)):
         raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
     remaining = timeout_s - (time.perf_counter() - request.scope["state"]["started"])
     outcome = await unless_disconnected(
-        request, service.predict(served.name, body.image, top_k, lane, remaining, request_id)
+        request, service.predict(served, body.image, top_k, lane, remaining, request_id)
     )
     response = _response(outcome, request_id, request.scope["state"]["started"])
     request.scope["state"]["log_fields"] = {  # the access log line carries the stages
@@ -81,10 +82,11 @@ async def predict_default(
     lane: LaneDep,
     timeout_s: TimeoutDep,
     request_id: RequestId,
+    version: VersionDep,
     top_k: Annotated[int | None, _TOP_K] = None,
 ) -> PredictResponse:
     """JSON `{"image_base64": ..., "top_k": 5}`, or the raw bytes with `Content-Type: image/jpeg|png|webp`."""
-    return await _predict(None, request, service, lane, timeout_s, request_id, top_k)
+    return await _predict(None, request, service, lane, timeout_s, request_id, top_k, version)
 
 
 @router.post(
@@ -101,7 +103,8 @@ async def predict_named(
     lane: LaneDep,
     timeout_s: TimeoutDep,
     request_id: RequestId,
+    version: VersionDep,
     top_k: Annotated[int | None, _TOP_K] = None,
 ) -> PredictResponse:
     """As `/predict`, for the model `name`; 404 when no such model is served."""
-    return await _predict(name, request, service, lane, timeout_s, request_id, top_k)
+    return await _predict(name, request, service, lane, timeout_s, request_id, top_k, version)
