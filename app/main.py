@@ -20,8 +20,9 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.openapi import install_openapi
-from app.api.routes import admin, health, models, predict
+from app.api.routes import admin, admin_models, health, models, predict
 from app.api.routes import metrics as metrics_route
+from app.lifecycle.manager import LifecycleManager
 from app.policy import PolicyManager
 from app.service import InferenceService
 from app.settings import Settings, load_settings
@@ -91,6 +92,7 @@ def create_app(
 
         if settings.admin.enabled:
             app.state.admin_token = await asyncio.to_thread(_admin_token, settings)
+        app.state.lifecycle = LifecycleManager(service)
         policy = PolicyManager(settings, service.set_policy)
         app.state.policy = policy
         starting = asyncio.create_task(start(), name="model-start")
@@ -126,6 +128,7 @@ def create_app(
         app.include_router(router)
     if settings.admin.enabled:
         app.include_router(admin.router)
+        app.include_router(admin_models.router)
     FastAPIInstrumentor.instrument_app(
         app, tracer_provider=tracer_provider, excluded_urls=UNTRACED_PATHS, exclude_spans=["receive", "send"]
     )

@@ -204,6 +204,16 @@ class InferenceService:
             except RuntimeError:  # only settable once per process
                 log.warning("inter-op threads already set; keeping %d", torch.get_num_interop_threads())
 
+    async def load_version(self, name: str, version: str) -> ServedModel:
+        """Load, check and warm one version, with its own (not yet started) batcher."""
+        return await self._load(name, version)
+
+    def forget(self, served: ServedModel) -> None:
+        """An unloaded version's metrics go; its memory goes with the last reference."""
+        self.metrics.model_info.remove(served.name, served.version, str(self.device), dtype_name(self.dtype))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     async def _load(self, name: str, version: str) -> ServedModel:
         folder = self.repository.folder(name, version)
         timeout = self.settings.model.load_timeout_s

@@ -44,11 +44,16 @@ async def list_models(service: Service) -> ModelsResponse:
     return _describe(service)
 
 
-@router.get(
-    "/v1/models/{name}", response_model=ModelVersion, responses=error_responses(404, 422), summary="Describe one model"
-)
-async def get_model(name: str, service: Service) -> ModelVersion:
+def describe_model(service: InferenceService, name: str) -> ModelVersion:
+    """One model as ``/v1/models`` shows it; 404 when the repository has no such model."""
     for model in _describe(service).models:
         if model.name == name:
             return model
     raise NotFound(f"no model named {name!r}", code="model_not_found")
+
+
+@router.get(
+    "/v1/models/{name}", response_model=ModelVersion, responses=error_responses(404, 422), summary="Describe one model"
+)
+async def get_model(name: str, service: Service) -> ModelVersion:
+    return describe_model(service, name)

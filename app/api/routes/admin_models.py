@@ -1,0 +1,72 @@
+"""Admin: model versions. Load, unload, promote (verified), roll back, canary split."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field
+
+from app.api.errors import error_responses
+from app.api.routes.admin import require_admin
+from app.api.routes.models import describe_model
+from app.api.schemas import ModelVersion
+from app.lifecycle.manager import LifecycleManager
+
+router = APIRouter(prefix="/admin/models", tags=["admin"], dependencies=[Depends(require_admin)])
+_ERRORS = error_responses(401, 403, 404, 409, 422, 503)
+
+
+class CanaryRequest(BaseModel):
+    weights: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
+        description="version -> share of unpinned traffic; the default gets the rest", examples=[{"2": 0.1}]
+    )
+
+
+class PromotionResponse(ModelVersion):
+    waived: list[str] = Field(default=[], description="gate failures overridden by force")
+
+
+def _manager(request: Request) -> LifecycleManager:
+    manager: LifecycleManager = request.app.state.lifecycle
+    return manager
+
+
+@router.post("/{name}/versions/{version}/load", response_model=ModelVersion, responses=_ERRORS)
+async def load_version(name: str, version: str, request: Request) -> ModelVersion:
+    """Load a version from the repository (also one added since start-up) next to the others."""
+    await _manager(request).load(name, version)
+    return describe_model(request.app.state.service, name)
+
+
+@router.post("/{name}/versions/{version}/unload", response_model=ModelVersion, responses=_ERRORS)
+async def unload_version(name: str, version: str, request: Request) -> ModelVersion:
+    """Stop routing to a version and drain it; the default cannot be unloaded."""
+    await _manager(request).unload(name, version)
+    return describe_model(request.app.state.service, name)
+
+
+@router.post("/{name}/versions/{version}/promote", response_model=PromotionResponse, responses=_ERRORS)
+async def promote_version(
+    name: str,
+    version: str,
+    request: Request,
+    force: Annotated[bool, Query(description="promote even if a gate fails")] = False,
+) -> PromotionResponse:
+    """Make a loaded version the default, if its recorded accuracy passes the gates (409 says which failed)."""
+    waived = await _manager(request).promote(name, version, force)
+    return PromotionResponse(**describe_model(request.app.state.service, name).model_dump(), waived=waived)
+
+
+@router.post("/{name}/rollback", response_model=ModelVersion, responses=_ERRORS)
+async def rollback(name: str, request: Request) -> ModelVersion:
+    """The previous default becomes the default again."""
+    await _manager(request).rollback(name)
+    return describe_model(request.app.state.service, name)
+
+
+@router.put("/{name}/canary", response_model=ModelVersion, responses=_ERRORS)
+async def set_canary(name: str, body: CanaryRequest, request: Request) -> ModelVersion:
+    """Send shares of unpinned traffic to loaded non-default versions (`{}` turns the canary off)."""
+    await _manager(request).set_canary(name, body.weights)
+    return describe_model(request.app.state.service, name)

@@ -1,0 +1,135 @@
+"""Model lifecycle while serving: load, unload, promote, roll back, split traffic.
+
+One operation at a time (a lock), each ending in one atomic swap of the model's routing
+snapshot. Requests already routed keep the version they started on; an unloaded version
+stops receiving traffic first and then drains. Promotion is verified: the candidate's
+recorded held-out accuracy, at the precision it is served in, must not fall more than
+a margin below the current default's, nor fp16 below fp32 (the FP16 gate), unless forced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from app.errors import NotFound, ServiceError, Unavailable
+from app.inference.loader import ModelLoadError
+from app.inference.manifest import Manifest, is_valid_version
+from app.lifecycle.gates import Precision, check_promotion
+from app.routing import ModelGroup
+from app.service import InferenceService, ServedModel
+
+log = logging.getLogger(__name__)
+
+
+class Conflict(ServiceError):
+    """The operation contradicts the current state (409): say what to do first."""
+
+    status = 409
+    code = "conflict"
+
+
+class LifecycleManager:
+    """The admin operations on a running ``InferenceService``."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self._service = service
+        self._lock = asyncio.Lock()
+
+    def _group(self, name: str) -> ModelGroup[ServedModel]:
+        if not self._service.ready:
+            raise Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
+        group = self._service.groups.get(name)
+        if group is None:
+            raise NotFound(f"no model named {name!r} is served", code="model_not_found")
+        return group
+
+    async def _known_versions(self, group: ModelGroup[ServedModel]) -> tuple[str, ...]:
+        """Versions in the repository now (a version added since start-up counts)."""
+        entries = await asyncio.to_thread(self._service.repository.models)
+        versions = next((e.versions for e in entries if e.name == group.name), group.known_versions)
+        group.known_versions = versions
+        return versions
+
+    async def load(self, name: str, version: str) -> ServedModel:
+        """Load (checksums, self-check, warm-up) and make ``version`` routable; the default is unchanged."""
+        async with self._lock:
+            group = self._group(name)
+            if not is_valid_version(version) or version not in await self._known_versions(group):
+                raise NotFound(f"model {name} has no version {version!r}", code="version_not_found")
+            if version in group.routing.loaded:
+                return group.routing.loaded[version]
+            try:
+                served = await self._service.load_version(name, version)
+            except ModelLoadError as exc:
+                raise Conflict(
+                    f"version {version} of {name} was refused at load: {exc}", code="model_load_failed"
+                ) from exc
+            served.batcher.start()
+            group.routing = group.routing.with_loaded(version, served)
+            log.info("loaded %s/%s", name, version, extra={"model": name, "version": version})
+            return served
+
+    async def unload(self, name: str, version: str) -> None:
+        """Stop routing to ``version``, let its queued and running requests finish, release it."""
+        async with self._lock:
+            group = self._group(name)
+            served = group.routing.loaded.get(version)
+            if served is None:
+                raise NotFound(f"version {version} of {name} is not loaded", code="version_not_loaded")
+            try:
+                group.routing = group.routing.without(version)
+            except ValueError as exc:
+                raise Conflict(str(exc)) from exc
+        await served.batcher.close(self._service.settings.server.shutdown_grace_s)
+        self._service.forget(served)
+        log.info("unloaded %s/%s", name, version, extra={"model": name, "version": version})
+
+    async def promote(self, name: str, version: str, force: bool = False) -> list[str]:
+        """Make ``version`` the default if it passes the gates (or ``force``); returns the waived reasons."""
+        async with self._lock:
+            group = self._group(name)
+            if version not in group.routing.loaded:
+                raise Conflict(f"version {version} of {name} is not loaded; load it first")
+            current = group.routing.default
+            if version == current:
+                return []
+            repository = self._service.repository
+            candidate, default = await asyncio.gather(
+                asyncio.to_thread(repository.manifest, name, version),
+                asyncio.to_thread(repository.manifest, name, current),
+            )
+            reasons = self.gate(candidate, default)
+            if reasons and not force:
+                raise Conflict("promotion refused: " + " ".join(reasons), code="promotion_refused")
+            group.routing = group.routing.promoted(version)
+            log.info("promoted %s/%s (was %s)%s", name, version, current, " by force" if reasons else "")
+            return reasons
+
+    def gate(self, candidate: Manifest, current: Manifest | None) -> list[str]:
+        settings = self._service.settings.model
+        precision: Precision = "fp16" if self._service.dtype == torch.float16 else "fp32"
+        return check_promotion(candidate, current, precision, settings.promotion_accuracy_margin, settings.fp16_margin)
+
+    async def rollback(self, name: str) -> str:
+        """Make the previous default the default again, in one call; returns it."""
+        async with self._lock:
+            group = self._group(name)
+            try:
+                group.routing = group.routing.rolled_back()
+            except ValueError as exc:
+                raise Conflict(str(exc)) from exc
+            log.info("rolled %s back to version %s", name, group.routing.default)
+            return group.routing.default
+
+    async def set_canary(self, name: str, weights: Mapping[str, float]) -> None:
+        """Send these shares of unpinned traffic to these loaded versions; the rest to the default."""
+        async with self._lock:
+            group = self._group(name)
+            try:
+                group.routing = group.routing.with_canary(weights)
+            except ValueError as exc:
+                raise Conflict(str(exc)) from exc
