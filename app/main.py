@@ -12,10 +12,12 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 from fastapi import FastAPI
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.sdk.trace.export import SpanExporter
+from pydantic import SecretStr
 
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
@@ -39,15 +41,16 @@ def _log_fatal(message: str) -> None:
     log.critical("start-up failed: %s", message)
 
 
-def _admin_token(settings: Settings) -> bytes:
-    admin = settings.admin
-    if admin.token is not None:
-        return admin.token.get_secret_value().encode()
-    assert admin.token_file is not None
-    token = admin.token_file.read_text(encoding="utf-8").strip()
-    if len(token) < 16:
-        raise ValueError(f"admin.token_file {admin.token_file} holds fewer than 16 characters")
-    return token.encode()
+def _secret(value: SecretStr | None, file: Path | None, setting: str) -> bytes | None:
+    """A bearer secret from its setting or its file (read at start-up, never logged)."""
+    if value is not None:
+        return value.get_secret_value().encode()
+    if file is None:
+        return None
+    secret = file.read_text(encoding="utf-8").strip()
+    if len(secret) < 16:
+        raise ValueError(f"{setting}_file {file} holds fewer than 16 characters")
+    return secret.encode()
 
 
 @contextlib.contextmanager
@@ -90,8 +93,9 @@ def create_app(
             except Exception as exc:
                 fatal(str(exc))
 
-        if settings.admin.enabled:
-            app.state.admin_token = await asyncio.to_thread(_admin_token, settings)
+        admin, server = settings.admin, settings.server
+        app.state.admin_token = await asyncio.to_thread(_secret, admin.token, admin.token_file, "admin.token")
+        app.state.api_key = await asyncio.to_thread(_secret, server.api_key, server.api_key_file, "server.api_key")
         app.state.lifecycle = LifecycleManager(service)
         policy = PolicyManager(settings, service.set_policy)
         app.state.policy = policy

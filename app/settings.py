@@ -52,6 +52,10 @@ class ServerSettings(_Group):
     default_timeout_ms: int = Field(default=30_000, ge=1, description="deadline without X-Request-Timeout")
     max_timeout_ms: int = Field(default=120_000, ge=1, description="largest X-Request-Timeout accepted")
     preprocess_workers: int = Field(default=2, ge=1, le=64, description="threads decoding images")
+    api_key: SecretStr | None = Field(
+        default=None, description="if set, prediction routes need Authorization: Bearer <key> (off by default)"
+    )
+    api_key_file: Path | None = Field(default=None, description="file holding the prediction API key")
     shutdown_grace_s: Positive = Field(default=30.0, description="how long queued work may drain at shutdown")
 
     @property

@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Header, Request
+from fastapi import APIRouter, Body, Depends, Request
 
+from app.api.auth import require_admin
 from app.api.errors import error_responses
-from app.errors import Forbidden, Unauthorized
 from app.policy import PolicyManager
 from app.settings import BatchingSettings
-
-
-async def require_admin(
-    request: Request, authorization: Annotated[str | None, Header(description="Bearer <admin token>")] = None
-) -> None:
-    """401 without a bearer token, 403 with the wrong one (compared in constant time)."""
-    if authorization is None or not authorization.lower().startswith("bearer "):
-        raise Unauthorized("an admin bearer token is required")
-    token: bytes = request.app.state.admin_token
-    if not hmac.compare_digest(authorization[7:].strip().encode(), token):
-        raise Forbidden("wrong admin token")
-
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 _ERRORS = error_responses(401, 403, 422)

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
+from app.api.auth import require_admin
 from app.api.errors import error_responses
-from app.api.routes.admin import require_admin
 from app.api.routes.models import describe_model
 from app.api.schemas import ModelVersion
 from app.lifecycle.manager import LifecycleManager

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 
+from app.api.auth import require_api_key
 from app.api.body import OPENAPI_BODY, read_image_body
 from app.api.deps import LaneDep, RequestId, Service, TimeoutDep, VersionDep
 from app.api.disconnect import unless_disconnected
@@ -15,9 +16,9 @@ from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.errors import SchemaError
 from app.service import Outcome
 
-router = APIRouter(tags=["predict"])
+router = APIRouter(tags=["predict"], dependencies=[Depends(require_api_key)])
 
-_ERRORS = error_responses(400, 404, 413, 415, 422, 500, 503)
+_ERRORS = error_responses(400, 401, 403, 404, 413, 415, 422, 500, 503)
 _TOP_K = Query(ge=1, description="for raw image bodies: how many classes to return")
 
 

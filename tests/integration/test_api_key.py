@@ -1,0 +1,33 @@
+"""The optional API key on prediction routes: off by default, bearer scheme when set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import SettingsFactory
+from tests.support import running_app, sample_png
+
+KEY = "prediction-key-0123456789abcdef"
+
+
+async def test_prediction_routes_are_open_by_default(make_settings: SettingsFactory) -> None:
+    async with running_app(make_settings()) as running:
+        assert (await running.predict_png(sample_png(1))).status_code == 200
+
+
+async def test_an_api_key_guards_prediction_but_not_probes(make_settings: SettingsFactory, tmp_path: Path) -> None:
+    secret = tmp_path / "key"
+    secret.write_text(KEY)
+    async with running_app(make_settings(server={"api_key_file": secret})) as running:
+        missing = await running.predict_png(sample_png(1))
+        assert missing.status_code == 401 and missing.json()["code"] == "unauthorized"
+        wrong = await running.predict_png(sample_png(1), headers={"Authorization": "Bearer " + "x" * 31})
+        assert wrong.status_code == 403 and wrong.json()["code"] == "forbidden"
+        named = await running.client.post(
+            "/v1/models/digits/predict", content=sample_png(1), headers={"Content-Type": "image/png"}
+        )
+        assert named.status_code == 401
+        right = await running.predict_png(sample_png(1), headers={"Authorization": f"Bearer {KEY}"})
+        assert right.status_code == 200
+        for probe in ("/livez", "/readyz", "/healthz", "/metrics", "/v1/models"):
+            assert (await running.client.get(probe)).status_code == 200, probe
