@@ -169,3 +169,34 @@ async def test_lifecycle_endpoints_need_the_token(repository: Path) -> None:
         for path in ("/admin/models/digits/versions/2/promote", "/admin/models/digits/rollback"):
             assert (await running.client.post(path)).status_code == 401
             assert (await running.client.post(path, headers={"Authorization": "Bearer nope"})).status_code == 403
+
+
+async def test_a_degraded_version_is_refused_by_its_measured_accuracy_and_rollback_restores_answers(
+    repository: Path,
+) -> None:
+    """A real degraded head, evaluated by `ai-backend eval`: the gate refuses it; forced in, its
+    answers differ; one rollback call brings back exactly the answers v1 gave."""
+    from app.lifecycle.evaluate import main as evaluate
+    from tests.lifecycle_support import copy_version, degrade_head
+
+    degrade_head(copy_version(repository, "3"), noise=0.5, seed=0)
+    assert evaluate(["--repository", str(repository), "--model", "digits", "--version", "3"]) == 0
+    assert evaluate(["--repository", str(repository), "--model", "digits", "--version", "1"]) == 0
+    async with running_app(settings_for(repository)) as running:
+
+        async def answers() -> list[list[float]]:
+            replies = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(10)))
+            return [[p["probability"] for p in r.json()["predictions"]] for r in replies]
+
+        before = await answers()
+        refused = await running.client.post("/admin/models/digits/versions/3/promote", headers=AUTH)
+        assert refused.status_code == 409 and refused.json()["code"] == "promotion_refused"
+        assert "accuracy" in refused.json()["message"]
+        forced = await running.client.post("/admin/models/digits/versions/3/promote?force=true", headers=AUTH)
+        assert forced.status_code == 200
+        degraded = await answers()
+        assert max(abs(a - b) for x, y in zip(degraded, before, strict=True) for a, b in zip(x, y, strict=True)) > 1e-3
+        rolled = await running.client.post("/admin/models/digits/rollback", headers=AUTH)
+        assert rolled.status_code == 200 and rolled.json()["loaded_version"] == "1"
+        restored = await answers()  # equal up to batch-size rounding
+        assert [x for row in restored for x in row] == pytest.approx([x for row in before for x in row], abs=1e-5)
