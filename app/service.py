@@ -272,7 +272,7 @@ class InferenceService:
         )
         traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype))
         batcher: DualWindowBatcher[Job, TopK] = DualWindowBatcher(
-            traced, self._policy, observer=self.metrics.observer(name), name=name
+            traced, self._policy, observer=self.metrics.observer(name, version), name=name
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)

@@ -89,11 +89,13 @@ class Metrics:
         self.inference = Histogram(
             f"{PREFIX}_inference_seconds",
             "Time to run one batch on the device",
-            ["model", "batch_size"],
+            ["model", "version", "batch_size"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.batch_failures = Counter(f"{PREFIX}_batch_failures", "Batches that failed", ["model"], registry=r)
+        self.batch_failures = Counter(
+            f"{PREFIX}_batch_failures", "Batches that failed", ["model", "version"], registry=r
+        )
         self.rejections = Counter(f"{PREFIX}_rejections", "Requests refused at admission", ["reason"], registry=r)
         self.cancellations = Counter(
             f"{PREFIX}_cancellations", "Requests that left the queue uncomputed", ["reason"], registry=r
@@ -108,16 +110,17 @@ class Metrics:
         self.scrape_time = _ScrapeTimeGauges()
         r.register(self.scrape_time)
 
-    def observer(self, model: str) -> BatchMetrics:
-        return BatchMetrics(self, model)
+    def observer(self, model: str, version: str) -> BatchMetrics:
+        return BatchMetrics(self, model, version)
 
 
 class BatchMetrics:
     """The batcher's observer for one model."""
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
+    def __init__(self, metrics: Metrics, model: str, version: str) -> None:
         self._metrics = metrics
         self._model = model
+        self._version = version
 
     def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
         m = self._metrics
@@ -126,9 +129,9 @@ class BatchMetrics:
             wait.observe(seconds)
         m.batch_size.labels(lane.value).observe(size)
         m.batch_fill.labels(lane.value).observe(min(1.0, size / capacity))
-        m.inference.labels(self._model, batch_bucket(size)).observe(run_s)
+        m.inference.labels(self._model, self._version, batch_bucket(size)).observe(run_s)
         if not ok:
-            m.batch_failures.labels(self._model).inc()
+            m.batch_failures.labels(self._model, self._version).inc()
 
     def on_rejected(self, lane: Lane, reason: str) -> None:
         self._metrics.rejections.labels(reason).inc()

@@ -51,7 +51,7 @@ async def test_traffic_moves_the_histograms_and_counters(make_settings: Settings
         assert value(after, "ai_backend_batch_fill_ratio_sum", lane="normal") == 1.0
         assert total(after, "ai_backend_batch_size_count", lane="urgent") == 1
         assert total(after, "ai_backend_queue_wait_seconds_count", lane="normal") == 4
-        assert total(after, "ai_backend_inference_seconds_count", model="digits", batch_size="3-4") == 1
+        assert total(after, "ai_backend_inference_seconds_count", model="digits", version="1", batch_size="3-4") == 1
         assert (
             value(after, "ai_backend_requests_total", status="200", code="ok")
             - value(before, "ai_backend_requests_total", status="200", code="ok")
