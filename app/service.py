@@ -364,8 +364,9 @@ class InferenceService:
     async def close(self, grace_s: float | None) -> None:
         """Drain (if nobody did yet), then stop the threads and release the device."""
         await self.drain(grace_s)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._device_thread.close()
+        # joined, bounded: threads left inside torch at interpreter exit can abort the process
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._device_thread.close)
         if self.device.type == "cuda":
             self.groups.clear()
             torch.cuda.empty_cache()

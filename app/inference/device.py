@@ -93,6 +93,12 @@ class DeviceThread:
         """Run ``fn`` on the device thread and await its result without blocking the loop."""
         return await asyncio.wrap_future(self.submit(fn))
 
-    def close(self) -> None:
-        """Finish what is queued, then stop; does not wait for the thread."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish what is queued, then stop, and wait for the thread (blocking, bounded).
+
+        Joined rather than left to die with the interpreter: a thread still inside torch at
+        interpreter exit can abort the process ("terminate called without an active exception").
+        """
         self._calls.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)

@@ -1,0 +1,570 @@
+"""The real server's lifecycle over HTTP: disconnects, deadlines, and SIGTERM with work queued or under load.
+
+Each scenario gets its own ``python -m app.cli serve`` on a free loopback port (a SIGTERM
+test consumes its server; the deadline test needs one on which no batch has run yet). The
+processes are spawned together, so that their torch imports overlap, and each test waits
+for its own to be ready; all are stopped in ``finally``. Every loop is bounded in count and
+in time, and nothing asserts on how long anything took: timeouts only turn a hang into a
+failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support import MODEL_NAME, REPO_ROOT, sample_png, top_label
+
+pytestmark = pytest.mark.e2e
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
+GRACE_S = 10.0  # AI_SERVICE_SERVER__SHUTDOWN_GRACE_S of the servers that get SIGTERM
+EXIT_SLACK_S = 20.0  # on top of the grace: uvicorn's own grace, lifespan close, interpreter exit
+CLIENT_TIMEOUT_S = 30.0  # longer than any wait the server may legitimately impose: a hang fails
+PNG = sample_png(7)
+MAX_PROBES = 500  # readiness probes after a SIGTERM, at most
+PNG_HEADERS = {"Content-Type": "image/png"}
+
+# A normal lane whose window is far longer than anything the tests wait for: requests sit
+# in the queue until something other than the window (a drain, a disconnect, a deadline)
+# moves them. The window must stay below the default timeout (a settings rule).
+LONG_WINDOW = {
+    "AI_SERVICE_BATCHING__NORMAL__WINDOW_MS": "2000",
+    "AI_SERVICE_BATCHING__NORMAL__MAX_BATCH": "64",
+    "AI_SERVICE_BATCHING__NORMAL__MAX_QUEUE": "1024",
+    "AI_SERVICE_SERVER__DEFAULT_TIMEOUT_MS": "30000",
+}
+# For the queued drain the window (20 s) is longer than the grace (10 s): if the drain waited
+# for the window instead of flushing the queue, the grace would end first and the queued
+# requests would get 503 instead of 200. That proves "at once" without timing anything.
+DRAIN_WINDOW = {
+    **LONG_WINDOW,
+    "AI_SERVICE_BATCHING__NORMAL__WINDOW_MS": "20000",
+    "AI_SERVICE_SERVER__SHUTDOWN_GRACE_S": str(GRACE_S),
+}
+STEADY = {
+    "AI_SERVICE_BATCHING__NORMAL__WINDOW_MS": "25",
+    "AI_SERVICE_SERVER__SHUTDOWN_GRACE_S": str(GRACE_S),
+}
+
+
+# --- processes ----------------------------------------------------------------------------
+
+
+def _log_records(stderr: str) -> list[dict[str, object]]:
+    """The server's JSON log lines, parsed (anything else on stderr is skipped)."""
+    records = []
+    for line in stderr.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                records.append(json.loads(line))
+    return records
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _environment(overrides: dict[str, str]) -> dict[str, str]:
+    """This process's environment without any AI_SERVICE_* setting, plus ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AI_SERVICE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash (say, an abort at exit) leaves every thread's traceback in the log
+    env.update(overrides)
+    return env
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    port: int
+    logs: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def stderr(self) -> str:
+        return (self.logs / "stderr.log").read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        """Poll /readyz until 200 (bounded); fail with the log if the process dies or never gets there."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        seen: list[int | str] = []
+        with httpx.Client(base_url=self.url, timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    pytest.fail(f"server exited with {self.process.returncode}:\n{self.stderr()[-4000:]}")
+                try:
+                    status = client.get("/readyz").status_code
+                except httpx.TransportError as exc:
+                    seen.append(type(exc).__name__)
+                    time.sleep(0.02)
+                    continue
+                if status == 200:
+                    return
+                seen.append(status)
+                time.sleep(0.02)
+        pytest.fail(f"not ready after {START_TIMEOUT_S:.0f}s; saw {seen[-20:]}:\n{self.stderr()[-4000:]}")
+
+    def wait_exit(self) -> int:
+        try:
+            return self.process.wait(timeout=GRACE_S + EXIT_SLACK_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit after SIGTERM:\n{self.stderr()[-4000:]}")
+
+
+def _spawn(logs: Path, env: dict[str, str]) -> Server:
+    """``python -m app.cli serve`` on loopback, output to files (a full pipe would stall it)."""
+    port = _free_port()
+    command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port)]
+    with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
+    return Server(process, port, logs)
+
+
+def _stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every process still running (all at once: each takes a while to exit), then SIGKILL."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    for process in running:
+        try:
+            process.wait(timeout=GRACE_S + EXIT_SLACK_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """One process per scenario, started together so that their torch imports overlap."""
+    scenarios = {
+        "deadline": LONG_WINDOW,
+        "disconnect": LONG_WINDOW,
+        "queued_drain": DRAIN_WINDOW,
+        "steady": STEADY,
+        "steady_impolite": STEADY,
+    }
+    started: dict[str, Server] = {}
+    try:
+        for name, env in scenarios.items():
+            started[name] = _spawn(tmp_path_factory.mktemp(name), _environment(env))
+        yield started
+    finally:
+        _stop_all([server.process for server in started.values()])
+
+
+def _ready(servers: dict[str, Server], name: str) -> Server:
+    server = servers[name]
+    server.wait_ready()
+    return server
+
+
+def _ready_alone(servers: dict[str, Server], name: str) -> Server:
+    """``name`` once every process has started, so that load on it competes with no start-up."""
+    for other in servers.values():
+        if other is not servers[name] and other.process.poll() is None:
+            other.wait_ready()
+    servers[name].wait_ready()
+    return servers[name]
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+Samples = list[tuple[str, dict[str, str], float]]  # (sample name, labels, value)
+
+
+def _scrape(client: httpx.Client) -> Samples:
+    """Every sample of /metrics."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    ]
+
+
+def _value(samples: Samples, name: str, **labels: str) -> float:
+    """The sum over the series of ``name`` that carry ``labels`` (and any others: a series may
+    gain a label, say the model version, without changing what these tests count); 0 when
+    there is none yet (a counter never incremented)."""
+    return sum(
+        value
+        for sample, have, value in samples
+        if sample == name and all(have.get(key) == wanted for key, wanted in labels.items())
+    )
+
+
+def _queue_depth(client: httpx.Client) -> float:
+    return _value(_scrape(client), "ai_backend_queue_depth", model=MODEL_NAME, lane="normal")
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Until ``condition()`` holds. The server exposes no event to wait on, so this polls;
+    the condition holds within milliseconds and the timeout only bounds a failure."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+# --- outcomes -----------------------------------------------------------------------------
+
+RESET_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, ConnectionResetError)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one request got: a status (and for errors the envelope's code), or an exception."""
+
+    sent_at: float  # time.monotonic() when the client started the request
+    done_at: float  # ... and when it had the answer or the error
+    status: int | None = None
+    code: str | None = None
+    retry_after: str | None = None
+    error: str | None = None  # the exception's type name
+    batch_size: int | None = None  # of a 200 prediction
+
+    @property
+    def refused(self) -> bool:
+        return self.error == "ConnectError"
+
+
+def _send(client: httpx.Client, method: str, path: str, **kwargs: object) -> Outcome:
+    sent_at = time.monotonic()
+    try:
+        response = client.request(method, path, **kwargs)  # type: ignore[arg-type]
+    except httpx.HTTPError as exc:
+        return Outcome(sent_at, time.monotonic(), error=type(exc).__name__)
+    done_at = time.monotonic()
+    code = batch_size = None
+    if response.status_code >= 400:
+        code = response.json().get("code")
+    elif path.endswith("predict"):
+        assert top_label(response.json()) == "7", response.text
+        batch_size = response.json()["batch_size"]
+    return Outcome(
+        sent_at, done_at, response.status_code, code, response.headers.get("retry-after"), batch_size=batch_size
+    )
+
+
+def _check_503s(outcomes: list[Outcome], allowed: set[str]) -> None:
+    for outcome in outcomes:
+        if outcome.status == 503:
+            assert outcome.code in allowed, outcome
+            assert outcome.retry_after is not None and int(outcome.retry_after) >= 1, outcome
+
+
+# --- 1. A long window: a gone client, a passed deadline -----------------------------------
+
+
+def _delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return _value(after, name, **labels) - _value(before, name, **labels)
+
+
+def test_client_disconnect_cancels_the_queued_request(servers: dict[str, Server]) -> None:
+    server = _ready(servers, "disconnect")
+    cancelled = "ai_backend_cancellations_total"
+    with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+        before = _scrape(client)
+        request = (
+            f"POST /predict HTTP/1.1\r\nHost: {HOST}:{server.port}\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {len(PNG)}\r\nX-Request-ID: gone\r\n\r\n"
+        ).encode() + PNG
+        with socket.create_connection((HOST, server.port), timeout=CLIENT_TIMEOUT_S) as raw:
+            raw.sendall(request)
+            # decoded and waiting in the queue (not still decoding) before the client goes
+            _wait_for(lambda: _queue_depth(client) == 1, "the raw request to be queued")
+        # the socket is closed now, well within the 2 s window
+
+        def left_the_queue() -> bool:
+            now = _scrape(client)
+            gone = _delta(before, now, cancelled, reason="cancelled") >= 1
+            return gone and _value(now, "ai_backend_queue_depth", model=MODEL_NAME, lane="normal") == 0
+
+        _wait_for(left_the_queue, "the disconnected request to leave the queue")
+
+        answered = client.post("/predict", content=PNG, headers={**PNG_HEADERS, "X-Request-ID": "stays"})
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["batch_size"] == 1 and top_label(answered.json()) == "7"
+        after = _scrape(client)
+
+    assert _delta(before, after, cancelled, reason="cancelled") == 1
+    assert _delta(before, after, cancelled, reason="deadline") == 0
+    # one batch, holding only the request that stayed: the gone one was never computed
+    assert _delta(before, after, "ai_backend_batch_size_count", lane="normal") == 1
+    assert _delta(before, after, "ai_backend_batch_size_sum", lane="normal") == 1
+    assert _delta(before, after, "ai_backend_batch_size_count", lane="urgent") == 0
+    # the server logged the gone request as 499 (client closed request)
+    assert [r["status"] for r in _log_records(server.stderr()) if r.get("request_id") == "gone"] == [499]
+
+
+def _predict_with_deadline(client: httpx.Client, millis: int, request_id: str) -> httpx.Response:
+    headers = {**PNG_HEADERS, "X-Request-Timeout": str(millis), "X-Request-ID": request_id}
+    return client.post("/predict", content=PNG, headers=headers)
+
+
+def _check_refused_503(response: httpx.Response, code: str, request_id: str) -> None:
+    assert response.status_code == 503, response.text
+    body = response.json()
+    assert body == {"code": code, "message": body["message"], "request_id": request_id}
+    assert int(response.headers["retry-after"]) >= 1
+
+
+def test_a_deadline_shorter_than_the_window_is_answered_503_and_never_computed(servers: dict[str, Server]) -> None:
+    """X-Request-Timeout: 200 against a 2 s window, twice.
+
+    On a fresh server no batch has run, so admission has no batch latency to predict with:
+    the request is queued, its deadline passes in the queue, and it is answered
+    ``deadline_exceeded``. Once a batch has been measured, admission sees that the window
+    alone outlasts the deadline and refuses the same request at once with
+    ``would_miss_deadline``. Neither is ever computed.
+    """
+    server = _ready(servers, "deadline")
+    with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+        fresh = _scrape(client)
+        assert _value(fresh, "ai_backend_batch_size_count", lane="normal") == 0, "not a fresh server"
+        assert _value(fresh, "ai_backend_batch_size_count", lane="urgent") == 0, "not a fresh server"
+        in_queue = _predict_with_deadline(client, 200, "late-in-queue")
+        expired = _scrape(client)
+
+        # one batch through the urgent lane (2 ms window), so that the batch latency is known
+        measured = client.post("/predict", content=PNG, headers={**PNG_HEADERS, "X-Urgency": "high"})
+        assert measured.status_code == 200 and measured.json()["batch_size"] == 1, measured.text
+        before = _scrape(client)
+        at_admission = _predict_with_deadline(client, 200, "late-at-admission")
+        after = _scrape(client)
+
+    _check_refused_503(in_queue, "deadline_exceeded", "late-in-queue")
+    assert _delta(fresh, expired, "ai_backend_cancellations_total", reason="deadline") == 1
+    assert _delta(fresh, expired, "ai_backend_batch_size_count", lane="normal") == 0  # never computed
+    assert _delta(fresh, expired, "ai_backend_batch_size_sum", lane="normal") == 0
+    assert _value(expired, "ai_backend_queue_depth", model=MODEL_NAME, lane="normal") == 0
+
+    _check_refused_503(at_admission, "would_miss_deadline", "late-at-admission")
+    assert _delta(before, after, "ai_backend_rejections_total", reason="would_miss_deadline") == 1
+    assert _delta(before, after, "ai_backend_cancellations_total", reason="deadline") == 0  # never queued
+    assert _delta(before, after, "ai_backend_batch_size_count", lane="normal") == 0
+    assert _delta(before, after, "ai_backend_batch_size_count", lane="urgent") == 0
+    assert _value(after, "ai_backend_queue_depth", model=MODEL_NAME, lane="normal") == 0
+
+
+# --- 2. SIGTERM with requests waiting in the queue ----------------------------------------
+
+QUEUED = 10
+
+
+def test_sigterm_flushes_the_queue_at_once_then_refuses_new_work(servers: dict[str, Server]) -> None:
+    server = _ready(servers, "queued_drain")
+    with (
+        httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as control,
+        ThreadPoolExecutor(QUEUED, thread_name_prefix="queued") as pool,
+    ):
+
+        def one(index: int) -> Outcome:
+            with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+                return _send(
+                    client, "POST", "/predict", content=PNG, headers={**PNG_HEADERS, "X-Request-ID": f"q{index}"}
+                )
+
+        queued = [pool.submit(one, i) for i in range(QUEUED)]
+        _wait_for(lambda: _queue_depth(control) == QUEUED, f"{QUEUED} requests queued")
+        assert not any(f.done() for f in queued)  # the window (20 s) holds them
+
+        server.process.send_signal(signal.SIGTERM)
+        sigterm_returned = time.monotonic()
+        # readiness turns 503 first; a prediction sent after that is refused with 503 draining,
+        # unless the listener has closed by then (draining 10 requests is quick): refused
+        readiness: list[Outcome] = []
+        late: Outcome | None = None
+        for _ in range(MAX_PROBES):
+            with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+                probe = _send(client, "GET", "/readyz")
+            readiness.append(probe)
+            if probe.status == 503:
+                with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+                    late = _send(
+                        client, "POST", "/predict", content=PNG, headers={**PNG_HEADERS, "X-Request-ID": "late"}
+                    )
+            if probe.error is not None or late is not None:
+                break
+            time.sleep(0.002)
+        results = [f.result(timeout=GRACE_S + EXIT_SLACK_S) for f in queued]
+        code = server.wait_exit()
+
+    stderr = server.stderr()
+    assert code == 0, stderr[-4000:]
+    # all flushed in one batch, not failed when the grace ran out (the window is longer than the grace)
+    assert all(r.status == 200 for r in results), results
+    assert [r.batch_size for r in results] == [QUEUED] * QUEUED, results  # together, in one batch
+    assert all(r.sent_at < sigterm_returned for r in results)
+    assert all(p.status == 503 or p.refused for p in readiness), readiness  # never 200 after SIGTERM
+    _check_503s(readiness, {"not_ready", "model_not_ready"})
+    if late is not None:
+        assert late.refused or (late.status, late.code) == (503, "draining"), late
+        _check_503s([late], {"draining"})
+    assert "drained" in stderr and "Application shutdown complete" in stderr, stderr[-4000:]
+    assert '"level": "ERROR"' not in stderr and '"level": "CRITICAL"' not in stderr, stderr[-4000:]
+
+
+# --- 3. SIGTERM under steady load ---------------------------------------------------------
+
+WORKERS = 16
+MAX_REQUESTS_PER_WORKER = 20_000  # a bound, far above what a few seconds allow
+LOAD_TIME_LIMIT_S = 60.0  # a worker gives up after this, whatever it sees
+MAX_BACKOFF_S = 2.0
+
+
+@dataclass
+class LoadRun:
+    """What a SIGTERM under load left behind."""
+
+    exit_code: int
+    sigterm_returned: float  # time.monotonic() once send_signal returned
+    workers: list[list[Outcome]]  # each worker's requests, in order
+    probes: list[Outcome]  # /readyz probes sent after SIGTERM
+    stderr: str
+
+    @property
+    def outcomes(self) -> list[Outcome]:
+        return [o for w in self.workers for o in w]
+
+    def summary(self) -> Counter[str]:
+        return Counter(o.error or f"{o.status} {o.code or ''}".strip() for o in self.outcomes)
+
+
+def _sigterm_under_load(server: Server, *, honour_retry_after: bool) -> LoadRun:
+    """``WORKERS`` clients send predictions in a loop, each on its own keep-alive connection;
+    after about a second the server gets SIGTERM. A worker stops at its first transport
+    error (refused once the listener closed, or worse). A thread probes /readyz from the
+    moment SIGTERM was sent until its first answer or refusal."""
+    stop = threading.Event()  # set only when the test bails out: workers then stop at once
+
+    def worker(index: int, outcomes: list[Outcome]) -> list[Outcome]:
+        limit = time.monotonic() + LOAD_TIME_LIMIT_S
+        with httpx.Client(
+            base_url=server.url, timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=1)
+        ) as client:
+            for n in range(MAX_REQUESTS_PER_WORKER):
+                if stop.is_set() or time.monotonic() > limit:
+                    break
+                headers = {**PNG_HEADERS, "X-Request-ID": f"w{index}-{n}"}
+                outcome = _send(client, "POST", "/predict", content=PNG, headers=headers)
+                outcomes.append(outcome)
+                if outcome.error is not None:
+                    break
+                if honour_retry_after and outcome.retry_after is not None:
+                    stop.wait(min(float(outcome.retry_after), MAX_BACKOFF_S))
+        return outcomes
+
+    def probe_readiness(after: float) -> list[Outcome]:
+        probes: list[Outcome] = []
+        for _ in range(MAX_PROBES):
+            if stop.is_set():
+                break
+            with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+                probe = _send(client, "GET", "/readyz")
+            assert probe.sent_at >= after
+            probes.append(probe)
+            if probe.error is not None or probe.status != 200:
+                break
+            time.sleep(0.005)
+        return probes
+
+    with ThreadPoolExecutor(WORKERS + 1, thread_name_prefix="load") as pool:
+        so_far: list[list[Outcome]] = [[] for _ in range(WORKERS)]
+        futures = [pool.submit(worker, i, so_far[i]) for i in range(WORKERS)]
+        try:
+            # every worker answered (the first batch also loads the lazy head), then about a second more
+            _wait_for(lambda: all(any(o.status == 200 for o in w) for w in so_far), "every worker to get a 200")
+            time.sleep(1.0)
+            ended = [f.result() for f in futures if f.done()]
+            assert not ended, f"workers stopped before SIGTERM: {[o[-1] for o in ended if o]}"
+            server.process.send_signal(signal.SIGTERM)
+            sigterm_returned = time.monotonic()
+            probing = pool.submit(probe_readiness, sigterm_returned)
+            code = server.wait_exit()
+        finally:
+            if server.process.poll() is None:
+                stop.set()
+        workers = [f.result(timeout=LOAD_TIME_LIMIT_S + CLIENT_TIMEOUT_S) for f in futures]
+        probes = probing.result(timeout=LOAD_TIME_LIMIT_S + CLIENT_TIMEOUT_S)
+    return LoadRun(code, sigterm_returned, workers, probes, server.stderr())
+
+
+def _check_drained_cleanly(run: LoadRun) -> None:
+    """What holds for any client: exit 0, answers were 200 or a 503 with a code and
+    Retry-After, no timeouts, no 200 once readiness said 503, and the log tells the story."""
+    summary, stderr = run.summary(), run.stderr
+    assert run.exit_code == 0, f"exit code {run.exit_code}; outcomes {summary}:\n{stderr[-4000:]}"
+    # the load was real: every worker had answers before SIGTERM
+    assert all(any(o.status == 200 and o.sent_at < run.sigterm_returned for o in w) for w in run.workers), summary
+    assert all(o.status in (200, 503) for o in run.outcomes if o.error is None), summary
+    _check_503s(run.outcomes, {"draining", "model_not_ready", "queue_full"})
+    assert not [o for o in run.outcomes + run.probes if o.error is not None and "Timeout" in o.error], summary
+    # every worker ended at a transport error, sent after SIGTERM: the listener closed
+    assert all(w and w[-1].error is not None and w[-1].sent_at > run.sigterm_returned for w in run.workers), summary
+    # once readiness said 503, no prediction sent after that got a 200: new work is refused
+    not_ready = [p.done_at for p in run.probes if p.status == 503]
+    if not_ready:
+        assert not [o for o in run.outcomes if o.status == 200 and o.sent_at > min(not_ready)], summary
+    # readiness, probed from SIGTERM on: 503 when it answers, never 200 (or the listener had closed)
+    assert run.probes, "no readiness probe"
+    assert all(p.status == 503 for p in run.probes if p.error is None), run.probes
+    _check_503s(run.probes, {"not_ready", "model_not_ready"})
+    assert "drained" in stderr and "Application shutdown complete" in stderr, stderr[-4000:]
+    assert '"level": "ERROR"' not in stderr and '"level": "CRITICAL"' not in stderr, stderr[-4000:]
+
+
+def test_sigterm_under_steady_load_drains_and_only_refuses(servers: dict[str, Server]) -> None:
+    """Clients that honour Retry-After: nothing is reset, the only failure is a refused connection."""
+    server = _ready_alone(servers, "steady")
+    run = _sigterm_under_load(server, honour_retry_after=True)
+    _check_drained_cleanly(run)
+    summary = run.summary()
+    transport_errors = [o for o in run.outcomes + run.probes if o.error is not None]
+    assert all(o.refused for o in transport_errors), f"reset or timed out instead of refused: {summary}"
+    assert summary["ConnectError"] == WORKERS, summary
+
+
+def test_sigterm_under_load_from_clients_ignoring_retry_after(servers: dict[str, Server]) -> None:
+    """Clients that ignore Retry-After and send again at once, right up to the listener closing.
+
+    Their last request may be reset rather than refused: when the listener closes, the kernel
+    resets connections it had accepted that the server never took from the backlog, and
+    uvicorn closes every connection whose request it has not parsed yet (bytes still in the
+    socket buffer), which resets it too. No server can answer a client that keeps sending
+    through that instant; what must hold anyway is: exit 0, no hang, no timeout, only 200 or
+    a coded 503 as answers, and a transport error only as a worker's last request, sent
+    after SIGTERM.
+    """
+    server = _ready_alone(servers, "steady_impolite")
+    run = _sigterm_under_load(server, honour_retry_after=False)
+    _check_drained_cleanly(run)
+    allowed = {"ConnectError", *(exc.__name__ for exc in RESET_ERRORS)}
+    errors = [o for o in run.outcomes + run.probes if o.error is not None]
+    assert all(o.error in allowed for o in errors), run.summary()
