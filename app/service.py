@@ -104,8 +104,10 @@ class InferenceService:
         self._pool = ThreadPoolExecutor(settings.server.preprocess_workers, thread_name_prefix="preprocess")
         self._policy = batch_policy(settings.batching)
         self.metrics.scrape_time.queue_depths = self._queue_depths
+        self.metrics.scrape_time.queue_capacities = self._queue_capacities
         if self.device.type == "cuda":
             self.metrics.scrape_time.device_memory = self._cuda_memory
+            self.metrics.scrape_time.device_memory_total = self._cuda_memory_total
 
     @property
     def models(self) -> dict[str, ServedModel]:
@@ -118,6 +120,16 @@ class InferenceService:
 
     def _queue_depths(self) -> list[tuple[str, str, str, int]]:
         return [(s.name, s.version, lane.value, s.batcher.depth(lane)) for s in self.all_served() for lane in Lane]
+
+    def _queue_capacities(self) -> list[tuple[str, str, str, int]]:
+        return [
+            (s.name, s.version, lane.value, s.batcher.policy.lane(lane).max_queue)
+            for s in self.all_served()
+            for lane in Lane
+        ]
+
+    def _cuda_memory_total(self) -> list[int]:
+        return [torch.cuda.get_device_properties(self.device).total_memory]
 
     def _cuda_memory(self) -> list[tuple[str, int]]:
         return [

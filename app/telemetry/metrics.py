@@ -35,11 +35,13 @@ def batch_bucket(size: int) -> str:
 
 
 class _ScrapeTimeGauges(Collector):
-    """Gauges computed when scraped: queue depths, and device memory on CUDA."""
+    """Gauges computed when scraped: queue depths and bounds, and device memory on CUDA."""
 
     def __init__(self) -> None:
         self.queue_depths: Callable[[], Iterable[tuple[str, str, str, int]]] = lambda: ()
+        self.queue_capacities: Callable[[], Iterable[tuple[str, str, str, int]]] = lambda: ()
         self.device_memory: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
+        self.device_memory_total: Callable[[], Iterable[int]] = lambda: ()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         depth = GaugeMetricFamily(
@@ -48,10 +50,21 @@ class _ScrapeTimeGauges(Collector):
         for model, version, lane, value in self.queue_depths():
             depth.add_metric([model, version, lane], value)
         yield depth
+        # the bound changes at run time (admin API, config reload): alerts divide by this
+        capacity = GaugeMetricFamily(
+            f"{PREFIX}_queue_capacity", "Requests a lane may hold (its max_queue)", labels=["model", "version", "lane"]
+        )
+        for model, version, lane, value in self.queue_capacities():
+            capacity.add_metric([model, version, lane], value)
+        yield capacity
         memory = GaugeMetricFamily(f"{PREFIX}_device_memory_bytes", "CUDA memory held by the process", labels=["kind"])
         for kind, value in self.device_memory():
             memory.add_metric([kind], value)
         yield memory
+        total = GaugeMetricFamily(f"{PREFIX}_device_memory_total_bytes", "The CUDA device's total memory")
+        for value in self.device_memory_total():
+            total.add_metric([], value)
+        yield total
 
 
 class Metrics:
