@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Link, Status, StatusCode
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.errors import Draining, NotFound, NotReady
 from app.inference import preprocess
 from app.inference.device import DeviceThread, Memory, dtype_name, memory, resolve_device, resolve_dtype
-from app.inference.jobs import Job, TracedRunner
+from app.inference.jobs import Answer, Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
-from app.inference.postprocess import Prediction, TopK, label
+from app.inference.postprocess import Prediction, label
 from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
 from app.routing import ModelGroup, Routing
@@ -60,7 +60,7 @@ class ServedModel:
     version: str
     model: LayeredModel
     runner: ModelRunner
-    batcher: DualWindowBatcher[Job, TopK]
+    batcher: DualWindowBatcher[Job, Answer]
     load_s: float
 
     @property
@@ -262,7 +262,7 @@ class InferenceService:
             extra={"model": name, "version": version},
         )
         loop = asyncio.get_running_loop()
-        batchers: list[DualWindowBatcher[Job, TopK]] = []
+        batchers: list[DualWindowBatcher[Job, Answer]] = []
 
         def on_pressure(size: int) -> None:  # called on the device thread
             loop.call_soon_threadsafe(batchers[0].lower_ceiling, size)
@@ -283,7 +283,7 @@ class InferenceService:
             fallback_after=self.settings.model.fallback_after_failures,
         )
         traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype))
-        batcher: DualWindowBatcher[Job, TopK] = DualWindowBatcher(
+        batcher: DualWindowBatcher[Job, Answer] = DualWindowBatcher(
             traced, self._policy, observer=self.metrics.observer(name, version), name=name
         )
         batchers.append(batcher)
@@ -343,13 +343,20 @@ class InferenceService:
             raise
         dispatched_ns = time.time_ns() - int(done.run_s * 1e9)
         queue_span.end(end_time=dispatched_ns)
+        batch = done.output.batch_span
         self.tracer.start_span(
             "inference",
             start_time=dispatched_ns,
-            attributes={**ids, "batch.size": done.batch_size, "batch.lane": done.batch_lane.value},
+            links=[Link(batch)] if batch.is_valid else None,
+            attributes={
+                **ids,
+                "batch.size": done.batch_size,
+                "batch.lane": done.batch_lane.value,
+                "batch.trace_id": format(batch.trace_id, "032x"),  # Jaeger: search the batch's trace
+            },
         ).end()
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
-            predictions = label(done.output, served.labels, top_k)
+            predictions = label(done.output.top, served.labels, top_k)
         return Outcome(
             served.name,
             served.version,

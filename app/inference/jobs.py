@@ -27,6 +27,14 @@ class Job:
     span_context: SpanContext | None
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One image's top classes, and the span of the batch that computed it (for a link back)."""
+
+    top: TopK
+    batch_span: SpanContext
+
+
 class TracedRunner:
     """The batcher's runner: one ``batch`` span around the model runner."""
 
@@ -35,7 +43,7 @@ class TracedRunner:
         self._tracer = tracer
         self._attributes = {"model.name": model, "model.version": version, "model.dtype": dtype}
 
-    async def __call__(self, jobs: Sequence[Job]) -> list[TopK]:
+    async def __call__(self, jobs: Sequence[Job]) -> list[Answer]:
         links = [Link(job.span_context) for job in jobs if job.span_context is not None and job.span_context.is_valid]
         lane = Lane.URGENT if any(job.lane is Lane.URGENT for job in jobs) else Lane.NORMAL
         attributes = {
@@ -46,5 +54,7 @@ class TracedRunner:
             "request.ids": [job.request_id for job in jobs],
         }
         # the context manager records an exception and marks the span as failed
-        with self._tracer.start_as_current_span("batch", links=links, attributes=attributes):
-            return await self.runner([job.image for job in jobs])
+        with self._tracer.start_as_current_span("batch", links=links, attributes=attributes) as span:
+            tops = await self.runner([job.image for job in jobs])
+            context = span.get_span_context()
+            return [Answer(top, context) for top in tops]

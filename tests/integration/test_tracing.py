@@ -72,6 +72,9 @@ async def test_a_batch_span_links_every_request_span_and_each_request_has_its_st
             assert stages[stage].attributes["request.id"] == rid
             assert stages[stage].context.trace_id == server.context.trace_id
         assert stages["queue"].end_time <= stages["inference"].end_time
+        inference = stages["inference"]  # leads from the request's trace to its batch's
+        assert [link.context.span_id for link in inference.links] == [batch.context.span_id]
+        assert inference.attributes["batch.trace_id"] == format(batch.context.trace_id, "032x")
     for response, rid in zip(responses, ids, strict=True):
         assert response.headers["x-trace-id"] == format(servers[rid].context.trace_id, "032x")
 
