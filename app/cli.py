@@ -72,6 +72,7 @@ _DELEGATED = {
     "train-digits": ("app.training.digits", "train the bundled digits model"),
     "bench": ("app.bench.loadgen", "send bounded load to a running service on loopback"),
     "sweep": ("app.bench.sweep", "time a model in process at batch sizes 1..N and find the knee"),
+    "limit": ("app.bench.limit", "measure the in-process images/s limit of a model on this machine"),
     "eval": ("app.lifecycle.evaluate", "evaluate a model version on a held-out set and record it in its manifest"),
 }
 

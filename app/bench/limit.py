@@ -1,0 +1,482 @@
+"""``ai-backend limit``: what this machine could do for one model with no serving layer at all.
+
+The limit is the CPU time one image costs in the best in-process path, turned into
+images per second for every core the process may use::
+
+    limit = cores / (decode_cpu_s + forward_cpu_s)
+
+- decode: the service's own ``app.inference.preprocess.decode_base64`` (strict base64, then
+  ``decode``: JPEG decode, resize, crop, uint8 tensor), on one thread, in thread CPU time;
+- forward: the model loaded by the service's own loader, on uint8 batches of the same
+  images at each batch size, with one torch intra-op thread (so CPU time is not inflated
+  by OpenMP threads spinning), timed in process CPU time per image; the best size wins.
+  The same sizes with torch's default thread count are reported beside it.
+
+It is not a sequential decode-then-forward loop: that leaves one core idle while the
+other works and under-states what the machine can do. A pipelined run (decode threads
+feeding one forward thread, in process) checks that the figure can be reached.
+Output: a markdown summary on stdout and a JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import io
+import json
+import os
+import platform
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL
+import torch
+from PIL import Image, ImageDraw, ImageFilter
+
+from app.inference import preprocess
+from app.inference.loader import LayeredModel
+from app.inference.manifest import InputSpec
+
+DEFAULT_MODEL = "mobilenet_v3_small"
+DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
+IMAGE_SUFFIXES = (".jpg", ".jpeg")
+# the service's defaults (server.max_image_bytes, server.max_image_pixels)
+LIMITS = preprocess.ImageLimits(max_bytes=1 << 20, max_pixels=16_000_000)
+
+Clock = Callable[[], float]
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def synthetic_photo(seed: int, width: int = 640, height: int = 480, quality: int = 90) -> bytes:
+    """A deterministic photo-like JPEG: smooth colour gradients, filled shapes, soft edges, sensor noise.
+
+    Flat or random images would mislead: JPEG decode time depends on how much detail
+    survives quantisation, and these land near a real photo's size (about 70 KB here).
+    """
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.empty((height, width, 3), np.float32)
+    for channel in range(3):
+        a, b, phase, tilt = rng.uniform(-1, 1, 4)
+        base[..., channel] = 128 + 60 * np.sin(a * x / 90 + b * y / 70 + phase * 6) + 40 * tilt * (x / width - 0.5)
+    image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(12):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        box = (x0, y0, x0 + int(rng.integers(20, 250)), y0 + int(rng.integers(20, 200)))
+        colour = (int(rng.integers(0, 256)), int(rng.integers(0, 256)), int(rng.integers(0, 256)))
+        if rng.integers(0, 2):
+            draw.ellipse(box, fill=colour)
+        else:
+            draw.rectangle(box, fill=colour)
+    image = image.filter(ImageFilter.GaussianBlur(1.5))
+    noisy = np.asarray(image, dtype=np.float32) + rng.normal(0, 6, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
+    """``count`` synthetic photos as ``folder/photo_NNN.jpg`` (rewritten every time, deterministic)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index in range(count):
+        path = folder / f"photo_{index:03d}.jpg"
+        path.write_bytes(synthetic_photo(seed * 1000 + index))
+        paths.append(path)
+    return paths
+
+
+def image_files(folder: Path) -> list[Path]:
+    """The JPEGs in ``folder``, by name."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """CPU seconds per call: the median and the best of several rounds."""
+
+    median_s: float
+    min_s: float
+    calls: int
+
+    @property
+    def median_ms(self) -> float:
+        return self.median_s * 1000
+
+
+def cpu_cost(
+    fn: Callable[[int], object], items: int, seconds: float, rounds: int = 5, clock: Clock = time.thread_time
+) -> Cost:
+    """CPU time per call of ``fn(i)`` for ``i`` cycling over ``range(items)``.
+
+    One warm-up pass over every item, then ``rounds`` rounds of at least ``seconds / rounds``
+    CPU seconds each (and at least one pass over the items). The median round is the
+    figure: CPU time hardly depends on other processes, but caches and clocks do a little.
+    """
+    for index in range(items):
+        fn(index)
+    per_round = seconds / max(1, rounds)
+    results, calls = [], 0
+    for _ in range(max(1, rounds)):
+        done = 0
+        started = clock()
+        while done < items or clock() - started < per_round:
+            fn(done % items)
+            done += 1
+        results.append((clock() - started) / done)
+        calls += done
+    return Cost(statistics.median(results), min(results), calls)
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """One image through base64 and the service's decode, in CPU milliseconds (median)."""
+
+    base64_ms: float
+    decode_ms: float
+    total_ms: float
+    total_min_ms: float
+
+
+def measure_decode(encoded: Sequence[str], spec: InputSpec, seconds: float) -> DecodeCost:
+    """The service's own path, on this thread: ``preprocess.base64_bytes``, ``preprocess.decode``, and
+    both together (``preprocess.decode_base64``, what the decode pool runs for a JSON body)."""
+    raw = [preprocess.base64_bytes(text) for text in encoded]
+    b64 = cpu_cost(lambda i: preprocess.base64_bytes(encoded[i]), len(encoded), seconds / 4)
+    dec = cpu_cost(lambda i: preprocess.decode(raw[i], spec, LIMITS), len(raw), seconds)
+    total = cpu_cost(lambda i: preprocess.decode_base64(encoded[i], spec, LIMITS), len(encoded), seconds)
+    return DecodeCost(
+        round(b64.median_ms, 4), round(dec.median_ms, 4), round(total.median_ms, 4), round(total.min_s * 1000, 4)
+    )
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """One batch size: CPU and wall milliseconds per image (medians of the timed rounds)."""
+
+    batch_size: int
+    threads: int
+    cpu_ms_per_image: float
+    wall_ms_per_image: float
+    passes: int
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_batch(tensors: Sequence[torch.Tensor], size: int) -> torch.Tensor:
+    """A uint8 batch of ``size`` of the decoded images, cycling through them."""
+    return torch.stack([tensors[i % len(tensors)] for i in range(size)])
+
+
+def measure_forward(
+    model: LayeredModel, tensors: Sequence[torch.Tensor], sizes: Sequence[int], threads: int, seconds: float
+) -> list[ForwardCost]:
+    """Normalise + backbone + head + softmax + top-k of a ready uint8 batch, per size.
+
+    The batch is formed before timing: the best in-process path decodes straight into it.
+    """
+    results = []
+    k = min(5, len(model.manifest.labels))
+    with torch_threads(threads), torch.inference_mode():
+        for size in sizes:
+            batch = make_batch(tensors, size)
+
+            def forward(_: int, batch: torch.Tensor = batch) -> object:
+                return model.probabilities(batch).topk(k, dim=1)
+
+            forward(0)  # the first pass at a new shape pays for its plan
+            wall_started = time.perf_counter()
+            cost = cpu_cost(forward, 1, seconds, rounds=3, clock=time.process_time)
+            wall = (time.perf_counter() - wall_started) / (cost.calls + 1)
+            results.append(
+                ForwardCost(size, threads, round(cost.median_ms / size, 4), round(wall * 1000 / size, 4), cost.calls)
+            )
+    return results
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Images per second through decode threads feeding one forward thread, in process."""
+
+    decode_threads: int
+    batch_size: int
+    images: int
+    seconds: float
+    images_per_s: float
+
+
+def measure_pipeline(
+    model: LayeredModel, encoded: Sequence[str], spec: InputSpec, batch_size: int, decode_threads: int, seconds: float
+) -> Pipeline:
+    """What the machine does in process when decoding overlaps the forward pass.
+
+    ``decode_threads`` threads decode (base64 + the service's decode) into a bounded
+    queue; this thread forms batches of ``batch_size`` and runs them with one torch thread.
+    """
+    ready: queue.Queue[torch.Tensor] = queue.Queue(maxsize=batch_size * 4)
+    stop = threading.Event()
+    k = min(5, len(model.manifest.labels))
+
+    def decoder(offset: int) -> None:
+        index = offset
+        while not stop.is_set():
+            tensor = preprocess.decode_base64(encoded[index % len(encoded)], spec, LIMITS)
+            index += decode_threads
+            while not stop.is_set():
+                try:
+                    ready.put(tensor, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+
+    workers = [threading.Thread(target=decoder, args=(n,), daemon=True) for n in range(decode_threads)]
+    for worker in workers:
+        worker.start()
+    done = 0
+    try:
+        with torch_threads(1), torch.inference_mode():
+            model.probabilities(make_batch([ready.get()], batch_size))  # warm, and wait for the decoders
+            started = time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                batch = torch.stack([ready.get() for _ in range(batch_size)])
+                model.probabilities(batch).topk(k, dim=1)
+                done += batch_size
+            elapsed = time.perf_counter() - started
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    return Pipeline(decode_threads, batch_size, done, round(elapsed, 3), round(done / elapsed, 1))
+
+
+@contextlib.contextmanager
+def model_repository(root: Path | None, name: str) -> Iterator[Path]:
+    """``root`` when it holds ``name``; else ``name`` exported (``--seed 0``) into ``root`` or a temporary one."""
+    from app.inference.export import export_torchvision
+
+    temporary = root is None
+    folder = Path(tempfile.mkdtemp(prefix="ai-backend-limit-")) if root is None else root
+    try:
+        if not (folder / name).is_dir():
+            print(f"exporting {name} (seed 0) into {folder}", file=sys.stderr, flush=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch.jit deprecation notices
+                export_torchvision(name, folder, seed=0)
+        yield folder
+    finally:
+        if temporary:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def load_model(root: Path, name: str, version: str | None) -> LayeredModel:
+    """The model on the CPU in fp32, through the service's own loader, every head loaded."""
+    from app.inference.repository import Repository
+
+    repository = Repository(root)
+    entries = {entry.name: entry for entry in repository.models()}
+    if name not in entries:
+        raise LookupError(f"model {name!r} is not in {root} (it holds: {', '.join(entries) or 'none'})")
+    version = version or entries[name].latest
+    model = LayeredModel.load(
+        repository.folder(name, version), repository.manifest(name, version), torch.device("cpu"), torch.float32
+    )
+    model.load_all_heads()
+    return model
+
+
+def limit_report(
+    decode: DecodeCost,
+    forward_one: Sequence[ForwardCost],
+    forward_default: Sequence[ForwardCost],
+    core_count: int,
+) -> dict[str, Any]:
+    """The limit from the measured costs: the best batch (one torch thread) plus decode."""
+    best = min(forward_one, key=lambda r: r.cpu_ms_per_image)
+    per_image_ms = decode.total_ms + best.cpu_ms_per_image
+    return {
+        "cores": core_count,
+        "decode_cpu_ms": decode.total_ms,
+        "forward_cpu_ms": best.cpu_ms_per_image,
+        "best_batch": best.batch_size,
+        "cpu_ms_per_image": round(per_image_ms, 4),
+        "images_per_s": round(core_count / (per_image_ms / 1000), 1),
+        "formula": "cores / (decode_cpu_s + forward_cpu_s at the best batch, 1 torch thread)",
+        "decode": asdict(decode),
+        "forward_1_thread": [asdict(r) for r in forward_one],
+        "forward_default_threads": [asdict(r) for r in forward_default],
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a short markdown summary."""
+    limit, decode = report["limit"], report["limit"]["decode"]
+    lines = [
+        f"## limit: {report['model']} v{report['version']}, {report['images']['count']} images "
+        f"{report['images']['width']}x{report['images']['height']} "
+        f"(mean {report['images']['mean_bytes'] / 1024:.0f} KiB), {limit['cores']} cores",
+        "",
+        f"- decode (base64 + preprocess.decode, one thread): {decode['total_ms']:.3f} ms CPU per image "
+        f"(base64 {decode['base64_ms']:.3f}, decode {decode['decode_ms']:.3f})",
+        f"- forward at the best batch ({limit['best_batch']}, one torch thread): "
+        f"{limit['forward_cpu_ms']:.3f} ms CPU per image",
+        f"- **limit: {limit['images_per_s']:.1f} images/s** = {limit['cores']} / {limit['cpu_ms_per_image']:.3f} ms",
+        "",
+        "| batch | 1 thread: CPU ms/img | 1 thread: wall ms/img | "
+        f"{report['host']['torch_default_threads']} threads: CPU ms/img | wall ms/img |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    default = {r["batch_size"]: r for r in limit["forward_default_threads"]}
+    for row in limit["forward_1_thread"]:
+        other = default.get(row["batch_size"])
+        tail = f"{other['cpu_ms_per_image']:.3f} | {other['wall_ms_per_image']:.3f}" if other else "- | -"
+        lines.append(
+            f"| {row['batch_size']} | {row['cpu_ms_per_image']:.3f} | {row['wall_ms_per_image']:.3f} | {tail} |"
+        )
+    for run in report.get("pipeline", []):
+        lines.append(
+            f"\npipelined in process ({run['decode_threads']} decode threads + 1 forward thread, batch "
+            f"{run['batch_size']}): {run['images_per_s']:.1f} images/s = "
+            f"{run['images_per_s'] / limit['images_per_s']:.2f} of the limit"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure everything ``args`` asks for and return the JSON report."""
+    if args.images is None:
+        paths = write_images(args.images_out, args.count, args.seed)
+    else:
+        paths = image_files(args.images)
+        if not paths:
+            raise LookupError(f"{args.images} holds no .jpg or .jpeg files")
+    data = [p.read_bytes() for p in paths]
+    encoded = [base64.b64encode(d).decode("ascii") for d in data]
+    sizes = {Image.open(io.BytesIO(d)).size for d in data}
+    default_threads = torch.get_num_threads()
+    load_before = os.getloadavg()[0]
+    with model_repository(args.repository, args.model) as root:
+        model = load_model(root, args.model, args.version)
+    spec = model.manifest.input
+    print("timing decode", file=sys.stderr, flush=True)
+    decode = measure_decode(encoded, spec, args.seconds)
+    tensors = [preprocess.decode(d, spec, LIMITS) for d in data]
+    print("timing forward, 1 torch thread", file=sys.stderr, flush=True)
+    forward_one = measure_forward(model, tensors, args.batch_sizes, 1, args.seconds)
+    forward_default: list[ForwardCost] = []
+    if default_threads > 1:
+        print(f"timing forward, {default_threads} torch threads", file=sys.stderr, flush=True)
+        forward_default = measure_forward(model, tensors, args.batch_sizes, default_threads, args.seconds)
+    limit = limit_report(decode, forward_one, forward_default, cores())
+    pipeline = []
+    if args.pipeline_seconds > 0:
+        print("pipelined run", file=sys.stderr, flush=True)
+        for threads in sorted({1, max(1, cores() - 1), cores()}):
+            result = measure_pipeline(model, encoded, spec, limit["best_batch"], threads, args.pipeline_seconds)
+            pipeline.append(asdict(result))
+    width, height = next(iter(sizes)) if len(sizes) == 1 else (0, 0)
+    return {
+        "model": model.manifest.name,
+        "version": model.manifest.version,
+        "input": spec.model_dump(),
+        "images": {
+            "count": len(paths),
+            "folder": str(paths[0].parent),
+            "width": width,
+            "height": height,
+            "mean_bytes": round(sum(map(len, data)) / len(data)),
+            "mean_base64_chars": round(sum(map(len, encoded)) / len(encoded)),
+        },
+        "host": {
+            "machine": platform.machine(),
+            "processor": _cpu_model(),
+            "cores": cores(),
+            "torch": torch.__version__,
+            "pillow": PIL.__version__,
+            "torch_default_threads": default_threads,
+            "loadavg_1m_before": round(load_before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        },
+        "settings": {"seconds": args.seconds, "batch_sizes": list(args.batch_sizes)},
+        "limit": limit,
+        "pipeline": pipeline,
+    }
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(int(part) for part in text.split(","))
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("batch sizes are positive integers, comma-separated")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ai-backend limit``: 0 on success, 1 when the model or images are missing."""
+    parser = argparse.ArgumentParser(prog="ai-backend limit", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--repository", type=Path, help="model repository (exported into when the model is absent; default: a temp dir)"
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model name (default: {DEFAULT_MODEL})")
+    parser.add_argument("--version", help="version (default: the latest)")
+    parser.add_argument("--images", type=Path, help="a folder of JPEGs (default: generate --count synthetic photos)")
+    parser.add_argument("--images-out", type=Path, default=Path("out/images"), help="where generated images go")
+    parser.add_argument("--count", type=int, default=8, help="synthetic photos to generate (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic photos")
+    parser.add_argument("--batch-sizes", type=_sizes, default=DEFAULT_SIZES, help="comma-separated (1,2,4,...,32)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="CPU seconds per timed measurement (default 2)")
+    parser.add_argument(
+        "--pipeline-seconds", type=float, default=4.0, help="seconds of each pipelined check; 0 skips it"
+    )
+    parser.add_argument("--out", type=Path, default=Path("out/limit.json"), help="the JSON report")
+    args = parser.parse_args(argv)
+    if args.count < 1 or not 0 < args.seconds <= 120 or not 0 <= args.pipeline_seconds <= 120:
+        parser.error("need --count >= 1, 0 < --seconds <= 120 and 0 <= --pipeline-seconds <= 120")
+    try:
+        report = run(args)
+    except (LookupError, OSError, ValueError) as exc:
+        print(f"ai-backend limit: {exc}", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""A small HTTP/1.1 client for the load generator, cheap enough not to eat the cores it measures.
+
+The load generator shares the machine with the service it measures; a general client
+(httpx builds a request object, headers and a response model per call) costs several
+times more CPU per request than this one, and that CPU comes out of the service's share.
+Here a request is bytes built once (keep-alive, ``Content-Length``) and written as is; a
+response is its status line, its headers and a body delimited by ``Content-Length``,
+chunked transfer coding, or the connection's end. Anything else fails loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class HttpProtocolError(Exception):
+    """The server sent something this client does not understand."""
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """A parsed status line and headers (names lower-cased; a repeated header keeps its last value)."""
+
+    status: int
+    headers: dict[str, str]
+    content_length: int | None
+    chunked: bool
+    keep_alive: bool
+
+
+def build_request(method: str, host: str, path: str, headers: Mapping[str, str], body: bytes = b"") -> bytes:
+    """One HTTP/1.1 request as bytes, keep-alive, with ``Host`` and ``Content-Length``."""
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def parse_head(head: bytes) -> ResponseHead:
+    """The status line and headers of ``head`` (everything up to and including the blank line)."""
+    text = head.decode("latin-1").rstrip("\r\n")
+    status_line, *lines = text.split("\r\n")
+    parts = status_line.split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not (parts[1].isdigit() and len(parts[1]) == 3):
+        raise HttpProtocolError(f"bad status line {status_line[:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise HttpProtocolError(f"bad header line {line[:80]!r}")
+        headers[name.lower()] = value.strip()
+    status = int(parts[1])
+    encoding = headers.get("transfer-encoding", "").lower()
+    codings = [c.strip() for c in encoding.split(",") if c.strip()]
+    if codings and codings != ["chunked"]:
+        raise HttpProtocolError(f"unsupported Transfer-Encoding {encoding!r}")
+    chunked = codings == ["chunked"]
+    length: int | None = None
+    if not chunked and "content-length" in headers:
+        value = headers["content-length"]
+        if not value.isdigit():
+            raise HttpProtocolError(f"bad Content-Length {value!r}")
+        length = int(value)
+    if status in (204, 304) or 100 <= status < 200:
+        length = 0
+    connection = headers.get("connection", "").lower()
+    keep_alive = parts[0] == "HTTP/1.1" and "close" not in connection
+    if length is None and not chunked:
+        keep_alive = False  # the body runs to the end of the connection
+    return ResponseHead(status, headers, length, chunked, keep_alive)
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = bytearray()
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        size_text = size_line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError as exc:
+            raise HttpProtocolError(f"bad chunk size {size_text[:20]!r}") from exc
+        if size == 0:
+            while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, ignored
+                pass
+            return bytes(body)
+        body += await reader.readexactly(size)
+        if await reader.readexactly(2) != b"\r\n":
+            raise HttpProtocolError("chunk not followed by CRLF")
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[ResponseHead, bytes]:
+    """One response from ``reader``: its head and its whole body."""
+    try:
+        head = parse_head(await reader.readuntil(b"\r\n\r\n"))
+    except asyncio.LimitOverrunError as exc:
+        raise HttpProtocolError(f"response head longer than {MAX_HEAD_BYTES} bytes") from exc
+    if head.chunked:
+        body = await _read_chunked(reader)
+    elif head.content_length is not None:
+        body = await reader.readexactly(head.content_length)
+    else:
+        body = await reader.read()
+    return head, body
+
+
+class Connection:
+    """One keep-alive connection, reopened when the server closes it. One request at a time."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self.opened = 0
+
+    async def request(self, data: bytes) -> tuple[ResponseHead, bytes]:
+        """Send ``data`` (a whole request) and read the response.
+
+        On any error the connection is closed (the next request reopens it) and the error raised.
+        """
+        if self._writer is None or self._reader is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=MAX_HEAD_BYTES)
+            self.opened += 1
+        try:
+            self._writer.write(data)
+            head, body = await read_response(self._reader)
+        except BaseException:
+            self.close()
+            raise
+        if not head.keep_alive:
+            self.close()
+        return head, body
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+
+class Pool:
+    """Connections to one server, each lent to one request at a time; grows on demand."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._idle: list[Connection] = []
+        self.size = 0
+
+    async def request(self, data: bytes) -> tuple[ResponseHead, bytes]:
+        if self._idle:
+            connection = self._idle.pop()
+        else:
+            connection = Connection(self.host, self.port)
+            self.size += 1
+        try:
+            return await connection.request(data)
+        finally:
+            self._idle.append(connection)
+
+    def close(self) -> None:
+        for connection in self._idle:
+            connection.close()
+        self._idle.clear()

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# The limit and the ratio, in one run. Usage: scripts/bench_ratio.sh [OUT_DIR]   (default out/ratio)
+#
+#  (i)   exports mobilenet_v3_small (seed 0) into a temporary repository, unless REPOSITORY holds it;
+#  (ii)  measures the in-process limit on 640x480 JPEGs (ai-backend limit);
+#  (iii) serves that repository (ai-backend serve) with the settings below;
+#  (iv)  finds saturation with closed-loop concurrency (ai-backend bench --client raw, JSON base64 bodies):
+#        throughput / limit, mean batch size, per-lane latency, and the CPU of server, client and others;
+#  (v)   profiles the server at the saturation point (py-spy + per-thread CPU from /proc).
+# Writes OUT_DIR/ratio.json and OUT_DIR/ratio.md (and every intermediate report).
+#
+# Side by side: VARIANTS="label:ENV=V ENV2=V2;label2:ENV=V" runs each variant's server in turn, ROUNDS
+# times interleaved (A B A B), at the saturation concurrency, into OUT_DIR/compare.md. A variant may
+# set SERVER_TREE=/path to serve another checkout (e.g. a git worktree of the base commit).
+#
+# Knobs (environment): PORT (8931), CONCURRENCIES ("8 16 32 64 128"), DURATION (10), WARMUP (3),
+# PROFILE_SECONDS (8), LIMIT_SECONDS (2), ROUNDS (2), REPOSITORY, LIMIT_JSON (reuse a limit report),
+# QUIET_WAIT / QUIET_CORES (wait for an idle machine before each measurement), and any AI_SERVICE_* setting.
+# Defaults for the server: one torch intra-op thread, the limit's best batch as the normal lane's
+# max batch, two decode workers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+out=${1:-out/ratio}
+mkdir -p "$out"
+py="$root/.venv/bin/python"
+[ -x "$py" ] || { python3 -m uv sync --frozen --quiet; }
+port=${PORT:-8931}
+concurrencies=${CONCURRENCIES:-"8 16 32 64 128"}
+duration=${DURATION:-10}
+warmup=${WARMUP:-3}
+profile_seconds=${PROFILE_SECONDS:-8}
+model=mobilenet_v3_small
+
+repo=${REPOSITORY:-}
+temporary_repo=""
+if [ -z "$repo" ]; then
+  repo=$(mktemp -d /tmp/ai-backend-ratio-XXXXXX)
+  temporary_repo=$repo
+fi
+server_pid=""
+stop_server() {
+  if [ -n "$server_pid" ]; then
+    kill -TERM "$server_pid" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+    server_pid=""
+  fi
+}
+cleanup() {
+  stop_server
+  if [ -n "$temporary_repo" ]; then rm -rf "$temporary_repo"; fi
+}
+trap cleanup EXIT
+# wait_quiet: up to QUIET_WAIT seconds (default 120) for the rest of the machine to go idle
+# (under QUIET_CORES busy cores, default 0.15, over 2 s): these machines are shared, and a
+# measurement taken while something else runs is a measurement of both.
+wait_quiet() {
+  "$py" - "${QUIET_WAIT:-120}" "${QUIET_CORES:-0.15}" <<'PY'
+import sys, time
+from app.bench.loadgen import machine_cpu_s
+deadline, limit = time.monotonic() + float(sys.argv[1]), float(sys.argv[2])
+while True:
+    busy, _ = machine_cpu_s()
+    time.sleep(2)
+    cores = (machine_cpu_s()[0] - busy) / 2
+    if cores < limit or time.monotonic() > deadline:
+        print(f"machine busy before measuring: {cores:.2f} cores", file=sys.stderr)
+        break
+PY
+}
+field() {  # field JSON_FILE PYTHON_EXPRESSION_OF_r
+  "$py" -c "import json, sys; r = json.load(open(sys.argv[1])); print($2)" "$1"
+}
+# (i) the model
+if [ ! -d "$repo/$model" ]; then
+  "$py" -m app.cli export --arch "$model" --seed 0 --out "$repo" 2>/dev/null
+fi
+
+# (ii) the limit, on the same images the load generator sends
+if [ -n "${LIMIT_JSON:-}" ]; then  # reuse a limit measured before (its images must be in $out/images)
+  cp "$LIMIT_JSON" "$out/limit.json"
+else
+  wait_quiet
+  "$py" -m app.bench.limit --repository "$repo" --model "$model" --images-out "$out/images" \
+    --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit.json" 2>/dev/null | tee "$out/limit.md"
+fi
+best_batch=$(field "$out/limit.json" "r['limit']['best_batch']")
+
+export AI_SERVICE_MODEL__REPOSITORY="$repo"
+export AI_SERVICE_MODEL__NAMES="[\"$model\"]"
+export AI_SERVICE_MODEL__DEFAULT="$model"
+export AI_SERVICE_MODEL__INTRA_OP_THREADS="${AI_SERVICE_MODEL__INTRA_OP_THREADS:-1}"
+export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$best_batch}"
+export AI_SERVICE_SERVER__PREPROCESS_WORKERS="${AI_SERVICE_SERVER__PREPROCESS_WORKERS:-2}"
+
+# start_server LOG [ENV=VALUE ...]: serve on $port from $SERVER_TREE (default: this checkout)
+start_server() {
+  local log=$1 tree=$root
+  shift
+  for assignment in "$@"; do
+    case $assignment in SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;; esac
+  done
+  (cd "$tree" && exec env "$@" "$py" -m app.cli serve --port "$port" >"$log" 2>&1) &
+  server_pid=$!
+  for _ in $(seq 1 600); do
+    if [ "$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ]; then return 0; fi
+    kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $log" >&2; exit 1; }
+    sleep 0.1
+  done
+  echo "server not ready after 60 s; see $log" >&2
+  exit 1
+}
+
+bench() {  # bench CONCURRENCY OUT_JSON [DURATION [nowait]]
+  if [ "${4:-}" != nowait ]; then wait_quiet; fi
+  "$py" -m app.cli bench --url "http://127.0.0.1:$port" --client raw --images "$out/images" \
+    --concurrency "$1" --duration "${3:-$duration}" --warmup "$warmup" --server-pid "$server_pid" --out "$2" >/dev/null
+}
+
+# (iii) + (iv) saturation
+start_server "$out/server.log"
+benches=()
+for c in $concurrencies; do
+  bench "$c" "$out/bench-c$c.json"
+  benches+=("$out/bench-c$c.json")
+  echo "concurrency $c: $(field "$out/bench-c$c.json" \
+    "f\"{r['throughput_rps']} requests/s, mean batch {r['mean_batch_size']}, other cores {r['cpu']['other_cores']}\"")"
+done
+saturated=$("$py" -c "import json, sys; print(max(sys.argv[1:], key=lambda p: json.load(open(p))['throughput_rps']))" \
+  "${benches[@]}" | sed -E 's/.*-c([0-9]+)\.json$/\1/')
+
+# (v) the profile: a separate pass at the saturation point, so sampling does not touch the figures above
+pyspy=$(command -v py-spy || true)
+if [ -z "$pyspy" ]; then
+  python3 -m pip install --quiet --target /tmp/py-spy py-spy && pyspy=/tmp/py-spy/bin/py-spy
+fi
+wait_quiet
+bench "$saturated" "$out/bench-profiled.json" "$((profile_seconds + 4))" nowait &
+bench_pid=$!
+sleep "$((warmup + 1))"
+"$py" -m app.bench.ratio profile --pid "$server_pid" --seconds "$profile_seconds" --py-spy "$pyspy" \
+  --raw "$out/py-spy.txt" --out "$out/profile.json"
+wait "$bench_pid"
+stop_server
+
+config=("best_batch=$best_batch" "cores=$(nproc)")
+for name in $(env | grep -o '^AI_SERVICE_[A-Z_]*' | sort); do config+=("$name=${!name}"); done
+"$py" -m app.bench.ratio report --limit "$out/limit.json" --bench "${benches[@]}" --profile "$out/profile.json" \
+  --profile-bench "$out/bench-profiled.json" --config "${config[@]}" --out-json "$out/ratio.json" --out-md "$out/ratio.md"
+
+# side by side variants, interleaved rounds at the saturation concurrency
+if [ -n "${VARIANTS:-}" ]; then
+  runs=()
+  IFS=';' read -ra variants <<<"$VARIANTS"
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for variant in "${variants[@]}"; do
+      label=${variant%%:*}
+      read -ra assignments <<<"${variant#*:}"
+      start_server "$out/server-$label.log" "${assignments[@]}"
+      bench "$saturated" "$out/variant-$label-r$round.json"
+      stop_server
+      runs+=("$label=$out/variant-$label-r$round.json")
+      echo "variant $label round $round: $(field "$out/variant-$label-r$round.json" "r['throughput_rps']") requests/s"
+    done
+  done
+  "$py" -m app.bench.ratio compare --limit "$out/limit.json" --run "${runs[@]}" \
+    --out-json "$out/compare.json" --out-md "$out/compare.md"
+fi

@@ -1,0 +1,102 @@
+"""``ai-backend limit``: the synthetic photos, the CPU accounting, and a whole run on the digits model."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from app.bench import limit
+from app.bench.limit import Cost, DecodeCost, ForwardCost, cpu_cost, limit_report, synthetic_photo
+from tests.support import MODELS_DIR
+
+
+def test_synthetic_photos_are_deterministic_640x480_jpegs_of_a_photos_size() -> None:
+    first, again, other = synthetic_photo(0), synthetic_photo(0), synthetic_photo(1)
+    assert first == again and first != other
+    image = Image.open(io.BytesIO(first))
+    assert (image.format, image.size, image.mode) == ("JPEG", (640, 480), "RGB")
+    assert 30_000 < len(first) < 200_000
+
+
+def test_images_are_written_then_listed_by_name(tmp_path: Path) -> None:
+    written = limit.write_images(tmp_path, 3, seed=2)
+    (tmp_path / "notes.txt").write_text("not an image")
+    assert limit.image_files(tmp_path) == written == sorted(written)
+
+
+def test_cpu_cost_is_cpu_per_call_over_rounds_with_a_warm_up_pass() -> None:
+    ticks = iter(float(t) for t in range(10_000))
+    calls: list[int] = []
+    cost = cpu_cost(calls.append, items=3, seconds=3.0, rounds=3, clock=lambda: next(ticks))
+    # every clock read advances one second: the warm-up visits each item once, then each round
+    # runs until a second of "CPU" passed and at least every item once
+    assert calls[:3] == [0, 1, 2]
+    assert cost.calls == len(calls) - 3
+    assert isinstance(cost, Cost) and 0 < cost.min_s <= cost.median_s
+
+
+def test_the_limit_is_cores_over_decode_plus_the_best_forward() -> None:
+    decode = DecodeCost(base64_ms=0.2, decode_ms=1.3, total_ms=1.5, total_min_ms=1.45)
+    forward = [ForwardCost(1, 1, 6.0, 6.0, 10), ForwardCost(16, 1, 2.5, 2.6, 10), ForwardCost(32, 1, 2.7, 2.7, 10)]
+    report = limit_report(decode, forward, [], core_count=2)
+    assert report["best_batch"] == 16
+    assert report["cpu_ms_per_image"] == 4.0
+    assert report["images_per_s"] == 500.0
+
+
+@pytest.fixture
+def no_export(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    exported: list[str] = []
+
+    def fake_export(arch: str, root: Path, **_: object) -> Path:
+        exported.append(arch)
+        (root / arch / "1").mkdir(parents=True)
+        return root / arch / "1"
+
+    monkeypatch.setattr("app.inference.export.export_torchvision", fake_export)
+    yield exported
+
+
+def test_a_missing_model_is_exported_into_the_repository_and_a_temporary_one_removed(
+    tmp_path: Path, no_export: list[str]
+) -> None:
+    with limit.model_repository(tmp_path, "mobilenet_v3_small") as root:
+        assert root == tmp_path
+    assert no_export == ["mobilenet_v3_small"] and (tmp_path / "mobilenet_v3_small").is_dir()
+    with limit.model_repository(tmp_path, "mobilenet_v3_small"):
+        pass
+    assert no_export == ["mobilenet_v3_small"], "a model that is there is not exported again"
+    with limit.model_repository(None, "resnet18") as temporary:
+        assert (temporary / "resnet18").is_dir()
+    assert not temporary.exists()
+
+
+def test_a_whole_run_on_the_digits_model_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "limit.json"
+    argv = ["--repository", str(MODELS_DIR), "--model", "digits", "--count", "2", "--images-out", str(tmp_path)]
+    argv += ["--batch-sizes", "1,4", "--seconds", "0.05", "--pipeline-seconds", "0.2", "--out", str(out)]
+    threads = torch.get_num_threads()
+    assert limit.main(argv) == 0
+    assert torch.get_num_threads() == threads, "the thread count is put back"
+    report = json.loads(out.read_text())
+    result = report["limit"]
+    assert report["images"]["count"] == 2 and (report["images"]["width"], report["images"]["height"]) == (640, 480)
+    assert [r["batch_size"] for r in result["forward_1_thread"]] == [1, 4]
+    assert result["best_batch"] in (1, 4)
+    per_image = result["decode"]["total_ms"] + result["forward_cpu_ms"]
+    assert result["images_per_s"] == pytest.approx(result["cores"] * 1000 / per_image, rel=1e-3)
+    assert report["pipeline"] and all(run["images_per_s"] > 0 for run in report["pipeline"])
+    assert "**limit:" in capsys.readouterr().out
+
+
+def test_given_images_are_used_and_a_folder_without_jpegs_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "only.png").write_bytes(base64.b64decode("iVBORw0KGgo="))
+    code = limit.main(["--repository", str(MODELS_DIR), "--model", "digits", "--images", str(tmp_path)])
+    assert code == 1

@@ -1,0 +1,244 @@
+"""The load generator's raw HTTP/1.1 client and its accounting, against real loopback sockets."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from app.bench import loadgen, rawhttp
+from app.bench.rawhttp import HttpProtocolError, build_request, parse_head, read_response
+
+
+def reader_of(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+def test_a_request_is_keep_alive_bytes_with_host_and_content_length() -> None:
+    data = build_request("POST", "127.0.0.1:8000", "/predict", {"Content-Type": "application/json"}, b'{"a":1}')
+    assert data == (
+        b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Length: 7\r\n"
+        b'Content-Type: application/json\r\n\r\n{"a":1}'
+    )
+
+
+def test_a_head_gives_status_lower_case_headers_length_and_keep_alive() -> None:
+    head = parse_head(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 12\r\nRetry-After: 1\r\n\r\n")
+    assert (head.status, head.content_length, head.chunked, head.keep_alive) == (503, 12, False, True)
+    assert head.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("head", "keep_alive"),
+    [
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n", False),
+        (b"HTTP/1.1 200 OK\r\n\r\n", False),  # no length: the body runs to the connection's end
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", True),
+    ],
+)
+def test_keep_alive_only_when_the_body_is_delimited_and_nobody_said_close(head: bytes, keep_alive: bool) -> None:
+    assert parse_head(head).keep_alive is keep_alive
+
+
+def test_no_content_statuses_have_an_empty_body() -> None:
+    assert parse_head(b"HTTP/1.1 204 No Content\r\n\r\n").content_length == 0
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/2 200 OK\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+        b"garbage\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+    ],
+    ids=["http2", "status", "garbage", "header", "length", "coding"],
+)
+def test_what_the_client_does_not_understand_fails_loudly(head: bytes) -> None:
+    with pytest.raises(HttpProtocolError):
+        parse_head(head)
+
+
+async def test_a_content_length_body_is_read_exactly_and_the_rest_left() -> None:
+    reader = reader_of(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhelloHTTP/1.1", eof=False)
+    head, body = await read_response(reader)
+    assert (head.status, body) == (200, b"hello")
+    assert await reader.readexactly(8) == b"HTTP/1.1"
+
+
+async def test_a_chunked_body_is_joined_with_extensions_and_trailers_ignored() -> None:
+    data = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"4;name=value\r\nWiki\r\n5\r\npedia\r\nE\r\n in\r\n\r\nchunks.\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    )
+    _, body = await read_response(reader_of(data))
+    assert body == b"Wikipedia in\r\n\r\nchunks."
+
+
+async def test_a_bad_chunk_fails_loudly() -> None:
+    with pytest.raises(HttpProtocolError):
+        await read_response(reader_of(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"))
+    with pytest.raises(HttpProtocolError):
+        await read_response(reader_of(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY"))
+
+
+async def test_a_body_without_length_runs_to_the_end_and_a_short_one_raises() -> None:
+    _, body = await read_response(reader_of(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end"))
+    assert body == b"until the end"
+    with pytest.raises(asyncio.IncompleteReadError):
+        await read_response(reader_of(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"))
+
+
+@asynccontextmanager
+async def http_server(respond: Callable[[int, bytes], bytes]) -> AsyncIterator[tuple[int, list[int]]]:
+    """A loopback HTTP/1.1 server answering request ``n`` with ``respond(n, body)``.
+
+    Yields its port and the number of requests each connection carried.
+    """
+    per_connection: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        per_connection.append(0)
+        slot = len(per_connection) - 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                body = await reader.readexactly(length)
+                per_connection[slot] += 1
+                answer = respond(sum(per_connection), body)
+                writer.write(answer)
+                await writer.drain()
+                if b"Connection: close" in answer:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield port, per_connection
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def json_answer(payload: dict[str, object], close: bool = False) -> bytes:
+    body = json.dumps(payload).encode()
+    extra = b"Connection: close\r\n" if close else b""
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + extra
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+
+
+async def test_a_connection_is_kept_alive_and_reopened_after_the_server_closes_it() -> None:
+    async with http_server(lambda n, _: json_answer({"n": n}, close=n == 2)) as (port, per_connection):
+        connection = rawhttp.Connection("127.0.0.1", port)
+        request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
+        answers = [json.loads((await connection.request(request))[1])["n"] for _ in range(4)]
+        connection.close()
+    assert answers == [1, 2, 3, 4]
+    assert per_connection == [2, 2] and connection.opened == 2
+
+
+def bench_args(**overrides: object) -> argparse.Namespace:
+    defaults: dict[str, object] = {
+        "url": "",
+        "model": None,
+        "client": "raw",
+        "concurrency": 4,
+        "rate": None,
+        "urgent_fraction": 0.5,
+        "duration": 0.4,
+        "warmup": 0.1,
+        "requests": 10_000,
+        "timeout": 5.0,
+        "seed": 0,
+        "server_pid": os.getpid(),
+    }
+    return argparse.Namespace(**(defaults | overrides))
+
+
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+async def test_a_closed_loop_run_cycles_the_images_and_reports_batches_lanes_and_cpu(client: str) -> None:
+    seen: list[bytes] = []
+
+    def respond(n: int, body: bytes) -> bytes:
+        seen.append(json.loads(body)["image_base64"].encode())
+        if n % 10 == 0:
+            body = b'{"code": "queue_full"}'
+            return b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        return json_answer({"batch_size": 4})
+
+    async with http_server(respond) as (port, per_connection):
+        args = bench_args(url=f"http://127.0.0.1:{port}", client=client)
+        report = await loadgen.bench(args, [b"one", b"two", b"three"])
+    assert report["client"] == client and report["images"] == 3
+    assert report["ok"] > 0 and report["mean_batch_size"] == 4.0
+    assert set(report["errors"]) <= {"503:queue_full"}
+    assert {b"b25l", b"dHdv", b"dGhyZWU="} == set(seen)  # every image was sent
+    assert report["latency"]["urgent"]["count"] > 0 and report["latency"]["normal"]["count"] > 0
+    assert report["cpu"]["server_ms_per_request"] >= 0 and report["cpu"]["window_s"] > 0
+    if client == "raw":
+        assert report["connections"] == len(per_connection) <= 4
+
+
+async def test_a_refused_connection_is_an_error_sample_not_a_crash() -> None:
+    async with http_server(lambda n, _: b"") as (port, _):
+        pass  # closed again: nothing listens on the port now
+    send, pool = loadgen.raw_sender(f"http://127.0.0.1:{port}", "/predict", [b"{}"], timeout=1.0)
+    run = loadgen.Run(measured_from=0.0)
+    await loadgen.closed_loop(send, 2, 0.0, time.perf_counter() + 0.05, 4, run, random.Random(0))
+    pool.close()
+    assert run.samples and {s.status for s in run.samples} == {0}
+    assert {s.code for s in run.samples} == {"ConnectionRefusedError"}
+
+
+def test_cpu_report_splits_the_machine_into_server_client_and_the_rest() -> None:
+    before = {"client": 1.0, "server": 10.0, "machine": 100.0, "steal": 0.0, "wall": 50.0}
+    after = {"client": 1.5, "server": 18.0, "machine": 119.0, "steal": 0.2, "wall": 60.0}
+    report = loadgen.cpu_report(before, after, ok=1000)
+    assert report["server_cores"] == 0.8 and report["client_cores"] == 0.05 and report["other_cores"] == 1.05
+    assert report["server_ms_per_request"] == 8.0 and report["client_ms_per_request"] == 0.5
+
+
+def test_machine_cpu_reads_busy_and_stolen_ticks(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    ticks = loadgen.CLOCK_TICKS
+    stat.write_text(f"cpu  {ticks} 0 {ticks} {50 * ticks} 7 0 0 {ticks} 0 0\ncpu0 1 2 3\n")
+    assert loadgen.machine_cpu_s(stat) == (2.0, 1.0)
+
+
+def test_images_come_from_a_folder_by_name_or_from_one_file(tmp_path: Path) -> None:
+    (tmp_path / "b.jpg").write_bytes(b"B")
+    (tmp_path / "a.png").write_bytes(b"A")
+    (tmp_path / "notes.txt").write_bytes(b"no")
+    assert loadgen.load_images(tmp_path / "a.png", tmp_path) == [b"A", b"B"]
+    assert loadgen.load_images(tmp_path / "b.jpg", None) == [b"B"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        loadgen.load_images(tmp_path / "a.png", tmp_path / "empty")

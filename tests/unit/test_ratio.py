@@ -1,0 +1,111 @@
+"""The ratio report: py-spy's raw output, CPU per thread group, saturation and side-by-side variants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.bench import ratio
+
+SITE = "/venv/lib/python3.11/site-packages"
+RAW = "\n".join(
+    [
+        f"thread (100): MainThread;run (/app/app/cli.py);Runner.run ({SITE}/../asyncio/runners.py) 40",
+        f"thread (100): MainThread;handle ({SITE}/starlette/routing.py);read_image_body (/r/app/api/body.py);"
+        "base64_bytes (/r/app/inference/preprocess.py) 30",
+        f"thread (100): MainThread;handle ({SITE}/starlette/routing.py);start_span ({SITE}/opentelemetry/trace.py) 20",
+        f"thread (100): MainThread;handle ({SITE}/starlette/routing.py) 10",
+        "thread (201): preprocess_0;_worker (/usr/lib/python3.11/concurrent/futures/thread.py) 50",
+        f"thread (201): preprocess_0;decode (/r/app/inference/preprocess.py);ImageFile.load ({SITE}/PIL/File.py) 30",
+        f"thread (202): preprocess_1;decode (/r/app/inference/preprocess.py);Image.resize ({SITE}/PIL/Image.py) 10",
+        "thread (0x12d): device;probabilities (/r/app/inference/loader.py) 25",
+    ]
+)
+
+
+def test_raw_lines_parse_into_thread_frames_and_counts() -> None:
+    samples = ratio.parse_collapsed(RAW)
+    assert [s.tid for s in samples][:1] == [100] and samples[-1].tid == 0x12D
+    assert samples[1].thread == "MainThread" and samples[1].count == 30 and len(samples[1].frames) == 3
+    with pytest.raises(ValueError):
+        ratio.parse_collapsed("no thread here 3")
+
+
+def test_a_sample_belongs_to_the_stage_of_its_deepest_named_frame() -> None:
+    frames = ("a (x/starlette/routing.py)", "b (r/app/api/body.py)", "base64_bytes (r/app/inference/preprocess.py)")
+    assert ratio.stage_of(frames) == "base64 decode"
+    assert ratio.stage_of(("mystery (nowhere.py)",)) == "other: mystery (nowhere.py)"
+    assert ratio.short(f"f ({SITE}/starlette/routing.py)") == "f (starlette/routing.py)"
+    assert ratio.short("g (/work/main/app/service.py)") == "g (app/service.py)"
+
+
+def test_the_summary_gives_cores_per_group_from_proc_and_shares_of_busy_samples() -> None:
+    before = {100: ("ai-backend", 10.0), 201: ("ai-backend", 5.0), 202: ("ai-backend", 5.0), 0x12D: ("x", 0.0)}
+    before[300] = ("omp", 1.0)
+    after = {100: ("ai-backend", 12.0), 201: ("ai-backend", 6.0), 202: ("ai-backend", 6.0), 0x12D: ("x", 4.0)}
+    after[300] = ("omp", 2.0)
+    summary = ratio.summarise_profile(ratio.parse_collapsed(RAW), before, after, window_s=4.0)
+    groups = {g["group"]: g for g in summary["groups"]}
+    assert groups["device"]["cores"] == 1.0
+    assert groups["MainThread"]["cores"] == 0.5 and groups["preprocess"]["cores"] == 0.5
+    assert groups["preprocess"]["threads"] == 2
+    assert groups["native (omp)"]["cores"] == 0.25 and groups["native (omp)"]["samples"] == 0
+    main = {s["name"]: s["share"] for s in groups["MainThread"]["stages"]}
+    assert groups["MainThread"]["idle_samples"] == 40, "uvloop's run loop is counted apart"
+    assert main == {
+        "base64 decode": 0.5,
+        "tracing (OpenTelemetry)": 0.3333,
+        "routing + middleware (Starlette, FastAPI)": 0.1667,
+    }
+    decode = {s["name"]: s["share"] for s in groups["preprocess"]["stages"]}
+    assert decode == {"JPEG decode": 0.75, "resize": 0.25} and groups["preprocess"]["idle_samples"] == 50
+    assert summary["cores"] == 2.25
+
+
+def bench(concurrency: int, rps: float, server_ms: float | None = 5.0) -> dict[str, Any]:
+    latency = {"count": 10, "p50_ms": 100.0, "p90_ms": 150.0, "p99_ms": 200.0, "max_ms": 210.0}
+    empty = {"count": 0, "p50_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+    cpu = {"server_ms_per_request": server_ms, "other_cores": 0.1, "server_cores": 1.8} if server_ms else {}
+    return {
+        "concurrency": concurrency,
+        "throughput_rps": rps,
+        "mean_batch_size": 12.0,
+        "latency": {"all": latency, "normal": latency, "urgent": empty},
+        "errors": {},
+        "cpu": cpu,
+    }
+
+
+LIMIT = {"limit": {"images_per_s": 400.0, "cpu_ms_per_image": 4.5, "best_batch": 16}}
+
+
+def test_the_report_takes_the_best_throughput_as_saturation() -> None:
+    report = ratio.build_report(LIMIT, [bench(16, 300.0), bench(64, 340.0, 5.0), bench(128, 330.0)], None, {"a": "1"})
+    sat = report["saturation"]
+    assert sat["concurrency"] == 64 and sat["ratio"] == 0.85
+    assert sat["cpu_ratio"] == 0.9 and sat["overhead_cpu_ms_per_request"] == 0.5
+    assert [row["ratio"] for row in report["sweep"]] == [0.75, 0.85, 0.825]
+    text = ratio.markdown(report)
+    assert "service / limit: 0.85" in text and "`a=1`" in text
+
+
+def test_variants_are_compared_by_the_median_of_their_rounds(tmp_path: Path) -> None:
+    runs = [("a", bench(64, 300.0)), ("b", bench(64, 360.0, 4.5)), ("a", bench(64, 320.0)), ("b", bench(64, 340.0))]
+    result = ratio.compare(LIMIT, runs)
+    rows = {row["variant"]: row for row in result["variants"]}
+    assert rows["a"]["median_rps"] == 310.0 and rows["a"]["rounds"] == 2
+    assert rows["b"]["ratio"] == 0.875 and rows["b"]["cpu_ratio"] == pytest.approx(4.5 / 4.75, abs=1e-4)
+    assert "| b | 350.0 (360, 340)" in ratio.compare_markdown(result)
+
+
+def test_the_report_command_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "limit.json").write_text(json.dumps(LIMIT))
+    (tmp_path / "b.json").write_text(json.dumps(bench(32, 200.0)))
+    args = ["report", "--limit", str(tmp_path / "limit.json"), "--bench", str(tmp_path / "b.json")]
+    args += ["--out-json", str(tmp_path / "r.json"), "--out-md", str(tmp_path / "r.md")]
+    assert ratio.main(args) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["saturation"]["ratio"] == 0.5
+    assert (tmp_path / "r.md").read_text().startswith("## service / limit: 0.50")
