@@ -14,7 +14,8 @@
 # set SERVER_TREE=/path to serve another checkout (e.g. a git worktree of the base commit).
 #
 # Knobs (environment): PORT (8931), CONCURRENCIES ("8 16 32 64 128"), DURATION (10), WARMUP (3),
-# PROFILE_SECONDS (8), LIMIT_SECONDS (2), ROUNDS (2), REPOSITORY, LIMIT_JSON (reuse a limit report),
+# PROFILE_SECONDS (8), LIMIT_SECONDS (2), ROUNDS (2), VARIANT_CONCURRENCY (default: the saturation point),
+# VARIANTS_ONLY (skip iii-v), REPOSITORY, LIMIT_JSON (reuse a limit report),
 # QUIET_WAIT / QUIET_CORES (wait for an idle machine before each measurement), and any AI_SERVICE_* setting.
 # Defaults for the server: one torch intra-op thread, the limit's best batch as the normal lane's
 # max batch, two decode workers.
@@ -23,6 +24,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 out=${1:-out/ratio}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: a variant's server runs in its own tree
 py="$root/.venv/bin/python"
 [ -x "$py" ] || { python3 -m uv sync --frozen --quiet; }
 port=${PORT:-8931}
@@ -117,36 +119,52 @@ bench() {  # bench CONCURRENCY OUT_JSON [DURATION [nowait]]
     --concurrency "$1" --duration "${3:-$duration}" --warmup "$warmup" --server-pid "$server_pid" --out "$2" >/dev/null
 }
 
-# (iii) + (iv) saturation
-start_server "$out/server.log"
-benches=()
-for c in $concurrencies; do
-  bench "$c" "$out/bench-c$c.json"
-  benches+=("$out/bench-c$c.json")
-  echo "concurrency $c: $(field "$out/bench-c$c.json" \
-    "f\"{r['throughput_rps']} requests/s, mean batch {r['mean_batch_size']}, other cores {r['cpu']['other_cores']}\"")"
-done
-saturated=$("$py" -c "import json, sys; print(max(sys.argv[1:], key=lambda p: json.load(open(p))['throughput_rps']))" \
-  "${benches[@]}" | sed -E 's/.*-c([0-9]+)\.json$/\1/')
+if [ -n "${VARIANTS_ONLY:-}" ]; then  # only the side-by-side part, at VARIANT_CONCURRENCY
+  saturated=${VARIANT_CONCURRENCY:?VARIANTS_ONLY needs VARIANT_CONCURRENCY}
+else
+  # (iii) + (iv) saturation
+  start_server "$out/server.log"
+  benches=()
+  for c in $concurrencies; do
+    bench "$c" "$out/bench-c$c.json"
+    benches+=("$out/bench-c$c.json")
+    echo "concurrency $c: $(field "$out/bench-c$c.json" \
+      "f\"{r['throughput_rps']} requests/s, mean batch {r['mean_batch_size']}, other cores {r['cpu']['other_cores']}\"")"
+  done
+  saturated=$("$py" -c "import json, sys; print(max(sys.argv[1:], key=lambda p: json.load(open(p))['throughput_rps']))" \
+    "${benches[@]}" | sed -E 's/.*-c([0-9]+)\.json$/\1/')
 
-# (v) the profile: a separate pass at the saturation point, so sampling does not touch the figures above
-pyspy=$(command -v py-spy || true)
-if [ -z "$pyspy" ]; then
-  python3 -m pip install --quiet --target /tmp/py-spy py-spy && pyspy=/tmp/py-spy/bin/py-spy
+  # (v) the profile: a separate pass at the saturation point, so sampling does not touch the figures above
+  pyspy=$(command -v py-spy || true)
+  if [ -z "$pyspy" ]; then
+    python3 -m pip install --quiet --target /tmp/py-spy py-spy && pyspy=/tmp/py-spy/bin/py-spy
+  fi
+  wait_quiet
+  bench "$saturated" "$out/bench-profiled.json" "$((profile_seconds + 4))" nowait &
+  bench_pid=$!
+  sleep "$((warmup + 1))"
+  "$py" -m app.bench.ratio profile --pid "$server_pid" --seconds "$profile_seconds" --py-spy "$pyspy" \
+    --raw "$out/py-spy.txt" --out "$out/profile.json"
+  wait "$bench_pid"
+  stop_server
+
+  # the limit again: the machines drift (other tenants), so the ratio is taken against both ends' mean
+  if [ -z "${LIMIT_JSON:-}" ]; then
+    wait_quiet
+    "$py" -m app.bench.limit --repository "$repo" --model "$model" --images "$out/images" --pipeline-seconds 0 \
+      --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit-after.json" >/dev/null 2>&1
+    limit_after=(--limit-after "$out/limit-after.json")
+  else
+    limit_after=()
+  fi
+
+  config=("best_batch=$best_batch" "cores=$(nproc)")
+  for name in $(env | grep -o '^AI_SERVICE_[A-Z_]*' | sort); do config+=("$name=${!name}"); done
+  "$py" -m app.bench.ratio report --limit "$out/limit.json" "${limit_after[@]}" --bench "${benches[@]}" \
+    --profile "$out/profile.json" \
+    --profile-bench "$out/bench-profiled.json" --config "${config[@]}" --out-json "$out/ratio.json" --out-md "$out/ratio.md"
+
 fi
-wait_quiet
-bench "$saturated" "$out/bench-profiled.json" "$((profile_seconds + 4))" nowait &
-bench_pid=$!
-sleep "$((warmup + 1))"
-"$py" -m app.bench.ratio profile --pid "$server_pid" --seconds "$profile_seconds" --py-spy "$pyspy" \
-  --raw "$out/py-spy.txt" --out "$out/profile.json"
-wait "$bench_pid"
-stop_server
-
-config=("best_batch=$best_batch" "cores=$(nproc)")
-for name in $(env | grep -o '^AI_SERVICE_[A-Z_]*' | sort); do config+=("$name=${!name}"); done
-"$py" -m app.bench.ratio report --limit "$out/limit.json" --bench "${benches[@]}" --profile "$out/profile.json" \
-  --profile-bench "$out/bench-profiled.json" --config "${config[@]}" --out-json "$out/ratio.json" --out-md "$out/ratio.md"
 
 # side by side variants, interleaved rounds at the saturation concurrency
 if [ -n "${VARIANTS:-}" ]; then
@@ -157,7 +175,7 @@ if [ -n "${VARIANTS:-}" ]; then
       label=${variant%%:*}
       read -ra assignments <<<"${variant#*:}"
       start_server "$out/server-$label.log" "${assignments[@]}"
-      bench "$saturated" "$out/variant-$label-r$round.json"
+      bench "${VARIANT_CONCURRENCY:-$saturated}" "$out/variant-$label-r$round.json"
       stop_server
       runs+=("$label=$out/variant-$label-r$round.json")
       echo "variant $label round $round: $(field "$out/variant-$label-r$round.json" "r['throughput_rps']") requests/s"

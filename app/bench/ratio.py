@@ -205,18 +205,28 @@ def saturation(benches: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_report(
-    limit: dict[str, Any], benches: Sequence[dict[str, Any]], profile: dict[str, Any] | None, config: dict[str, str]
+    limit: dict[str, Any],
+    benches: Sequence[dict[str, Any]],
+    profile: dict[str, Any] | None,
+    config: dict[str, str],
+    limit_after: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ratio at saturation and everything needed to read it."""
+    """The ratio at saturation and everything needed to read it.
+
+    With ``limit_after`` (the limit measured again after the service), the ratio is taken
+    against the mean of the two: these machines drift while a run goes on.
+    """
     best = saturation(benches)
-    images_per_s = float(limit["limit"]["images_per_s"])
+    ends = [limit] if limit_after is None else [limit, limit_after]
+    images_per_s = statistics.mean(float(end["limit"]["images_per_s"]) for end in ends)
+    limit_ms = statistics.mean(float(end["limit"]["cpu_ms_per_image"]) for end in ends)
     cpu = best.get("cpu", {})
     server_ms = cpu.get("server_ms_per_request")
-    limit_ms = float(limit["limit"]["cpu_ms_per_image"])
     report: dict[str, Any] = {
         "config": config,
-        "limit_images_per_s": images_per_s,
-        "limit_cpu_ms_per_image": limit_ms,
+        "limit_images_per_s": round(images_per_s, 1),
+        "limit_cpu_ms_per_image": round(limit_ms, 4),
+        "limit_runs_images_per_s": [end["limit"]["images_per_s"] for end in ends],
         "limit_best_batch": limit["limit"]["best_batch"],
         "saturation": {
             "concurrency": best.get("concurrency"),
@@ -258,7 +268,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"## service / limit: {sat['ratio']:.2f}",
         "",
         f"- limit: {report['limit_images_per_s']:.1f} images/s ({report['limit_cpu_ms_per_image']:.3f} ms CPU "
-        f"per image at batch {report['limit_best_batch']})",
+        f"per image at batch {report['limit_best_batch']}; measured "
+        f"{' and '.join(f'{v:.1f}' for v in report['limit_runs_images_per_s'])})",
         f"- service at saturation (concurrency {sat['concurrency']}): {sat['throughput_rps']:.1f} requests/s, "
         f"mean batch {sat['mean_batch_size']:.1f}",
     ]
@@ -396,7 +407,8 @@ def _report(args: argparse.Namespace) -> int:
     if profile is not None and args.profile_bench:
         profile["throughput_rps"] = json.loads(args.profile_bench.read_text())["throughput_rps"]
     config = dict(item.split("=", 1) for item in args.config)
-    report = build_report(limit, benches, profile, config)
+    after = json.loads(args.limit_after.read_text()) if args.limit_after else None
+    report = build_report(limit, benches, profile, config, after)
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
     args.out_json.write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
@@ -418,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--out", type=Path, required=True, help="the profile summary (JSON)")
     rep = commands.add_parser("report", help="join limit, bench and profile reports")
     rep.add_argument("--limit", type=Path, required=True, help="ai-backend limit's JSON report")
+    rep.add_argument("--limit-after", type=Path, help="the limit measured again after the service")
     rep.add_argument("--bench", type=Path, nargs="+", required=True, help="ai-backend bench JSON reports")
     rep.add_argument("--profile", type=Path, help="a profile summary from `profile`")
     rep.add_argument("--profile-bench", type=Path, help="the bench report of the profiled run")

@@ -109,3 +109,11 @@ def test_the_report_command_writes_json_and_markdown(tmp_path: Path, capsys: pyt
     assert ratio.main(args) == 0
     assert json.loads((tmp_path / "r.json").read_text())["saturation"]["ratio"] == 0.5
     assert (tmp_path / "r.md").read_text().startswith("## service / limit: 0.50")
+
+
+def test_a_limit_measured_again_after_the_service_is_averaged_in() -> None:
+    after = {"limit": {"images_per_s": 360.0, "cpu_ms_per_image": 5.5, "best_batch": 16}}
+    report = ratio.build_report(LIMIT, [bench(64, 340.0)], None, {}, limit_after=after)
+    assert report["limit_images_per_s"] == 380.0 and report["limit_runs_images_per_s"] == [400.0, 360.0]
+    assert report["saturation"]["ratio"] == round(340 / 380, 4)
+    assert "measured 400.0 and 360.0" in ratio.markdown(report)
