@@ -171,13 +171,17 @@ if [ -n "${VARIANTS:-}" ]; then
   runs=()
   IFS=';' read -ra variants <<<"$VARIANTS"
   for round in $(seq 1 "${ROUNDS:-2}"); do
+    # this round's limit (best batch only): each variant's ratio is taken against it
+    wait_quiet
+    "$py" -m app.bench.limit --repository "$repo" --model "$model" --images "$out/images" --batch-sizes "$best_batch" \
+      --pipeline-seconds 0 --seconds 1 --out "$out/limit-r$round.json" >/dev/null 2>&1
     for variant in "${variants[@]}"; do
       label=${variant%%:*}
       read -ra assignments <<<"${variant#*:}"
       start_server "$out/server-$label.log" "${assignments[@]}"
       bench "${VARIANT_CONCURRENCY:-$saturated}" "$out/variant-$label-r$round.json"
       stop_server
-      runs+=("$label=$out/variant-$label-r$round.json")
+      runs+=("$label=$out/variant-$label-r$round.json@$out/limit-r$round.json")
       echo "variant $label round $round: $(field "$out/variant-$label-r$round.json" "r['throughput_rps']") requests/s"
     done
   done

@@ -92,13 +92,33 @@ def test_the_report_takes_the_best_throughput_as_saturation() -> None:
     assert "service / limit: 0.85" in text and "`a=1`" in text
 
 
-def test_variants_are_compared_by_the_median_of_their_rounds(tmp_path: Path) -> None:
-    runs = [("a", bench(64, 300.0)), ("b", bench(64, 360.0, 4.5)), ("a", bench(64, 320.0)), ("b", bench(64, 340.0))]
+def test_variants_are_compared_by_the_median_of_their_rounds() -> None:
+    runs: list[ratio.Run] = [
+        ("a", bench(64, 300.0), None),
+        ("b", bench(64, 360.0, 4.5), None),
+        ("a", bench(64, 320.0), None),
+        ("b", bench(64, 340.0), None),
+    ]
     result = ratio.compare(LIMIT, runs)
     rows = {row["variant"]: row for row in result["variants"]}
     assert rows["a"]["median_rps"] == 310.0 and rows["a"]["rounds"] == 2
-    assert rows["b"]["ratio"] == 0.875 and rows["b"]["cpu_ratio"] == pytest.approx(4.5 / 4.75, abs=1e-4)
+    assert rows["b"]["ratio"] == 0.875 and rows["b"]["cpu_ratio"] == pytest.approx((4.5 / 4.5 + 4.5 / 5) / 2, abs=1e-4)
     assert "| b | 350.0 (360, 340)" in ratio.compare_markdown(result)
+
+
+def test_each_round_is_divided_by_its_own_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    slow = {"limit": {"images_per_s": 300.0, "cpu_ms_per_image": 6.0, "best_batch": 16}}
+    files = {"limit.json": LIMIT, "r1.json": LIMIT, "r2.json": slow}
+    files |= {"a1.json": bench(64, 320.0), "a2.json": bench(64, 270.0)}
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    runs = [f"a={tmp_path / 'a1.json'}@{tmp_path / 'r1.json'}", f"a={tmp_path / 'a2.json'}@{tmp_path / 'r2.json'}"]
+    args = ["compare", "--limit", str(tmp_path / "limit.json"), "--run", *runs, "--out-json", str(tmp_path / "c.json")]
+    assert ratio.main(args) == 0
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert result["round_limits"] == [400.0, 300.0]
+    assert result["variants"][0]["ratios"] == [0.8, 0.9] and result["variants"][0]["ratio"] == 0.85
+    assert "per round: 400, 300" in capsys.readouterr().out
 
 
 def test_the_report_command_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
