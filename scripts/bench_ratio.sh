@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The limit and the ratio, in one run. Usage: scripts/bench_ratio.sh [OUT_DIR]   (default out/ratio)
 #
-#  (i)   exports mobilenet_v3_small (seed 0) into a temporary repository, unless REPOSITORY holds it;
+#  (i)   exports MODEL (mobilenet_v3_small, seed 0) into a temporary repository, unless REPOSITORY holds it;
 #  (ii)  measures the in-process limit on 640x480 JPEGs (ai-backend limit);
 #  (iii) serves that repository (ai-backend serve) with the settings below;
 #  (iv)  finds saturation with closed-loop concurrency (ai-backend bench --client raw, JSON base64 bodies):
@@ -14,8 +14,9 @@
 # set SERVER_TREE=/path to serve another checkout (e.g. a git worktree of the base commit).
 #
 # Knobs (environment): PORT (8931), CONCURRENCIES ("8 16 32 64 128"), DURATION (10), WARMUP (3),
-# PROFILE_SECONDS (8), LIMIT_SECONDS (2), ROUNDS (2), VARIANT_CONCURRENCY (default: the saturation point),
-# VARIANTS_ONLY (skip iii-v), REPOSITORY, LIMIT_JSON (reuse a limit report),
+# URGENT_FRACTION (0.1: requests on the urgent lane), MODEL (mobilenet_v3_small; any torchvision
+# classifier), PROFILE_SECONDS (8), LIMIT_SECONDS (2), ROUNDS (2), VARIANT_CONCURRENCY (default: the
+# saturation point), VARIANTS_ONLY (skip iii-v), REPOSITORY, LIMIT_JSON (reuse a limit report),
 # QUIET_WAIT / QUIET_CORES (wait for an idle machine before each measurement), and any AI_SERVICE_* setting.
 # Defaults for the server: one torch intra-op thread, the limit's best batch as the normal lane's
 # max batch, two decode workers.
@@ -32,7 +33,7 @@ concurrencies=${CONCURRENCIES:-"8 16 32 64 128"}
 duration=${DURATION:-10}
 warmup=${WARMUP:-3}
 profile_seconds=${PROFILE_SECONDS:-8}
-model=mobilenet_v3_small
+model=${MODEL:-mobilenet_v3_small}
 
 repo=${REPOSITORY:-}
 temporary_repo=""
@@ -116,7 +117,8 @@ start_server() {
 bench() {  # bench CONCURRENCY OUT_JSON [DURATION [nowait]]
   if [ "${4:-}" != nowait ]; then wait_quiet; fi
   "$py" -m app.cli bench --url "http://127.0.0.1:$port" --client raw --images "$out/images" \
-    --concurrency "$1" --duration "${3:-$duration}" --warmup "$warmup" --server-pid "$server_pid" --out "$2" >/dev/null
+    --concurrency "$1" --duration "${3:-$duration}" --warmup "$warmup" --urgent-fraction "${URGENT_FRACTION:-0.1}" \
+    --server-pid "$server_pid" --out "$2" >/dev/null
 }
 
 if [ -n "${VARIANTS_ONLY:-}" ]; then  # only the side-by-side part, at VARIANT_CONCURRENCY
@@ -174,7 +176,7 @@ if [ -n "${VARIANTS:-}" ]; then
     # this round's limit (best batch only): each variant's ratio is taken against it
     wait_quiet
     "$py" -m app.bench.limit --repository "$repo" --model "$model" --images "$out/images" --batch-sizes "$best_batch" \
-      --pipeline-seconds 0 --seconds 1 --out "$out/limit-r$round.json" >/dev/null 2>&1
+      --pipeline-seconds 0 --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit-r$round.json" >/dev/null 2>&1
     for variant in "${variants[@]}"; do
       label=${variant%%:*}
       read -ra assignments <<<"${variant#*:}"
