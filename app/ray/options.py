@@ -1,0 +1,156 @@
+"""The builder's arguments, the settings they make, and the deployment options those imply.
+
+Arguments come from ``serve run app.ray_app:build key=value ...`` (strings) or from the
+``args:`` of a Serve config file (YAML values). A key whose first part names a settings
+group (``server``, ``model``, ``batching``, ...) overrides that setting, dotted as in the
+README's settings table: ``batching.normal.window_ms=10``, ``model.repository=/srv/models``.
+The other keys size the deployment (``BuildArgs``). Settings still come from the
+environment (``AI_SERVICE_*``) and the TOML file first; arguments win over both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.settings import CONFIG_FILE_ENV, Settings, SettingsError, load_settings
+
+SETTINGS_GROUPS = frozenset(Settings.model_fields)
+# Serve's own default is 5 ongoing requests per replica: every batch would be capped at 5.
+MIN_ONGOING_REQUESTS = 64
+SHUTDOWN_MARGIN_S = 10.0  # Serve's budget covers its own drain, then the service's
+
+
+class BuildArgs(BaseModel):
+    """What ``build`` accepts besides settings overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config_file: Path | None = Field(default=None, description="TOML settings file (AI_SERVICE_CONFIG_FILE)")
+    num_replicas: int | Literal["auto"] = Field(default="auto", description="a fixed count, or auto: autoscale")
+    min_replicas: int = Field(default=1, ge=0, description="autoscaling floor")
+    max_replicas: int = Field(default=4, ge=1, description="autoscaling ceiling")
+    target_ongoing_requests: float | None = Field(default=None, gt=0, description="default: 2 x the max batch")
+    max_ongoing_requests: int | None = Field(default=None, ge=1, description="default: 4 x the max batch, >= 64")
+    max_queued_requests: int | None = Field(default=None, ge=1, description="default: 2 x max_ongoing_requests")
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved per replica")
+    num_gpus: float | Literal["auto"] = Field(default="auto", description="auto: 1 where CUDA is, else 0")
+    metrics_interval_s: float = Field(default=5.0, gt=0, description="how often replicas copy metrics to Ray")
+
+
+def _value(raw: object) -> object:
+    """A CLI string that holds a JSON list or object becomes one (``model.names='["digits"]'``)."""
+    if isinstance(raw, str) and raw.strip().startswith(("[", "{")):
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(raw)
+    return raw
+
+
+def split_args(args: Mapping[str, object]) -> tuple[BuildArgs, dict[str, Any]]:
+    """``(deployment arguments, nested settings overrides)`` from the builder's flat arguments."""
+    own: dict[str, object] = {}
+    overrides: dict[str, Any] = {}
+    for key, raw in args.items():
+        group, _, rest = key.partition(".")
+        if group not in SETTINGS_GROUPS:
+            own[key] = raw
+            continue
+        if not rest:
+            raise SettingsError(f"argument {key!r}: name a setting, e.g. {group}.<field>")
+        node = overrides.setdefault(group, {})
+        *parents, leaf = rest.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _value(raw)
+    try:
+        return BuildArgs.model_validate(own), overrides
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SettingsError(f"invalid arguments to app.ray_app:build: {problems}") from exc
+
+
+@contextlib.contextmanager
+def _config_file(path: Path | None) -> Iterator[None]:
+    """``AI_SERVICE_CONFIG_FILE`` set to ``path`` while settings are read, then as it was."""
+    if path is None:
+        yield
+        return
+    before = os.environ.get(CONFIG_FILE_ENV)
+    os.environ[CONFIG_FILE_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CONFIG_FILE_ENV, None)
+        else:
+            os.environ[CONFIG_FILE_ENV] = before
+
+
+def read_settings(overrides: Mapping[str, Any], config_file: Path | None) -> Settings:
+    """The settings a replica serves with: overrides, then the environment, then the file."""
+    with _config_file(config_file):
+        return load_settings(**overrides)
+
+
+def cuda_in_cluster() -> bool:
+    """Whether replicas can get a GPU: the Ray cluster's resources if connected, else this host's CUDA."""
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0)) >= 1
+    import torch  # only here: `serve run` builds before it connects, on the machine it runs on
+
+    return bool(torch.cuda.is_available())
+
+
+def gpus_per_replica(args: BuildArgs, settings: Settings) -> float:
+    """One GPU per replica where CUDA is, none elsewhere (Ray then hides every GPU from it)."""
+    if args.num_gpus != "auto":
+        return args.num_gpus
+    device = settings.model.device
+    if device == "cpu":
+        return 0.0
+    if device.startswith("cuda"):
+        return 1.0
+    return 1.0 if cuda_in_cluster() else 0.0
+
+
+def deployment_options(args: BuildArgs, settings: Settings, num_gpus: float) -> dict[str, Any]:
+    """Options for ``Classifier.options(...)`` that keep batching alive behind Serve's router.
+
+    ``max_ongoing_requests`` is how many requests Serve lets into one replica at a time, so
+    it bounds the batch: it must hold several full batches (one running, more forming).
+    Past it, Serve queues up to ``max_queued_requests`` per caller and answers 503 beyond.
+    Autoscaling aims at two full batches per replica. Serve first waits for the replica's
+    requests to finish (its own drain), then runs the lifespan's shutdown, which gives
+    queued work ``server.shutdown_grace_s``: the timeout covers both.
+    """
+    max_batch = max(settings.batching.normal.max_batch, settings.batching.urgent.max_batch)
+    ongoing = args.max_ongoing_requests or max(MIN_ONGOING_REQUESTS, 4 * max_batch)
+    options: dict[str, Any] = {
+        "max_ongoing_requests": ongoing,
+        "max_queued_requests": args.max_queued_requests or 2 * ongoing,
+        "graceful_shutdown_wait_loop_s": 2.0,
+        "graceful_shutdown_timeout_s": settings.server.shutdown_grace_s + SHUTDOWN_MARGIN_S,
+        "health_check_period_s": 10.0,
+        "health_check_timeout_s": 30.0,
+        "ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": num_gpus},
+    }
+    if args.num_replicas == "auto":
+        options["autoscaling_config"] = {
+            "min_replicas": args.min_replicas,
+            "initial_replicas": max(1, args.min_replicas),
+            "max_replicas": max(args.max_replicas, args.min_replicas, 1),
+            "target_ongoing_requests": args.target_ongoing_requests or float(2 * max_batch),
+            "upscale_delay_s": 10.0,
+            "downscale_delay_s": 300.0,
+        }
+    else:
+        options["num_replicas"] = args.num_replicas
+    return options

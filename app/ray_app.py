@@ -1,0 +1,170 @@
+"""The service as a Ray Serve application: ``serve run app.ray_app:build``.
+
+``build(args)`` returns an application of one deployment, ``Classifier``, whose replicas
+each serve the same FastAPI app as ``ai-backend serve``: each replica builds it with
+``create_app(settings)`` where it runs (``__serve_build_asgi_app__``), so its model,
+batcher, device thread and telemetry are its own and nothing is pickled but settings
+overrides. Serve runs the app's lifespan once per replica; the objects it makes live on
+``app.state``, where routes find them (lifespan *state*, the dict a lifespan may yield,
+does not reach requests under Serve, so nothing here relies on it).
+
+Under Serve, the lifespan's start-up also waits until the models are loaded, checked and
+warmed: Serve sends a replica no traffic before its start-up returns, which is what
+``/readyz`` does behind a plain balancer. ``check_health`` fails once the service stops
+being ready or a batcher's task has died, and Serve replaces the replica. Every few
+seconds the replica copies its Prometheus registry into Ray's metrics (``app.ray.metrics``).
+
+Importing this module imports Ray Serve but neither torch nor the app, and starts nothing;
+``docs/ray.md`` has the commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.ray.options import deployment_options, gpus_per_replica, read_settings, split_args
+
+log = logging.getLogger(__name__)
+
+DEPLOYMENT = "Classifier"
+START_TIMEOUT_FLOOR_S = 120.0  # importing torch and loading on a busy node is slow
+
+
+class OneRequestIdHeader:
+    """Drops the app's ``X-Request-ID`` response header where Serve's proxy adds the same one.
+
+    The proxy passes every request on with an ``X-Request-ID`` (the client's, or one it
+    made) and appends that header to the response itself; the app, which keeps a valid
+    incoming id, sets it too, and clients would read ``abc, abc``. Where the app replaced
+    an invalid id, both stay: the body's ``request_id`` is the app's.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        incoming = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        if scope["type"] != "http" or incoming is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_once(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    (k, v) for k, v in message.get("headers", ()) if (k.lower(), v) != (b"x-request-id", incoming)
+                ]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_once)
+
+
+@serve.deployment(
+    name=DEPLOYMENT,
+    # placeholders: build() sizes them from the settings (app.ray.options.deployment_options)
+    max_ongoing_requests=64,
+    max_queued_requests=128,
+    graceful_shutdown_timeout_s=40.0,
+)
+@serve.ingress()
+class Classifier:
+    """One replica: the service's FastAPI app, its lifespan, its health and its metrics copy."""
+
+    def __init__(
+        self, overrides: Mapping[str, Any], config_file: str | None = None, metrics_interval_s: float = 5.0
+    ) -> None:
+        self._overrides = dict(overrides)
+        self._config_file = Path(config_file) if config_file else None
+        self._metrics_interval_s = metrics_interval_s
+        self._app: FastAPI | None = None
+        self._lifespan_starts = 0
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The app this replica serves, built here (Serve calls this once, after ``__init__``)."""
+        from app.main import create_app  # torch comes in here, in the replica, not at import
+
+        settings = read_settings(self._overrides, self._config_file)
+        app = create_app(settings)
+        served_lifespan = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
+            self._lifespan_starts += 1
+            async with served_lifespan(app) as state:
+                await self._until_ready(app)
+                copying = asyncio.create_task(self._copy_metrics(app), name="ray-metrics")
+                try:
+                    yield state
+                finally:
+                    copying.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await copying
+
+        app.router.lifespan_context = lifespan
+        app.add_middleware(OneRequestIdHeader)
+        self._app = app
+        return app
+
+    async def _until_ready(self, app: FastAPI) -> None:
+        """Wait for the models to load, check and warm up; raise (start-up fails) if they did not."""
+        service = app.state.service
+        limit = max(START_TIMEOUT_FLOOR_S, 4 * service.settings.model.load_timeout_s)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(app.state.starting), timeout=limit)
+        if not service.ready:
+            reason = service.failure or f"not ready after {limit:.0f} s"
+            raise RuntimeError(f"the service did not start: {reason}")
+
+    async def _copy_metrics(self, app: FastAPI) -> None:
+        from app.ray.metrics import MetricsMirror, RayMetricFactory
+
+        await MetricsMirror(app.state.metrics.registry, RayMetricFactory()).run(self._metrics_interval_s)
+
+    async def check_health(self) -> None:
+        """Serve's health check: the condition of ``/readyz``. Raising gets the replica replaced."""
+        service = getattr(self._app.state, "service", None) if self._app is not None else None
+        if service is None:
+            raise RuntimeError("the app has not started")
+        if not service.ready:
+            raise RuntimeError(f"the service is {service.state.value}")
+        stopped = [name for name, served in service.models.items() if not served.batcher.running]
+        if stopped:
+            raise RuntimeError(f"the batcher of {', '.join(stopped)} is not running")
+
+    async def replica_info(self) -> dict[str, Any]:
+        """Which process this replica is and how often its lifespan started (for ops and tests)."""
+        context = serve.get_replica_context()
+        service = getattr(self._app.state, "service", None) if self._app is not None else None
+        return {
+            "replica": context.replica_id.unique_id,
+            "pid": os.getpid(),
+            "lifespan_starts": self._lifespan_starts,
+            "ready": bool(service is not None and service.ready),
+        }
+
+
+def build(args: dict[str, Any]) -> Application:
+    """The Serve application for ``args`` (see ``app.ray.options``); ``{}`` serves the defaults.
+
+    The settings are read here too, where the application is built (the Serve controller's
+    node for a config deploy, the caller for ``serve run``), to size the deployment; each
+    replica reads them again where it runs.
+    """
+    own, overrides = split_args(args)
+    settings = read_settings(overrides, own.config_file)
+    options = deployment_options(own, settings, gpus_per_replica(own, settings))
+    config_file = str(own.config_file) if own.config_file else None
+    log.info("Classifier options: %s", options)
+    deployment: Any = Classifier  # a serve.Deployment once decorated; mypy keeps seeing the class
+    return deployment.options(**options).bind(overrides, config_file, own.metrics_interval_s)
