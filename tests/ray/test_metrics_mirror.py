@@ -1,0 +1,113 @@
+"""The copy of a replica's Prometheus registry into Ray's metrics, against a recording factory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.batching import Lane
+from app.ray.metrics import MetricsMirror
+from app.telemetry.metrics import Metrics
+
+
+@dataclass
+class Recorded:
+    name: str
+    tag_keys: tuple[str, ...]
+    calls: list[tuple[float, dict[str, str]]] = field(default_factory=list)
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        assert set(tags) == set(self.tag_keys)
+        self.calls.append((value, tags))
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        assert set(tags) == set(self.tag_keys)
+        self.calls.append((value, tags))
+
+    def last(self, **tags: str) -> float:
+        return [v for v, t in self.calls if t == tags][-1]
+
+
+@dataclass
+class Factory:
+    counters: dict[str, Recorded] = field(default_factory=dict)
+    gauges: dict[str, Recorded] = field(default_factory=dict)
+
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Recorded:
+        assert name not in self.counters, "one Ray metric per name"
+        self.counters[name] = Recorded(name, tag_keys)
+        return self.counters[name]
+
+    def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Recorded:
+        assert name not in self.gauges, "one Ray metric per name"
+        self.gauges[name] = Recorded(name, tag_keys)
+        return self.gauges[name]
+
+
+def test_counters_are_copied_by_their_increase() -> None:
+    metrics, factory = Metrics(), Factory()
+    mirror = MetricsMirror(metrics.registry, factory)
+    metrics.requests.labels("200", "ok").inc(3)
+    mirror.sync()
+    requests = factory.counters["ai_backend_requests"]  # Ray exports it as ray_ai_backend_requests_total
+    assert requests.calls == [(3.0, {"status": "200", "code": "ok"})]
+    mirror.sync()
+    assert len(requests.calls) == 1, "nothing new, nothing added"
+    metrics.requests.labels("200", "ok").inc(2)
+    metrics.requests.labels("503", "queue_full").inc()
+    mirror.sync()
+    assert requests.calls[1:] == [
+        (2.0, {"status": "200", "code": "ok"}),
+        (1.0, {"status": "503", "code": "queue_full"}),
+    ]
+
+
+def test_histograms_are_copied_as_cumulative_buckets_count_and_sum() -> None:
+    metrics, factory = Metrics(), Factory()
+    mirror = MetricsMirror(metrics.registry, factory)
+    latency = metrics.request_latency.labels("/predict", "200", "urgent")
+    latency.observe(0.004)
+    latency.observe(0.02)
+    metrics.batch_size.labels(Lane.NORMAL.value).observe(16)
+    mirror.sync()
+    buckets = factory.gauges["ai_backend_request_duration_seconds_bucket"]
+    tags = {"route": "/predict", "status": "200", "lane": "urgent"}
+    assert buckets.last(**tags, le="0.0025") == 0
+    assert buckets.last(**tags, le="0.005") == 1
+    assert buckets.last(**tags, le="0.025") == 2
+    assert buckets.last(**tags, le="+Inf") == 2
+    assert factory.gauges["ai_backend_request_duration_seconds_count"].last(**tags) == 2
+    assert abs(factory.gauges["ai_backend_request_duration_seconds_sum"].last(**tags) - 0.024) < 1e-9
+    assert factory.gauges["ai_backend_batch_size_bucket"].last(lane="normal", le="16.0") == 1
+    latency.observe(0.004)
+    mirror.sync()
+    assert buckets.last(**tags, le="0.005") == 2, "cumulative, as on /metrics"
+
+
+def test_gauges_read_at_scrape_time_are_copied_too() -> None:
+    metrics, factory = Metrics(), Factory()
+    metrics.scrape_time.queue_depths = lambda: [("digits", "1", "normal", 7), ("digits", "1", "urgent", 0)]
+    metrics.in_flight.inc()
+    MetricsMirror(metrics.registry, factory).sync()
+    depth = factory.gauges["ai_backend_queue_depth"]
+    assert depth.last(model="digits", version="1", lane="normal") == 7
+    assert depth.last(model="digits", version="1", lane="urgent") == 0
+    assert factory.gauges["ai_backend_in_flight_requests"].last() == 1
+
+
+def test_labels_that_serve_reserves_are_renamed() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry, factory = CollectorRegistry(), Factory()
+    Counter("things", "x", ["replica", "deployment"], registry=registry).labels("a", "b").inc()
+    MetricsMirror(registry, factory).sync()
+    assert factory.counters["things"].calls == [(1.0, {"replica_": "a", "deployment_": "b"})]
+
+
+def test_a_failing_copy_never_raises_into_the_replica() -> None:
+    class Broken(Factory):
+        def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Recorded:
+            raise RuntimeError("no metrics agent")
+
+    metrics = Metrics()
+    metrics.requests.labels("200", "ok").inc()
+    MetricsMirror(metrics.registry, Broken())._safe_sync()
