@@ -24,3 +24,12 @@ def test_the_config_file_validates_against_serves_schema() -> None:
 
 def test_the_config_file_is_what_the_generator_writes() -> None:
     assert CONFIG.read_text() == config.render(), "run: uv run python -m app.ray.config -o deploy/ray/serve_config.yaml"
+
+
+def test_the_kuberay_serve_config_is_valid_and_its_args_are_accepted() -> None:
+    from app.ray.options import split_args
+
+    ray_service = yaml.safe_load((REPO_ROOT / "deploy/k8s/overlays/ray/rayservice.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(ray_service["spec"]["serveConfigV2"]))
+    for application in schema.applications:
+        split_args(application.args or {})
