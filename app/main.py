@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from fastapi import FastAPI
+from opentelemetry import trace
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.sdk.trace.export import SpanExporter
 from pydantic import SecretStr
@@ -80,11 +81,14 @@ def create_app(
     settings = settings or load_settings()
     fatal = on_fatal or _log_fatal
     metrics = Metrics()
-    tracer_provider, _ = build_tracer_provider(settings.telemetry, span_exporter, metrics.dropped_spans.inc)
+    tracer_provider, processor = build_tracer_provider(settings.telemetry, span_exporter, metrics.dropped_spans.inc)
+    exporting = processor is not None
+    # with nowhere to send spans, none are made: a span nobody can read still costs the request path
+    tracer = tracer_provider.get_tracer("app.service") if exporting else trace.NoOpTracer()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service = InferenceService(settings, metrics, tracer_provider.get_tracer("app.service"))
+        service = InferenceService(settings, metrics, tracer)
         app.state.service = service
 
         async def start() -> None:
@@ -133,7 +137,8 @@ def create_app(
     if settings.admin.enabled:
         app.include_router(admin.router)
         app.include_router(admin_models.router)
-    FastAPIInstrumentor.instrument_app(
-        app, tracer_provider=tracer_provider, excluded_urls=UNTRACED_PATHS, exclude_spans=["receive", "send"]
-    )
+    if exporting:
+        FastAPIInstrumentor.instrument_app(
+            app, tracer_provider=tracer_provider, excluded_urls=UNTRACED_PATHS, exclude_spans=["receive", "send"]
+        )
     return app

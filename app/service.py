@@ -11,6 +11,7 @@ import asyncio
 import enum
 import logging
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,9 +21,18 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
-from app.errors import Draining, NotFound, NotReady
+from app.errors import DeadlineExceeded, Draining, NotFound, NotReady
 from app.inference import preprocess
-from app.inference.device import DeviceThread, Memory, dtype_name, memory, resolve_device, resolve_dtype
+from app.inference.device import (
+    DeviceThread,
+    Memory,
+    cpu_cores,
+    dtype_name,
+    memory,
+    plan_threads,
+    resolve_device,
+    resolve_dtype,
+)
 from app.inference.jobs import Answer, Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.postprocess import Prediction, label
@@ -100,7 +110,10 @@ class InferenceService:
         self._rng = random.Random()
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
-        self._device_thread = DeviceThread()
+        model = settings.model
+        self.threads = plan_threads(self.device, model.device_workers, model.intra_op_threads, cpu_cores())
+        self._device_thread = DeviceThread(workers=self.threads.workers)
+        self._switch_interval: float | None = None  # Python's, restored at close
         self._pool = ThreadPoolExecutor(settings.server.preprocess_workers, thread_name_prefix="preprocess")
         self._policy = batch_policy(settings.batching)
         self.metrics.scrape_time.queue_depths = self._queue_depths
@@ -153,6 +166,10 @@ class InferenceService:
         """
         try:
             await self._device_thread.run(self._configure_threads)
+            # The event loop holds the GIL most of the time; at Python's default 5 ms interval
+            # a device thread coming back from a torch op can wait that long for it, per op.
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self.settings.server.switch_interval_ms / 1000)
             entries = self.entries = await asyncio.to_thread(self.repository.models)
             wanted = self.settings.model.names or [entry.name for entry in entries]
             found = {entry.name: entry for entry in entries}
@@ -208,8 +225,8 @@ class InferenceService:
         )
 
     def _configure_threads(self) -> None:
-        if self.settings.model.intra_op_threads:
-            torch.set_num_threads(self.settings.model.intra_op_threads)
+        if self.threads.intra_op:
+            torch.set_num_threads(self.threads.intra_op)
         if self.settings.model.inter_op_threads:
             try:
                 torch.set_num_interop_threads(self.settings.model.inter_op_threads)
@@ -284,7 +301,11 @@ class InferenceService:
         )
         traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype))
         batcher: DualWindowBatcher[Job, Answer] = DualWindowBatcher(
-            traced, self._policy, observer=self.metrics.observer(name, version), name=name
+            traced,
+            self._policy,
+            observer=self.metrics.observer(name, version),
+            name=name,
+            max_in_flight=self.threads.workers,
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
@@ -312,13 +333,14 @@ class InferenceService:
     async def predict(
         self,
         served: ServedModel,
-        image: bytes,
+        image: bytes | str,
         top_k: int,
         lane: Lane,
         timeout_s: float,
         request_id: str = "",
     ) -> Outcome:
-        """Decode ``image``, batch it, run it, and label the top ``top_k`` classes.
+        """Decode ``image`` (bytes, or base64 text from a JSON body), batch it, run it, and
+        label the top ``top_k`` classes.
 
         ``timeout_s`` is what is left of the request's deadline. Admission is checked before
         decoding, so refusals under overload cost almost nothing, and again when queued.
@@ -330,10 +352,11 @@ class InferenceService:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("preprocess", attributes=ids):
             tensor = await asyncio.get_running_loop().run_in_executor(
-                self._pool, preprocess.decode, image, served.model.manifest.input, self._limits
+                self._pool, preprocess.decode_payload, image, served.model.manifest.input, self._limits
             )
         preprocessed = time.perf_counter()
-        job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context())
+        deadline = time.monotonic() + timeout_s - (preprocessed - started)
+        job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
         queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})
         try:
             done = await served.batcher.submit(job, lane, timeout_s - (preprocessed - started))
@@ -355,6 +378,9 @@ class InferenceService:
                 "batch.trace_id": format(batch.trace_id, "032x"),  # Jaeger: search the batch's trace
             },
         ).end()
+        if done.output.top is None:
+            served.batcher.observer.on_dropped(lane, "deadline")
+            raise DeadlineExceeded("the request's deadline passed while its batch waited for the device")
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(done.output.top, served.labels, top_k)
         return Outcome(
@@ -386,6 +412,8 @@ class InferenceService:
         # joined, bounded: threads left inside torch at interpreter exit can abort the process
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
         await asyncio.to_thread(self._device_thread.close)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
         if self.device.type == "cuda":
             self.groups.clear()
             torch.cuda.empty_cache()

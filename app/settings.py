@@ -57,6 +57,12 @@ class ServerSettings(_Group):
     )
     api_key_file: Path | None = Field(default=None, description="file holding the prediction API key")
     shutdown_grace_s: Positive = Field(default=30.0, description="how long queued work may drain at shutdown")
+    switch_interval_ms: float = Field(
+        default=0.2,
+        ge=0.01,
+        le=100,
+        description="Python's GIL switch interval (its default is 5): how soon a device or decode thread gets it back",
+    )
 
     @property
     def max_body_bytes(self) -> int:
@@ -111,7 +117,12 @@ class ModelSettings(_Group):
         default=3, ge=1, le=1000, description="consecutive device failures before the CPU fallback takes over"
     )
     min_free_memory_mb: int = Field(default=256, ge=0, description="/healthz fails below this device headroom")
-    intra_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
+    device_workers: int = Field(
+        default=0, ge=0, le=64, description="threads running batches at once; 0: 1 on CUDA, 2 on a CPU of 2+ cores"
+    )
+    intra_op_threads: int = Field(
+        default=0, ge=0, le=256, description="torch threads per batch; 0: on the CPU, its cores / device_workers"
+    )
     inter_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
 
     @model_validator(mode="after")
@@ -172,7 +183,9 @@ class TelemetrySettings(_Group):
     """Tracing. The OTLP exporters also read the standard ``OTEL_EXPORTER_OTLP_*`` variables."""
 
     service_name: str = Field(default="ai-backend", description="service.name on every span")
-    exporter: Literal["none", "console", "otlp_grpc", "otlp_http"] = Field(default="none", description="where spans go")
+    exporter: Literal["none", "console", "otlp_grpc", "otlp_http"] = Field(
+        default="none", description="where spans go; none: no spans are made (logs keep the caller's traceparent)"
+    )
     endpoint: str | None = Field(
         default=None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)"
     )

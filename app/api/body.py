@@ -31,9 +31,8 @@ OPENAPI_BODY = {
 class ImageBody:
     """A prediction body: raw image bytes, or (from JSON) the image still base64-encoded.
 
-    ``payload`` is what the decode pool takes (``preprocess.decode`` for bytes,
-    ``preprocess.decode_base64`` for text), so base64 is decoded off the event loop;
-    ``image`` decodes it here, for callers that want bytes.
+    ``payload`` is what the decode pool takes (``preprocess.decode_payload`` takes either), so
+    base64 is decoded off the event loop; ``image`` decodes it here, for callers that want bytes.
     """
 
     payload: bytes | str

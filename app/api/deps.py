@@ -6,6 +6,7 @@ hop per dependency per request for work that takes microseconds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -20,57 +21,60 @@ async def get_service(request: Request) -> InferenceService:
     return service
 
 
-async def get_lane(
+_LANES = {"high": Lane.URGENT, "normal": Lane.NORMAL}
+
+
+@dataclass(frozen=True)
+class PredictHeaders:
+    """What a prediction's headers ask for, validated (400 ``invalid_header`` otherwise)."""
+
+    lane: Lane
+    timeout_s: float
+    version: str | None
+    request_id: str
+
+
+async def get_predict_headers(
     request: Request,
     x_urgency: Annotated[
         str | None,
         Header(description="`high` rides the urgent lane (2 ms window); `normal` or absent, the normal lane"),
     ] = None,
-) -> Lane:
-    value = "normal" if x_urgency is None else x_urgency.strip().lower()
-    lanes = {"high": Lane.URGENT, "normal": Lane.NORMAL}
-    if value not in lanes:
-        raise BadRequest("X-Urgency must be 'high' or 'normal'", code="invalid_header")
-    request.scope["state"]["lane"] = lanes[value].value  # for the latency metric
-    return lanes[value]
-
-
-async def get_timeout_s(
-    request: Request,
     x_request_timeout: Annotated[
         str | None, Header(description="milliseconds this request may take, at most server.max_timeout_ms")
     ] = None,
-) -> float:
-    server = (await get_service(request)).settings.server
-    if x_request_timeout is None:
-        return server.default_timeout_ms / 1000.0
+    x_model_version: Annotated[
+        str | None, Header(description="pin a version of the model (404 if unknown, 503 if not loaded)")
+    ] = None,
+) -> PredictHeaders:
+    # one dependency for all three headers: FastAPI's cost is per dependency, per request
+    lane = _LANES.get("normal" if x_urgency is None else x_urgency.strip().lower())
+    if lane is None:
+        raise BadRequest("X-Urgency must be 'high' or 'normal'", code="invalid_header")
+    state = request.scope["state"]
+    state["lane"] = lane.value  # for the latency metric
+    server = request.app.state.settings.server
+    return PredictHeaders(
+        lane=lane,
+        timeout_s=_timeout_s(x_request_timeout, server.default_timeout_ms, server.max_timeout_ms),
+        version=x_model_version.strip() if x_model_version is not None else None,
+        request_id=state["request_id"],
+    )
+
+
+def _timeout_s(header: str | None, default_ms: int, max_ms: int) -> float:
+    if header is None:
+        return default_ms / 1000.0
     try:
-        millis = int(x_request_timeout.strip())
+        millis = int(header.strip())
     except ValueError:
         millis = 0
-    if not 1 <= millis <= server.max_timeout_ms:
+    if not 1 <= millis <= max_ms:
         raise BadRequest(
-            f"X-Request-Timeout must be an integer from 1 to {server.max_timeout_ms} (milliseconds)",
-            code="invalid_header",
+            f"X-Request-Timeout must be an integer from 1 to {max_ms} (milliseconds)", code="invalid_header"
         )
     return millis / 1000.0
 
 
-async def get_version(
-    x_model_version: Annotated[
-        str | None, Header(description="pin a version of the model (404 if unknown, 503 if not loaded)")
-    ] = None,
-) -> str | None:
-    return x_model_version.strip() if x_model_version is not None else None
-
-
-async def get_request_id(request: Request) -> str:
-    request_id: str = request.scope["state"]["request_id"]
-    return request_id
-
-
 Service = Annotated[InferenceService, Depends(get_service)]
-LaneDep = Annotated[Lane, Depends(get_lane)]
-TimeoutDep = Annotated[float, Depends(get_timeout_s)]
-RequestId = Annotated[str, Depends(get_request_id)]
-VersionDep = Annotated[str | None, Depends(get_version)]
+Headers = Annotated[PredictHeaders, Depends(get_predict_headers)]

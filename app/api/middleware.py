@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import random
 import re
 import time
-import uuid
 
 from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.telemetry.logging import request_id_var
+from app.telemetry.logging import caller_trace_var, request_id_var
 from app.telemetry.metrics import Metrics
 
 log = logging.getLogger("app.access")
@@ -24,6 +25,24 @@ _error_log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Request ids need to be unique, not secret: 128 random bits from a seeded PRNG look like a
+# uuid4 hex and cost a tenth of one (uuid4 reads the OS entropy pool on every call).
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)  # a forked worker must not repeat its parent's ids
+
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+
+
+def caller_trace(scope: Scope) -> tuple[str, str] | None:
+    """The trace and parent span ids of a well-formed W3C ``traceparent`` header, if any."""
+    for name, value in scope.get("headers", ()):
+        if name == b"traceparent":
+            match = _TRACEPARENT.fullmatch(value.decode("latin-1").strip().lower())
+            if match is None or match[1] == "0" * 32 or match[2] == "0" * 16:
+                return None
+            return match[1], match[2]
+    return None
 
 
 def request_id_from(scope: Scope) -> str:
@@ -34,7 +53,7 @@ def request_id_from(scope: Scope) -> str:
             if _VALID_ID.fullmatch(candidate):
                 return candidate
             break
-    return str(uuid.uuid4().hex)
+    return f"{_ids.getrandbits(128):032x}"
 
 
 class RequestContextMiddleware:
@@ -57,9 +76,16 @@ class RequestContextMiddleware:
         token = request_id_var.set(request_id)
         status = 0
         span = trace.get_current_span()  # the HTTP server span, when tracing is on
-        span.set_attribute("request.id", request_id)
         context = span.get_span_context()
-        trace_header = [(b"x-trace-id", format(context.trace_id, "032x").encode())] if context.is_valid else []
+        caller_token = None
+        if context.is_valid:
+            span.set_attribute("request.id", request_id)
+            trace_id: str | None = format(context.trace_id, "032x")
+        else:  # tracing is off: the caller's trace, if it sent one, still names the request's trace
+            caller = caller_trace(scope)
+            caller_token = caller_trace_var.set(caller)
+            trace_id = caller[0] if caller else None
+        trace_header = [(b"x-trace-id", trace_id.encode())] if trace_id else []
         self.metrics.in_flight.inc()
 
         async def send_with_id(message: Message) -> None:
@@ -104,6 +130,8 @@ class RequestContextMiddleware:
                     },
                 )
             request_id_var.reset(token)
+            if caller_token is not None:
+                caller_trace_var.reset(caller_token)
 
     def _record(self, scope: Scope, status: int, seconds: float) -> None:
         route = scope.get("route")

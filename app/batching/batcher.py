@@ -94,8 +94,12 @@ class DualWindowBatcher(Generic[P, R]):
         clock: Clock | None = None,
         observer: BatchObserver | None = None,
         name: str = "batcher",
+        max_in_flight: int = 1,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self._runner = runner
+        self._max_in_flight = max_in_flight
         self._observer: BatchObserver = observer or NullObserver()
         self._policy = policy
         self._clock: Clock = clock or MonotonicClock()
@@ -105,12 +109,16 @@ class DualWindowBatcher(Generic[P, R]):
         self._task: asyncio.Task[None] | None = None
         self._accepting = False
         self._flush = False
-        self._running = False
+        self._in_flight: set[asyncio.Task[None]] = set()  # batches handed to the runner
         self._ceiling: int | None = None  # lowered under device memory pressure
         self._calm_batches = 0
         self.recovery_batches = 32  # successful batches before a lowered ceiling doubles again
         self.batch_s: float | None = None  # moving estimate of one batch's run time
         self.batches = 0
+
+    @property
+    def observer(self) -> BatchObserver:
+        return self._observer
 
     @property
     def policy(self) -> BatchPolicy:
@@ -154,15 +162,16 @@ class DualWindowBatcher(Generic[P, R]):
     def predicted_wait(self, lane: Lane) -> float | None:
         """Seconds until a request submitted now to ``lane`` would be answered, if known.
 
-        The requests ahead (urgent ones are ahead of everything), in batches, plus the batch
-        running now, times the measured batch latency, plus the lane's window.
+        The requests ahead (urgent ones are ahead of everything), in batches, plus the batches
+        running now, shared among the batches that run at once, times the measured batch
+        latency, plus the lane's window.
         """
         if self.batch_s is None:
             return None
         policy = self._effective_policy()
         ahead = self.depth(Lane.URGENT) + (self.depth(Lane.NORMAL) if lane is Lane.NORMAL else 0)
-        batches = ahead // policy.lane(lane).max_batch + 1 + (1 if self._running else 0)
-        return policy.lane(lane).window_s + batches * self.batch_s
+        rounds = (ahead // policy.lane(lane).max_batch + len(self._in_flight)) // self._max_in_flight + 1
+        return policy.lane(lane).window_s + rounds * self.batch_s
 
     def admit(self, lane: Lane, timeout_s: float) -> None:
         """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach."""
@@ -232,31 +241,50 @@ class DualWindowBatcher(Generic[P, R]):
 
     async def _dispatch(self) -> None:
         urgent, normal = self._queues[Lane.URGENT], self._queues[Lane.NORMAL]
-        while True:
-            self._wakeup.clear()
-            u_state, n_state = urgent.state(), normal.state()
-            plan = plan_batch(u_state, n_state, self._effective_policy(), self._clock.now(), flush=self._flush)
-            if plan is not None:
-                await self._execute(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
-                continue
-            if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0:
-                return
-            wake = next_wakeup(u_state, n_state, self._effective_policy())
-            await self._clock.wait(self._wakeup, None if wake is None else wake - self._clock.now())
+        try:
+            while True:
+                self._wakeup.clear()
+                if len(self._in_flight) >= self._max_in_flight:
+                    await self._wakeup.wait()  # a batch finishing sets it
+                    continue
+                u_state, n_state = urgent.state(), normal.state()
+                plan = plan_batch(u_state, n_state, self._effective_policy(), self._clock.now(), flush=self._flush)
+                if plan is not None:
+                    self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
+                    continue
+                if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0:
+                    break
+                wake = next_wakeup(u_state, n_state, self._effective_policy())
+                await self._clock.wait(self._wakeup, None if wake is None else wake - self._clock.now())
+            while self._in_flight:  # closing: the last batches finish before the batcher is done
+                await asyncio.wait(set(self._in_flight))
+        finally:  # cancelled (closing ran out of grace): so are the batches still running
+            for task in list(self._in_flight):
+                task.cancel()
+            if self._in_flight:
+                await asyncio.wait(set(self._in_flight))
 
-    async def _execute(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
+    def _start_batch(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
         if not batch:
             return
+        task = asyncio.get_running_loop().create_task(self._execute(plan, batch), name=f"{self._name}-batch")
+        self._in_flight.add(task)
+        task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._wakeup.set()
+
+    async def _execute(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
         started = self._clock.now()
         self.batches += 1
-        self._running = True
         try:
             outputs = await self._runner([item.payload for item in batch])
             if len(outputs) != len(batch):
                 raise BatchFailed(f"runner returned {len(outputs)} outputs for {len(batch)} inputs")
         except asyncio.CancelledError:  # closing ran out of grace mid-batch
             self._fail(batch, Draining("the service shut down while this request ran"))
-            raise
+            return
         except ServiceError as exc:
             error: BaseException = exc
         except Exception as exc:  # a bug in the runner: fail exactly this batch, keep serving
@@ -274,8 +302,6 @@ class DualWindowBatcher(Generic[P, R]):
                         Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
                     )
             return
-        finally:
-            self._running = False
         self._report(plan, batch, started, self._clock.now() - started, ok=False)
         self._fail(batch, error)
 

@@ -5,7 +5,7 @@ images per second for every core the process may use::
 
     limit = cores / (decode_cpu_s + forward_cpu_s)
 
-- decode: the service's own ``app.inference.preprocess.decode_base64`` (strict base64, then
+- decode: the service's own ``app.inference.preprocess.decode_payload`` (strict base64, then
   ``decode``: JPEG decode, resize, crop, uint8 tensor), on one thread, in thread CPU time;
 - forward: the model loaded by the service's own loader, on uint8 batches of the same
   images at each batch size, with one torch intra-op thread (so CPU time is not inflated
@@ -160,11 +160,11 @@ class DecodeCost:
 
 def measure_decode(encoded: Sequence[str], spec: InputSpec, seconds: float) -> DecodeCost:
     """The service's own path, on this thread: ``preprocess.base64_bytes``, ``preprocess.decode``, and
-    both together (``preprocess.decode_base64``, what the decode pool runs for a JSON body)."""
+    both together (``preprocess.decode_payload``, what the decode pool runs for a JSON body)."""
     raw = [preprocess.base64_bytes(text) for text in encoded]
     b64 = cpu_cost(lambda i: preprocess.base64_bytes(encoded[i]), len(encoded), seconds / 4)
     dec = cpu_cost(lambda i: preprocess.decode(raw[i], spec, LIMITS), len(raw), seconds)
-    total = cpu_cost(lambda i: preprocess.decode_base64(encoded[i], spec, LIMITS), len(encoded), seconds)
+    total = cpu_cost(lambda i: preprocess.decode_payload(encoded[i], spec, LIMITS), len(encoded), seconds)
     return DecodeCost(
         round(b64.median_ms, 4), round(dec.median_ms, 4), round(total.median_ms, 4), round(total.min_s * 1000, 4)
     )
@@ -248,7 +248,7 @@ def measure_pipeline(
     def decoder(offset: int) -> None:
         index = offset
         while not stop.is_set():
-            tensor = preprocess.decode_base64(encoded[index % len(encoded)], spec, LIMITS)
+            tensor = preprocess.decode_payload(encoded[index % len(encoded)], spec, LIMITS)
             index += decode_threads
             while not stop.is_set():
                 try:

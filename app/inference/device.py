@@ -1,14 +1,18 @@
-"""The device: which one, at what precision, its memory, and the one thread that drives it.
+"""The device: which one, at what precision, its memory, and the threads that drive it.
 
-All model work runs on a single dedicated thread per device. That keeps the event loop
-free and serialises device work, so batches never compete for the same device.
+All model work runs on dedicated threads, never on the event loop. A GPU gets one thread,
+which serialises its work. A CPU can get several (``model.device_workers``), each running
+whole batches with ``model.intra_op_threads`` cores, as an inference server runs several
+model instances: with one, a single core does the forward passes while the others wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,6 +48,36 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
+class Threads:
+    """How many batches run at once on the device, and how many torch threads each uses."""
+
+    workers: int
+    intra_op: int  # 0: torch's own default
+
+
+def plan_threads(device: torch.device, workers: int, intra_op: int, cores: int) -> Threads:
+    """Resolve ``model.device_workers`` and ``model.intra_op_threads`` (0 is automatic).
+
+    A GPU gets one worker: it serialises device work. A CPU of two or more cores gets two,
+    and the cores are shared among them: on small models one batch cannot keep several
+    cores busy (and OpenMP threads spin against the decode pool), while two batches at
+    once keep every core on the forward pass.
+    """
+    if device.type != "cpu":
+        return Threads(workers or 1, intra_op)
+    workers = workers or (2 if cores >= 2 else 1)
+    return Threads(workers, intra_op or max(1, cores // workers))
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
 class Memory:
     """Free and total memory of the device (host RAM for the CPU), in bytes."""
 
@@ -64,15 +98,25 @@ def memory(device: torch.device) -> Memory:
 
 
 class DeviceThread:
-    """One daemon thread that runs submitted calls in order.
+    """Daemon threads (one by default) that run submitted calls, in order of submission.
 
-    A daemon, so a load stuck past its timeout cannot keep the process alive at exit.
+    Daemons, so a load stuck past its timeout cannot keep the process alive at exit.
     """
 
-    def __init__(self, name: str = "device") -> None:
+    def __init__(self, name: str = "device", workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError("a device needs at least one worker thread")
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._work, name=name if workers == 1 else f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
 
     def _work(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -94,11 +138,14 @@ class DeviceThread:
         return await asyncio.wrap_future(self.submit(fn))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Finish what is queued, then stop, and wait for the thread (blocking, bounded).
+        """Finish what is queued, then stop, and wait for the threads (blocking, bounded).
 
         Joined rather than left to die with the interpreter: a thread still inside torch at
         interpreter exit can abort the process ("terminate called without an active exception").
         """
-        self._calls.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        for _ in self._threads:
+            self._calls.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

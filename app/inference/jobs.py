@@ -25,13 +25,15 @@ class Job:
     lane: Lane
     request_id: str
     span_context: SpanContext | None
+    deadline: float = float("inf")  # time.monotonic(); checked again just before compute
 
 
 @dataclass(frozen=True)
 class Answer:
-    """One image's top classes, and the span of the batch that computed it (for a link back)."""
+    """One image's top classes (``None``: its deadline passed before compute), and the span of
+    the batch that computed it (for a link back)."""
 
-    top: TopK
+    top: TopK | None
     batch_span: SpanContext
 
 
@@ -55,6 +57,6 @@ class TracedRunner:
         }
         # the context manager records an exception and marks the span as failed
         with self._tracer.start_as_current_span("batch", links=links, attributes=attributes) as span:
-            tops = await self.runner([job.image for job in jobs])
+            tops = await self.runner([job.image for job in jobs], [job.deadline for job in jobs])
             context = span.get_span_context()
             return [Answer(top, context) for top in tops]

@@ -10,6 +10,7 @@ reports itself degraded; without one, each failure is a 503 ``device_unavailable
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -54,9 +55,25 @@ class ModelRunner:
         self.failures = 0  # consecutive device failures
         self.degraded = False
 
-    async def __call__(self, images: Sequence[torch.Tensor]) -> list[TopK]:
+    async def __call__(
+        self, images: Sequence[torch.Tensor], deadlines: Sequence[float] | None = None
+    ) -> list[TopK | None]:
+        """Answers in order; ``None`` for an image whose deadline (``time.monotonic()``) passed
+        before its batch reached the device: it is not computed."""
         batch = list(images)
-        return await self._device.run(lambda: self.run_sync(batch))
+        return await self._device.run(lambda: self._run_live(batch, deadlines))
+
+    def _run_live(self, images: list[torch.Tensor], deadlines: Sequence[float] | None) -> list[TopK | None]:
+        # The deadline's last check, on the device thread just before compute: a batch can
+        # wait here behind others (several batches in flight, a slow one ahead).
+        now = time.monotonic()
+        live = [i for i in range(len(images)) if deadlines is None or deadlines[i] > now]
+        answers: list[TopK | None] = [None] * len(images)
+        if live:
+            computed = self.run_sync(images if len(live) == len(images) else [images[i] for i in live])
+            for i, top in zip(live, computed, strict=True):
+                answers[i] = top
+        return answers
 
     def run_sync(self, images: list[torch.Tensor]) -> list[TopK]:
         """Blocking: the whole batch on the device (split on out-of-memory), answers on the host."""

@@ -17,6 +17,9 @@ from typing import Any
 from opentelemetry import trace
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+# With tracing off, the caller's W3C trace context (trace id, parent span id), so that log
+# lines still join the trace an upstream service recorded.
+caller_trace_var: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("caller_trace", default=None)
 
 # attributes every LogRecord has; anything else was passed through ``extra=`` and is a field
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
@@ -33,10 +36,14 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
             record.request_id = request_id_var.get()
+        if hasattr(record, "trace_id"):
+            return True
         context = trace.get_current_span().get_span_context()
-        if context.is_valid and not hasattr(record, "trace_id"):
+        if context.is_valid:
             record.trace_id = format(context.trace_id, "032x")
             record.span_id = format(context.span_id, "016x")
+        elif (caller := caller_trace_var.get()) is not None:
+            record.trace_id, record.span_id = caller
         return True
 
 

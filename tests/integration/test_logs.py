@@ -11,6 +11,9 @@ from app.telemetry.logging import JsonFormatter, RequestIdFilter
 from tests.conftest import SettingsFactory
 from tests.support import b64, running_app, sample_png
 
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
 
 async def test_request_lines_are_json_with_the_request_id_and_no_payload(
     make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
@@ -22,7 +25,9 @@ async def test_request_lines_are_json_with_the_request_id_and_no_payload(
     async with running_app(settings) as running:
         with caplog.at_level(logging.DEBUG):
             ok = await running.client.post(
-                "/predict", json={"image_base64": encoded}, headers={"X-Request-ID": "log-check-1"}
+                "/predict",
+                json={"image_base64": encoded},
+                headers={"X-Request-ID": "log-check-1", "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
             )
             bad = await running.client.post(
                 "/predict", json={"image_base64": encoded[:-3] + "!!!"}, headers={"X-Request-ID": "log-check-2"}
@@ -35,7 +40,10 @@ async def test_request_lines_are_json_with_the_request_id_and_no_payload(
     assert {(p["request_id"], p["status"]) for p in access} >= {("log-check-1", 200), ("log-check-2", 400)}
     served = next(p for p in access if p["request_id"] == "log-check-1")
     assert served["model"] == "digits" and served["version"] == "1" and served["lane"] == "normal"
-    assert len(served["trace_id"]) == 32 and len(served["span_id"]) == 16
+    # tracing is off (no exporter), so the lines carry the caller's trace: they join its trace
+    assert (served["trace_id"], served["span_id"]) == (TRACE_ID, PARENT_ID)
+    assert ok.headers["x-trace-id"] == TRACE_ID
+    assert "trace_id" not in next(p for p in access if p["request_id"] == "log-check-2")
     assert served["batch_size"] == 1 and set(served["timings_ms"]) == {"preprocess", "queue", "inference", "total"}
     for entry in parsed:
         assert {"timestamp", "level", "logger", "message", "request_id"} <= set(entry)

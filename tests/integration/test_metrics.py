@@ -69,11 +69,13 @@ async def test_queue_depth_rejections_and_cancellations_are_counted(make_setting
     settings = make_settings(
         server={"default_timeout_ms": 60_000},
         batching={"normal": {"window_ms": 20_000.0, "max_batch": 2, "max_queue": 2}},
+        model={"device_workers": 1},  # one batch in flight: the next ones queue behind it
     )
     async with running_app(settings) as running:
         batcher = running.service.models["digits"].batcher
         gate = threading.Event()
-        running.service._device_thread.submit(gate.wait)  # hold the device: queues can only grow
+        for _ in range(running.service.threads.workers):  # hold the device: queues can only grow
+            running.service._device_thread.submit(gate.wait)
         try:
             running_batch = [asyncio.ensure_future(running.predict_png(sample_png(d))) for d in (1, 2)]
             async with asyncio.timeout(30):

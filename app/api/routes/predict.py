@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
 from app.api.auth import require_api_key
 from app.api.body import OPENAPI_BODY, read_image_body
-from app.api.deps import LaneDep, RequestId, Service, TimeoutDep, VersionDep
+from app.api.deps import Headers, PredictHeaders, Service
 from app.api.disconnect import unless_disconnected
 from app.api.errors import error_responses
 from app.api.schemas import PredictionItem, PredictResponse, Timings
@@ -40,34 +40,29 @@ def _response(outcome: Outcome, request_id: str, started: float) -> PredictRespo
 
 
 async def _predict(
-    name: str | None,
-    request: Request,
-    service: Service,
-    lane: LaneDep,
-    timeout_s: float,
-    request_id: str,
-    query_top_k: int | None,
-    version: str | None,
-) -> PredictResponse:
+    name: str | None, request: Request, service: Service, headers: PredictHeaders, query_top_k: int | None
+) -> Response:
     server = service.settings.server
-    served = service.served(name, version)  # 404 / 503 before reading the body
+    served = service.served(name, headers.version)  # 404 / 503 before reading the body
     body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
     top_k = body.top_k or query_top_k or server.default_top_k
     if top_k > min(server.max_top_k, len(served.labels)):
         raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
-    remaining = timeout_s - (time.perf_counter() - request.scope["state"]["started"])
+    state = request.scope["state"]
+    remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     outcome = await unless_disconnected(
-        request, service.predict(served, body.image, top_k, lane, remaining, request_id)
+        request, service.predict(served, body.payload, top_k, headers.lane, remaining, headers.request_id)
     )
-    response = _response(outcome, request_id, request.scope["state"]["started"])
-    request.scope["state"]["log_fields"] = {  # the access log line carries the stages
+    response = _response(outcome, headers.request_id, state["started"])
+    state["log_fields"] = {  # the access log line carries the stages
         "model": response.model,
         "version": response.version,
         "lane": response.lane,
         "batch_size": response.batch_size,
         "timings_ms": response.timings.model_dump(),
     }
-    return response
+    # serialised once, here: returning the model would make FastAPI validate it again first
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 @router.post(
@@ -80,14 +75,11 @@ async def _predict(
 async def predict_default(
     request: Request,
     service: Service,
-    lane: LaneDep,
-    timeout_s: TimeoutDep,
-    request_id: RequestId,
-    version: VersionDep,
+    headers: Headers,
     top_k: Annotated[int | None, _TOP_K] = None,
-) -> PredictResponse:
+) -> Response:
     """JSON `{"image_base64": ..., "top_k": 5}`, or the raw bytes with `Content-Type: image/jpeg|png|webp`."""
-    return await _predict(None, request, service, lane, timeout_s, request_id, top_k, version)
+    return await _predict(None, request, service, headers, top_k)
 
 
 @router.post(
@@ -101,11 +93,8 @@ async def predict_named(
     name: Annotated[str, Path(description="a model name from GET /v1/models")],
     request: Request,
     service: Service,
-    lane: LaneDep,
-    timeout_s: TimeoutDep,
-    request_id: RequestId,
-    version: VersionDep,
+    headers: Headers,
     top_k: Annotated[int | None, _TOP_K] = None,
-) -> PredictResponse:
+) -> Response:
     """As `/predict`, for the model `name`; 404 when no such model is served."""
-    return await _predict(name, request, service, lane, timeout_s, request_id, top_k, version)
+    return await _predict(name, request, service, headers, top_k)
