@@ -109,3 +109,32 @@ async def test_the_async_call_runs_on_the_device_thread(model: LayeredModel, dev
     runner = ModelRunner(Spy(model), device, top_k=2)
     answers = await runner(images(model, 3))
     assert len(answers) == 3 and seen == ["test-device"]
+
+
+async def test_a_request_past_its_deadline_at_the_device_is_not_computed(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    import time
+
+    faulty = Faulty(model, fail_at=10_000)  # never fails; records the batch sizes it computes
+    runner = ModelRunner(faulty, device, top_k=2)
+    now = time.monotonic()
+    answers = await runner(images(model, 3), [now + 60, now - 1, now + 60])
+    assert answers[1] is None and answers[0] is not None and answers[2] is not None
+    assert faulty.sizes == [2], "only the two live images reached the model"
+    assert await runner(images(model, 2), [now - 1, now - 1]) == [None, None]
+    assert faulty.sizes == [2], "a batch with nothing live never reaches the model"
+
+
+def test_several_device_workers_run_calls_at_once() -> None:
+    import threading
+
+    workers = DeviceThread("pair", workers=2)
+    both = threading.Barrier(2, timeout=10)
+    try:
+        first, second = workers.submit(both.wait), workers.submit(both.wait)
+        # each call waits at the barrier for the other: only two threads at once get through
+        assert {first.result(10), second.result(10)} == {0, 1}
+        assert workers.workers == 2
+    finally:
+        workers.close()

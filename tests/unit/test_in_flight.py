@@ -1,0 +1,101 @@
+"""Several batches in flight (``model.device_workers`` on a CPU): the batcher's side."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.errors import Draining
+from tests.unit.fakes import FakeClock, FakeRunner, settle
+
+MS = 0.001
+
+
+def policy(max_batch: int = 2) -> BatchPolicy:
+    return BatchPolicy(
+        urgent=LanePolicy(2 * MS, max_batch, 64), normal=LanePolicy(25 * MS, max_batch, 64), urgent_fill=True
+    )
+
+
+def batcher(runner: FakeRunner, clock: FakeClock, in_flight: int) -> DualWindowBatcher[int, int]:
+    made: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy(), clock=clock, max_in_flight=in_flight)
+    made.start()
+    return made
+
+
+async def test_two_batches_run_at_once_and_a_third_waits_for_a_free_worker() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, clock, in_flight=2)
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(6)]
+    await clock.advance(100 * MS)
+    assert runner.batches == [[0, 1], [2, 3]], "two full batches at once; the third waits though ready"
+    runner.gate.set()
+    await settle()
+    assert runner.batches == [[0, 1], [2, 3], [4, 5]]
+    assert [done.output for done in await asyncio.gather(*tasks)] == [0, 2, 4, 6, 8, 10]
+    await b.close(grace_s=None)
+
+
+async def test_one_in_flight_keeps_batches_strictly_one_after_another() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, clock, in_flight=1)
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await clock.advance(100 * MS)
+    assert runner.batches == [[0, 1]]
+    runner.gate.set()
+    await asyncio.gather(*tasks)
+    await b.close(grace_s=None)
+
+
+async def test_predicted_wait_shares_the_queue_among_the_workers() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    one, two = batcher(runner, clock, in_flight=1), batcher(runner, clock, in_flight=2)
+    for b in (one, two):
+        b.batch_s = 0.1
+        for i in range(8):  # full batches of 2 leave at once and hang at the gate
+            asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
+    await settle()
+    # one worker: 1 batch runs, 3 wait: 3 + 1 rounds ahead, then its own = 5
+    # two workers: 2 run, 2 wait: (2 + 2) / 2 rounds ahead, then its own = 3
+    assert one.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 5 * 0.1)
+    assert two.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1)
+    runner.gate.set()
+    for b in (one, two):
+        await b.close(grace_s=None)
+
+
+async def test_closing_waits_for_every_batch_in_flight() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, clock, in_flight=2)
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await settle()
+    closing = asyncio.ensure_future(b.close(grace_s=None))
+    await settle()
+    assert not closing.done(), "two batches still run"
+    runner.gate.set()
+    await closing
+    assert [done.output for done in await asyncio.gather(*tasks)] == [0, 2, 4, 6]
+
+
+async def test_closing_past_its_grace_fails_every_running_batch_with_draining() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()  # never set: the batches outlive the grace
+    b = batcher(runner, clock, in_flight=2)
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(6)]
+    await settle()
+    assert len(runner.batches) == 2
+    await b.close(grace_s=0)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, Draining) for r in results), results
+    assert not b.running
+
+
+def test_max_in_flight_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_in_flight"):
+        DualWindowBatcher(FakeRunner(), policy(), clock=FakeClock(), max_in_flight=0)

@@ -1,0 +1,37 @@
+"""How many batches run at once on a device, and how many torch threads each gets."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.inference.device import Threads, plan_threads
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda:0")
+
+
+def test_a_gpu_gets_one_worker_and_keeps_torch_s_threads() -> None:
+    assert plan_threads(GPU, 0, 0, cores=16) == Threads(1, 0)
+    assert plan_threads(GPU, 3, 4, cores=16) == Threads(3, 4), "explicit settings win"
+
+
+def test_a_cpu_shares_its_cores_between_two_workers() -> None:
+    assert plan_threads(CPU, 0, 0, cores=2) == Threads(2, 1)
+    assert plan_threads(CPU, 0, 0, cores=16) == Threads(2, 8)
+    assert plan_threads(CPU, 0, 0, cores=1) == Threads(1, 1)
+    assert plan_threads(CPU, 4, 0, cores=16) == Threads(4, 4)
+    assert plan_threads(CPU, 1, 0, cores=8) == Threads(1, 8), "one worker gets every core"
+    assert plan_threads(CPU, 0, 3, cores=2) == Threads(2, 3)
+
+
+@given(cores=st.integers(1, 256), workers=st.integers(0, 64), intra=st.integers(0, 256))
+def test_the_plan_always_runs_something_and_never_oversubscribes_by_default(
+    cores: int, workers: int, intra: int
+) -> None:
+    plan = plan_threads(CPU, workers, intra, cores)
+    assert plan.workers >= 1 and plan.intra_op >= 1
+    if workers == 0:
+        assert plan.workers <= max(1, cores)
+    if intra == 0:
+        assert plan.workers * plan.intra_op <= max(cores, plan.workers)
