@@ -81,7 +81,7 @@ from ray import serve
 
 from app.ray_app import build
 
-ray.init(num_cpus=float(env["CPUS"]), include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=float(env["CPUS"]), include_dashboard=False, log_to_driver=False)
 try:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

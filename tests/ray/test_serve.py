@@ -77,7 +77,9 @@ def cluster() -> Iterator[Cluster]:
     from app.ray_app import build
 
     http_port, metrics_port = _free_port(), _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port
+    )
     try:
         serve.start(http_options={"host": HOST, "port": http_port})
         serve.run(build(MAIN), name="main", route_prefix="/")
