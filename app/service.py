@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.postprocess import Prediction, label
 from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
+from app.inference.workers import WorkerThreads
 from app.routing import ModelGroup, Routing
 from app.settings import BatchingSettings, LaneSettings, Settings
 from app.telemetry.metrics import Metrics
@@ -114,7 +115,7 @@ class InferenceService:
         self.threads = plan_threads(self.device, model.device_workers, model.intra_op_threads, cpu_cores())
         self._device_thread = DeviceThread(workers=self.threads.workers)
         self._switch_interval: float | None = None  # Python's, restored at close
-        self._pool = ThreadPoolExecutor(settings.server.preprocess_workers, thread_name_prefix="preprocess")
+        self._pool = WorkerThreads("preprocess", settings.server.preprocess_workers)  # urgent images first
         self._policy = batch_policy(settings.batching)
         self.metrics.scrape_time.queue_depths = self._queue_depths
         self.metrics.scrape_time.queue_capacities = self._queue_capacities
@@ -218,11 +219,8 @@ class InferenceService:
         """Decode one image per worker, so the first requests pay no thread or codec start-up."""
         spec = self.all_served()[0].model.manifest.input
         sample = preprocess.blank_png(spec.width, spec.height)
-        loop = asyncio.get_running_loop()
-        workers = self.settings.server.preprocess_workers
-        await asyncio.gather(
-            *(loop.run_in_executor(self._pool, preprocess.decode, sample, spec, self._limits) for _ in range(workers))
-        )
+        decode = functools.partial(preprocess.decode, sample, spec, self._limits)
+        await asyncio.gather(*(self._pool.run(decode) for _ in range(self._pool.workers)))
 
     def _configure_threads(self) -> None:
         if self.threads.intra_op:
@@ -351,9 +349,8 @@ class InferenceService:
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
         with self.tracer.start_as_current_span("preprocess", attributes=ids):
-            tensor = await asyncio.get_running_loop().run_in_executor(
-                self._pool, preprocess.decode_payload, image, served.model.manifest.input, self._limits
-            )
+            decode = functools.partial(preprocess.decode_payload, image, served.model.manifest.input, self._limits)
+            tensor = await self._pool.run(decode, urgent=lane is Lane.URGENT)
         preprocessed = time.perf_counter()
         deadline = time.monotonic() + timeout_s - (preprocessed - started)
         job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
@@ -410,7 +407,7 @@ class InferenceService:
         """Drain (if nobody did yet), then stop the threads and release the device."""
         await self.drain(grace_s)
         # joined, bounded: threads left inside torch at interpreter exit can abort the process
-        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._pool.close, cancel_waiting=True)
         await asyncio.to_thread(self._device_thread.close)
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)

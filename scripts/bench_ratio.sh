@@ -18,8 +18,8 @@
 # classifier), PROFILE_SECONDS (8), LIMIT_SECONDS (2), ROUNDS (2), VARIANT_CONCURRENCY (default: the
 # saturation point), VARIANTS_ONLY (skip iii-v), REPOSITORY, LIMIT_JSON (reuse a limit report),
 # QUIET_WAIT / QUIET_CORES (wait for an idle machine before each measurement), and any AI_SERVICE_* setting.
-# Defaults for the server: one torch intra-op thread, the limit's best batch as the normal lane's
-# max batch, two decode workers.
+# The server runs on its defaults (on 2 cores: two device workers of one torch thread each, two
+# decode workers, GIL switch interval 0.2 ms), with the limit's best batch as the normal lane's max batch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -92,9 +92,7 @@ best_batch=$(field "$out/limit.json" "r['limit']['best_batch']")
 export AI_SERVICE_MODEL__REPOSITORY="$repo"
 export AI_SERVICE_MODEL__NAMES="[\"$model\"]"
 export AI_SERVICE_MODEL__DEFAULT="$model"
-export AI_SERVICE_MODEL__INTRA_OP_THREADS="${AI_SERVICE_MODEL__INTRA_OP_THREADS:-1}"
 export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$best_batch}"
-export AI_SERVICE_SERVER__PREPROCESS_WORKERS="${AI_SERVICE_SERVER__PREPROCESS_WORKERS:-2}"
 
 # start_server LOG [ENV=VALUE ...]: serve on $port from $SERVER_TREE (default: this checkout)
 start_server() {

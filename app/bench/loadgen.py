@@ -64,6 +64,7 @@ class Run:
     sent: int = 0
     cpu_before: dict[str, float] | None = None  # CPU snapshots at the measured window's ends
     cpu_after: dict[str, float] | None = None
+    rss_mb: list[float] = field(default_factory=list)  # the server's resident memory, once a second
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -74,6 +75,17 @@ def process_cpu_s(pid: int) -> float:
     text = Path(f"/proc/{pid}/stat").read_text()
     fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and brackets
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_mb(pid: int) -> float | None:
+    """The resident memory of ``pid`` in MiB (Linux ``/proc``), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float]:
@@ -192,10 +204,12 @@ async def open_loop(
         task.cancel()
 
 
-def summarise(run: Run, settings: dict[str, Any]) -> dict[str, Any]:
-    """The report: throughput, latency percentiles per lane, errors, mean batch size."""
+def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = None) -> dict[str, Any]:
+    """The report: throughput, latency percentiles per lane (answers, and 503 refusals),
+    errors, mean batch size, answers later than their deadline, the server's memory."""
     counted = [s for s in run.samples if s.counted]
     ok = [s for s in counted if s.status == 200]
+    refused = [s for s in counted if s.status == 503]
     window = max(1e-9, run.ended - run.measured_from)
 
     def latencies(samples: list[Sample]) -> dict[str, float | int]:
@@ -209,9 +223,18 @@ def summarise(run: Run, settings: dict[str, Any]) -> dict[str, Any]:
         }
 
     batch_sizes = [s.batch_size for s in ok if s.batch_size]
-    cpu = {}
+    extra: dict[str, Any] = {}
     if run.cpu_before is not None and run.cpu_after is not None:
-        cpu = {"cpu": cpu_report(run.cpu_before, run.cpu_after, len(ok))}
+        extra["cpu"] = cpu_report(run.cpu_before, run.cpu_after, len(ok))
+    if deadline_ms is not None:  # the client's own clock: what it waited, beyond what it allowed
+        extra["deadline_ms"] = deadline_ms
+        extra["ok_past_deadline"] = sum(1 for s in ok if s.latency_s * 1000 > deadline_ms)
+    if run.rss_mb:
+        extra["server_rss_mb"] = {
+            "first": round(run.rss_mb[0], 1),
+            "last": round(run.rss_mb[-1], 1),
+            "max": round(max(run.rss_mb), 1),
+        }
     return {
         **settings,
         "measured_s": round(window, 3),
@@ -222,6 +245,7 @@ def summarise(run: Run, settings: dict[str, Any]) -> dict[str, Any]:
             "all": latencies(ok),
             "urgent": latencies([s for s in ok if s.lane == "urgent"]),
             "normal": latencies([s for s in ok if s.lane == "normal"]),
+            "refused": latencies(refused),
         },
         "errors": dict(Counter(f"{s.status}:{s.code}" for s in counted if s.status != 200)),
         "mean_batch_size": round(sum(batch_sizes) / len(batch_sizes), 2) if batch_sizes else 0.0,
@@ -231,7 +255,7 @@ def summarise(run: Run, settings: dict[str, Any]) -> dict[str, Any]:
             else 0.0
             for lane in ("urgent", "normal")
         },
-        **cpu,
+        **extra,
     }
 
 
@@ -250,17 +274,22 @@ def load_images(image: Path, folder: Path | None) -> list[bytes]:
     return [p.read_bytes() for p in paths]
 
 
-def _headers(urgent: bool) -> dict[str, str]:
-    return {"Content-Type": "application/json", "X-Urgency": "high" if urgent else "normal"}
+def _headers(urgent: bool, deadline_ms: float | None = None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-Urgency": "high" if urgent else "normal"}
+    if deadline_ms is not None:
+        headers["X-Request-Timeout"] = str(round(deadline_ms))
+    return headers
 
 
-def raw_sender(url: str, path: str, bodies: Sequence[bytes], timeout: float) -> tuple[Send, rawhttp.Pool]:
+def raw_sender(
+    url: str, path: str, bodies: Sequence[bytes], timeout: float, deadline_ms: float | None = None
+) -> tuple[Send, rawhttp.Pool]:
     """A ``Send`` over a pool of raw keep-alive connections, every request's bytes built now."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     authority = parts.netloc
     requests = {
-        (index, urgent): rawhttp.build_request("POST", authority, path, _headers(urgent), body)
+        (index, urgent): rawhttp.build_request("POST", authority, path, _headers(urgent, deadline_ms), body)
         for index, body in enumerate(bodies)
         for urgent in (False, True)
     }
@@ -274,11 +303,13 @@ def raw_sender(url: str, path: str, bodies: Sequence[bytes], timeout: float) -> 
     return send, pool
 
 
-def httpx_sender(client: httpx.AsyncClient, path: str, bodies: Sequence[bytes]) -> Send:
+def httpx_sender(
+    client: httpx.AsyncClient, path: str, bodies: Sequence[bytes], deadline_ms: float | None = None
+) -> Send:
     """A ``Send`` through httpx."""
 
     async def send(number: int, urgent: bool) -> tuple[int, bytes]:
-        response = await client.post(path, content=bodies[number % len(bodies)], headers=_headers(urgent))
+        response = await client.post(path, content=bodies[number % len(bodies)], headers=_headers(urgent, deadline_ms))
         return response.status_code, response.content
 
     return send
@@ -294,7 +325,14 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
         await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
         run.cpu_before = cpu_snapshot(args.server_pid)
 
+    async def watch_memory(pid: int) -> None:
+        await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
+        while (rss := rss_mb(pid)) is not None:
+            run.rss_mb.append(rss)
+            await asyncio.sleep(1.0)
+
     watcher = asyncio.create_task(watch_cpu())
+    memory = asyncio.create_task(watch_memory(args.server_pid)) if args.server_pid is not None else None
     if args.rate is None:
         await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
         mode: dict[str, Any] = {"mode": "closed", "concurrency": args.concurrency}
@@ -306,6 +344,10 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
         run.cpu_after = cpu_snapshot(args.server_pid)
     else:  # the load stopped before the window began (request cap): no CPU figures
         watcher.cancel()
+    if memory is not None:
+        memory.cancel()
+        if (rss := rss_mb(args.server_pid)) is not None and run.rss_mb:
+            run.rss_mb.append(rss)
     return mode
 
 
@@ -314,7 +356,7 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
     path = f"/v1/models/{args.model}/predict" if args.model else "/predict"
     run = Run()
     if args.client == "raw":
-        send, pool = raw_sender(args.url, path, bodies, args.timeout)
+        send, pool = raw_sender(args.url, path, bodies, args.timeout, args.deadline_ms)
         try:
             mode = await _drive(send, args, run)
         finally:
@@ -323,7 +365,7 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
     else:
         limits = httpx.Limits(max_connections=max(args.concurrency, 64) if args.rate is None else 1000)
         async with httpx.AsyncClient(base_url=args.url, limits=limits, timeout=args.timeout) as client:
-            mode = await _drive(httpx_sender(client, path, bodies), args, run)
+            mode = await _drive(httpx_sender(client, path, bodies, args.deadline_ms), args, run)
     settings = {
         **mode,
         "client": args.client,
@@ -332,7 +374,7 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
         "urgent_fraction": args.urgent_fraction,
         "warmup_s": args.warmup,
     }
-    return summarise(run, settings)
+    return summarise(run, settings, args.deadline_ms)
 
 
 def _event_loop_run(work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
@@ -362,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds sent but not counted")
     parser.add_argument("--requests", type=int, default=200_000, help="hard cap on requests sent")
     parser.add_argument("--timeout", type=float, default=60.0, help="per-request client timeout, seconds")
+    parser.add_argument(
+        "--deadline-ms", type=float, help="send X-Request-Timeout; count answers that came later than it"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the JSON report here")
     args = parser.parse_args(argv)

@@ -61,7 +61,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 # uvloop's loop is all C: its own I/O work lands here too, with its waiting.
 IDLE_LEAVES = (
     "_worker (",  # concurrent.futures: waiting for work
-    "DeviceThread._work (",  # the device thread: waiting for a batch
+    "WorkerThreads._work (",  # the decode pool and the device threads: waiting for work
     "Condition.wait (",
     "Event.wait (",
     "Thread.join (",
@@ -128,8 +128,8 @@ def stage_of(frames: Sequence[str]) -> str:
 
 
 def group_name(thread: str) -> str:
-    """Pool threads (``preprocess_0``, ``preprocess_1``) form one group."""
-    return re.sub(r"_\d+$", "", thread) or "unnamed"
+    """Pool threads (``preprocess-0``, ``preprocess-1``, ``device-0``...) form one group."""
+    return re.sub(r"[_-]\d+$", "", thread) or "unnamed"
 
 
 def summarise_profile(

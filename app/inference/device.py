@@ -8,20 +8,13 @@ model instances: with one, a single core does the forward passes while the other
 
 from __future__ import annotations
 
-import asyncio
 import os
-import queue
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
-T = TypeVar("T")
+from app.inference.workers import WorkerThreads
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,55 +90,8 @@ def memory(device: torch.device) -> Memory:
     return Memory(fields.get("MemAvailable", 0), fields.get("MemTotal", 0))
 
 
-class DeviceThread:
-    """Daemon threads (one by default) that run submitted calls, in order of submission.
-
-    Daemons, so a load stuck past its timeout cannot keep the process alive at exit.
-    """
+class DeviceThread(WorkerThreads):
+    """The device's worker threads (one by default): whole batches, loads and warm-ups."""
 
     def __init__(self, name: str = "device", workers: int = 1) -> None:
-        if workers < 1:
-            raise ValueError("a device needs at least one worker thread")
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=name if workers == 1 else f"{name}-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    @property
-    def workers(self) -> int:
-        return len(self._threads)
-
-    def _work(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, future = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._calls.put((fn, future))
-        return future
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the device thread and await its result without blocking the loop."""
-        return await asyncio.wrap_future(self.submit(fn))
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Finish what is queued, then stop, and wait for the threads (blocking, bounded).
-
-        Joined rather than left to die with the interpreter: a thread still inside torch at
-        interpreter exit can abort the process ("terminate called without an active exception").
-        """
-        for _ in self._threads:
-            self._calls.put(None)
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+        super().__init__(name, workers)

@@ -57,6 +57,8 @@ class TracedRunner:
         }
         # the context manager records an exception and marks the span as failed
         with self._tracer.start_as_current_span("batch", links=links, attributes=attributes) as span:
-            tops = await self.runner([job.image for job in jobs], [job.deadline for job in jobs])
+            tops = await self.runner(
+                [job.image for job in jobs], [job.deadline for job in jobs], urgent=lane is Lane.URGENT
+            )
             context = span.get_span_context()
             return [Answer(top, context) for top in tops]

@@ -56,12 +56,12 @@ class ModelRunner:
         self.degraded = False
 
     async def __call__(
-        self, images: Sequence[torch.Tensor], deadlines: Sequence[float] | None = None
+        self, images: Sequence[torch.Tensor], deadlines: Sequence[float] | None = None, urgent: bool = False
     ) -> list[TopK | None]:
         """Answers in order; ``None`` for an image whose deadline (``time.monotonic()``) passed
-        before its batch reached the device: it is not computed."""
+        before its batch reached the device: it is not computed. Urgent batches go first."""
         batch = list(images)
-        return await self._device.run(lambda: self._run_live(batch, deadlines))
+        return await self._device.run(lambda: self._run_live(batch, deadlines), urgent=urgent)
 
     def _run_live(self, images: list[torch.Tensor], deadlines: Sequence[float] | None) -> list[TopK | None]:
         # The deadline's last check, on the device thread just before compute: a batch can

@@ -179,6 +179,7 @@ def bench_args(**overrides: object) -> argparse.Namespace:
         "timeout": 5.0,
         "seed": 0,
         "server_pid": os.getpid(),
+        "deadline_ms": None,
     }
     return argparse.Namespace(**(defaults | overrides))
 
@@ -203,6 +204,8 @@ async def test_a_closed_loop_run_cycles_the_images_and_reports_batches_lanes_and
     assert {b"b25l", b"dHdv", b"dGhyZWU="} == set(seen)  # every image was sent
     assert report["latency"]["urgent"]["count"] > 0 and report["latency"]["normal"]["count"] > 0
     assert report["cpu"]["server_ms_per_request"] >= 0 and report["cpu"]["window_s"] > 0
+    assert report["latency"]["refused"]["count"] == report["errors"].get("503:queue_full", 0)
+    assert report["server_rss_mb"]["max"] >= report["server_rss_mb"]["first"] > 0  # this process stands in
     if client == "raw":
         assert report["connections"] == len(per_connection) <= 4
 
@@ -242,3 +245,19 @@ def test_images_come_from_a_folder_by_name_or_from_one_file(tmp_path: Path) -> N
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
         loadgen.load_images(tmp_path / "a.png", tmp_path / "empty")
+
+
+def test_a_deadline_is_sent_and_answers_later_than_it_are_counted() -> None:
+    assert loadgen._headers(True, 250.4)["X-Request-Timeout"] == "250"
+    assert "X-Request-Timeout" not in loadgen._headers(False)
+    run = loadgen.Run(measured_from=0.0, ended=1.0)
+    run.samples += [
+        loadgen.Sample("normal", 0.100, 200, None, 4, True),
+        loadgen.Sample("normal", 0.300, 200, None, 4, True),  # past a 250 ms deadline
+        loadgen.Sample("urgent", 0.002, 503, "would_miss_deadline", None, True),
+        loadgen.Sample("normal", 0.004, 503, "queue_full", None, True),
+    ]
+    report = loadgen.summarise(run, {}, deadline_ms=250)
+    assert report["ok_past_deadline"] == 1 and report["deadline_ms"] == 250
+    assert report["latency"]["refused"]["count"] == 2 and report["latency"]["refused"]["max_ms"] == 4.0
+    assert "ok_past_deadline" not in loadgen.summarise(run, {})

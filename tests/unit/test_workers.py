@@ -1,0 +1,82 @@
+"""Worker threads: urgent calls first, FIFO within a priority, cancelled calls skipped, bounded close."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from app.inference.workers import WorkerThreads
+
+
+def test_urgent_calls_overtake_normal_ones_that_wait() -> None:
+    workers = WorkerThreads("test", 1)
+    gate, order = threading.Event(), []
+    try:
+        blocker = workers.submit(gate.wait)  # the only worker is busy: the rest queue
+        calls = [workers.submit(lambda n=n: order.append(n)) for n in ("n1", "n2")]
+        calls += [workers.submit(lambda n=n: order.append(n), urgent=True) for n in ("u1", "u2")]
+        calls.append(workers.submit(lambda: order.append("n3")))
+        gate.set()
+        for call in [blocker, *calls]:
+            call.result(10)
+        assert order == ["u1", "u2", "n1", "n2", "n3"]
+    finally:
+        workers.close()
+
+
+def test_a_call_cancelled_while_waiting_never_runs() -> None:
+    workers = WorkerThreads("test", 1)
+    gate, ran = threading.Event(), []
+    try:
+        blocker = workers.submit(gate.wait)
+        doomed = workers.submit(lambda: ran.append("doomed"))
+        assert doomed.cancel()
+        after = workers.submit(lambda: ran.append("after"))
+        gate.set()
+        blocker.result(10), after.result(10)
+        assert ran == ["after"]
+    finally:
+        workers.close()
+
+
+def test_errors_reach_the_caller_and_the_worker_keeps_serving() -> None:
+    workers = WorkerThreads("test", 2)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            workers.submit(lambda: 1 / 0).result(10)
+        assert workers.submit(lambda: 42).result(10) == 42
+    finally:
+        workers.close()
+
+
+async def test_run_awaits_without_blocking_the_loop() -> None:
+    workers = WorkerThreads("test", 1)
+    try:
+        assert await workers.run(lambda: threading.current_thread().name, urgent=True) == "test"
+    finally:
+        workers.close()
+
+
+def test_close_finishes_what_is_queued_or_cancels_it() -> None:
+    finishing = WorkerThreads("finish", 1)
+    gate = threading.Event()
+    blocker, queued = finishing.submit(gate.wait), finishing.submit(lambda: "done")
+    gate.set()
+    finishing.close()
+    assert blocker.result(1) and queued.result(1) == "done"
+
+    cancelling = WorkerThreads("cancel", 1)
+    gate2 = threading.Event()
+    running = cancelling.submit(gate2.wait)
+    waiting = cancelling.submit(lambda: "never")
+    threading.Timer(0.05, gate2.set).start()
+    cancelling.close(cancel_waiting=True)
+    assert running.result(1) is True and waiting.cancelled()
+    with pytest.raises(RuntimeError, match="closed"):
+        cancelling.submit(lambda: None)
+
+
+def test_at_least_one_worker() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        WorkerThreads("none", 0)
