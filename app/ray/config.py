@@ -58,9 +58,9 @@ def serve_config() -> dict[str, Any]:
 def render() -> str:
     """The file's text: the header, then the config as YAML."""
     import ray
-    import yaml
+    import yaml  # type: ignore[import-untyped]  # a dependency of Ray's; no stubs installed
 
-    body = yaml.safe_dump(serve_config(), sort_keys=False, default_flow_style=False, width=100)
+    body: str = yaml.safe_dump(serve_config(), sort_keys=False, default_flow_style=False, width=100)
     return HEADER.format(version=ray.__version__) + "\n" + body
 
 
