@@ -112,10 +112,12 @@ class InferenceService:
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
         model = settings.model
-        self.threads = plan_threads(self.device, model.device_workers, model.intra_op_threads, cpu_cores())
+        self.threads = plan_threads(
+            self.device, model.device_workers, model.intra_op_threads, settings.server.preprocess_workers, cpu_cores()
+        )
         self._device_thread = DeviceThread(workers=self.threads.workers)
         self._switch_interval: float | None = None  # Python's, restored at close
-        self._pool = WorkerThreads("preprocess", settings.server.preprocess_workers)  # urgent images first
+        self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
         self._policy = batch_policy(settings.batching)
         self.metrics.scrape_time.queue_depths = self._queue_depths
         self.metrics.scrape_time.queue_capacities = self._queue_capacities

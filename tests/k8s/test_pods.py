@@ -133,7 +133,7 @@ def test_the_cpu_overlay_asks_for_no_gpu_and_sizes_torch_to_its_cpus() -> None:
     settings = settings_of("cpu")
     assert settings.model.device == "cpu"
     cpus = float(server_container("cpu")["resources"]["limits"]["cpu"])
-    threads = settings.model.intra_op_threads
+    threads = settings.model.intra_op_threads * settings.model.device_workers
     assert 0 < threads <= cpus, "torch would size its pool from the node's cores and be throttled"
     assert threads + settings.server.preprocess_workers <= cpus
 
