@@ -35,6 +35,7 @@ from app.inference.device import (
 )
 from app.inference.jobs import Answer, Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
+from app.inference.manifest import InputSpec
 from app.inference.postprocess import Prediction, label
 from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
@@ -91,6 +92,15 @@ class Outcome:
     preprocess_s: float
     queue_s: float
     inference_s: float
+
+
+def _decode_before(
+    deadline: float, payload: bytes | str, spec: InputSpec, limits: preprocess.ImageLimits
+) -> torch.Tensor:
+    """In the decode pool: an image whose request's deadline passed while it waited is not decoded."""
+    if time.monotonic() >= deadline:
+        raise DeadlineExceeded("the request's deadline passed while its image waited to be decoded")
+    return preprocess.decode_payload(payload, spec, limits)
 
 
 class InferenceService:
@@ -347,18 +357,24 @@ class InferenceService:
         Each stage is a span under the caller's (the HTTP request's) span. ``served`` is the
         version routing chose; the request stays on it whatever is promoted meanwhile.
         """
-        served.batcher.admit(lane, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        # admitted with a seat in its lane held while the image decodes: a backlog at the
+        # decode pool counts as queued, so overload is refused here, not after a long wait
+        served.batcher.admit(lane, timeout_s, reserve=True)
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
-        with self.tracer.start_as_current_span("preprocess", attributes=ids):
-            decode = functools.partial(preprocess.decode_payload, image, served.model.manifest.input, self._limits)
-            tensor = await self._pool.run(decode, urgent=lane is Lane.URGENT)
+        try:
+            with self.tracer.start_as_current_span("preprocess", attributes=ids):
+                spec = served.model.manifest.input
+                decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
+                tensor = await self._pool.run(decode, urgent=lane is Lane.URGENT)
+        finally:
+            served.batcher.release(lane)
         preprocessed = time.perf_counter()
-        deadline = time.monotonic() + timeout_s - (preprocessed - started)
         job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
         queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})
         try:
-            done = await served.batcher.submit(job, lane, timeout_s - (preprocessed - started))
+            done = await served.batcher.submit(job, lane, deadline - time.monotonic())
         except BaseException as exc:
             queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             queue_span.end()

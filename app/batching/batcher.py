@@ -110,6 +110,7 @@ class DualWindowBatcher(Generic[P, R]):
         self._accepting = False
         self._flush = False
         self._in_flight: set[asyncio.Task[None]] = set()  # batches handed to the runner
+        self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
         self._ceiling: int | None = None  # lowered under device memory pressure
         self._calm_batches = 0
         self.recovery_batches = 32  # successful batches before a lowered ceiling doubles again
@@ -169,18 +170,27 @@ class DualWindowBatcher(Generic[P, R]):
         if self.batch_s is None:
             return None
         policy = self._effective_policy()
-        ahead = self.depth(Lane.URGENT) + (self.depth(Lane.NORMAL) if lane is Lane.NORMAL else 0)
+        ahead = self._ahead(Lane.URGENT) + (self._ahead(Lane.NORMAL) if lane is Lane.NORMAL else 0)
         rounds = (ahead // policy.lane(lane).max_batch + len(self._in_flight)) // self._max_in_flight + 1
         return policy.lane(lane).window_s + rounds * self.batch_s
 
-    def admit(self, lane: Lane, timeout_s: float) -> None:
-        """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach."""
+    def _ahead(self, lane: Lane) -> int:
+        return self._queues[lane].waiting + self._reserved[lane]
+
+    def admit(self, lane: Lane, timeout_s: float, reserve: bool = False) -> None:
+        """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach.
+
+        ``reserve`` holds a seat in the lane for a request admitted before its payload is
+        ready (its image is being decoded): until ``release``, it counts in the queue's bound
+        and in the wait predicted for those behind it, so a backlog upstream of the queue
+        cannot slip past admission.
+        """
         if not self._accepting:
             raise Draining("the service is shutting down")
         if timeout_s <= 0:
             self._observer.on_rejected(lane, "deadline_exceeded")
             raise DeadlineExceeded("the request's deadline passed before it was queued")
-        if self._queues[lane].waiting >= self._policy.lane(lane).max_queue:
+        if self._ahead(lane) >= self._policy.lane(lane).max_queue:
             self._observer.on_rejected(lane, "queue_full")
             raise QueueFull(f"the {lane.value} queue is full")
         wait = self.predicted_wait(lane)
@@ -190,6 +200,12 @@ class DualWindowBatcher(Generic[P, R]):
                 f"predicted wait {wait * 1000:.0f} ms exceeds the deadline of {timeout_s * 1000:.0f} ms",
                 retry_after_s=max(1, math.ceil(wait)),
             )
+        if reserve:
+            self._reserved[lane] += 1
+
+    def release(self, lane: Lane) -> None:
+        """A seat ``admit(reserve=True)`` held is free again (the request is submitted, or failed)."""
+        self._reserved[lane] -= 1
 
     @property
     def running(self) -> bool:

@@ -53,6 +53,7 @@ class Sample:
     code: str | None
     batch_size: int | None
     counted: bool
+    timings_ms: dict[str, float] | None = None  # the server's own stages (preprocess, queue, ...)
 
 
 @dataclass
@@ -156,6 +157,7 @@ async def _send(send: Send, number: int, urgent: bool, run: Run) -> None:
             None if status == 200 else str(payload.get("code")),
             payload.get("batch_size") if status == 200 else None,
             started >= run.measured_from,
+            payload.get("timings") if status == 200 and isinstance(payload.get("timings"), dict) else None,
         )
     )
 
@@ -224,6 +226,21 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
 
     batch_sizes = [s.batch_size for s in ok if s.batch_size]
     extra: dict[str, Any] = {}
+    if any(s.timings_ms for s in ok):  # where each lane's time went, by the server's account
+        extra["server_stages_ms"] = {
+            lane: {
+                stage: {"p50": round(percentile(v, 50), 3), "p99": round(percentile(v, 99), 3)}
+                for stage in ("preprocess", "queue", "inference", "total")
+                if (
+                    v := [
+                        float(s.timings_ms[stage])
+                        for s in ok
+                        if s.lane == lane and s.timings_ms and stage in s.timings_ms
+                    ]
+                )
+            }
+            for lane in ("urgent", "normal")
+        }
     if run.cpu_before is not None and run.cpu_after is not None:
         extra["cpu"] = cpu_report(run.cpu_before, run.cpu_after, len(ok))
     if deadline_ms is not None:  # the client's own clock: what it waited, beyond what it allowed

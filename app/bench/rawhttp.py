@@ -118,14 +118,23 @@ class Connection:
     async def request(self, data: bytes) -> tuple[ResponseHead, bytes]:
         """Send ``data`` (a whole request) and read the response.
 
-        On any error the connection is closed (the next request reopens it) and the error raised.
+        On any error the connection is closed (the next request reopens it) and the error raised,
+        except on a kept-alive connection that the server closed while it sat idle (closed before
+        a byte of the answer came): there the request is sent once more on a fresh connection, as
+        HTTP clients do, since the server never read it.
         """
+        reused = self._writer is not None
         if self._writer is None or self._reader is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=MAX_HEAD_BYTES)
             self.opened += 1
         try:
             self._writer.write(data)
             head, body = await read_response(self._reader)
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
+            self.close()
+            if reused and not (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                return await self.request(data)
+            raise
         except BaseException:
             self.close()
             raise

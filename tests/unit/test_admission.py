@@ -109,3 +109,34 @@ async def test_memory_pressure_caps_batches_until_enough_calm_batches() -> None:
     batcher.lower_ceiling(1)
     assert batcher.ceiling == 1, "never below one"
     await batcher.close(0)
+
+
+async def test_reserved_seats_count_against_the_queue_bound_until_released() -> None:
+    from app.errors import QueueFull
+
+    batcher, _, _, recorder = make(max_batch=2, max_queue=3)
+    for _ in range(3):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # three images decoding
+    assert batcher.depth(Lane.NORMAL) == 0, "the queue itself is still empty"
+    with pytest.raises(QueueFull):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+    batcher.admit(Lane.URGENT, 10.0)  # the other lane has its own bound
+    batcher.release(Lane.NORMAL)
+    batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+    assert recorder.rejected == [(Lane.NORMAL, "queue_full")]
+    await batcher.close(grace_s=0)
+
+
+async def test_reserved_seats_count_in_the_predicted_wait() -> None:
+    batcher, clock, runner, recorder = make(max_batch=4)
+    await run_one_timed_batch(batcher, clock, runner)  # 100 ms a batch
+    for _ in range(8):  # two batches' worth decoding ahead
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 100 * MS)
+    assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 100 * MS), "urgent goes before them"
+    with pytest.raises(WouldMissDeadline):
+        batcher.admit(Lane.NORMAL, 0.2)
+    for _ in range(8):
+        batcher.release(Lane.NORMAL)
+    batcher.admit(Lane.NORMAL, 0.2)
+    await batcher.close(grace_s=0)

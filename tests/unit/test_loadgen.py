@@ -165,6 +165,33 @@ async def test_a_connection_is_kept_alive_and_reopened_after_the_server_closes_i
     assert per_connection == [2, 2] and connection.opened == 2
 
 
+async def test_a_kept_alive_connection_the_server_dropped_while_idle_is_retried_once_fresh() -> None:
+    served = 0
+
+    async def answer_once_then_hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+        served += 1
+        writer.write(json_answer({"n": served}))  # keep-alive promised, then an idle timeout
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer_once_then_hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        connection = rawhttp.Connection("127.0.0.1", port)
+        request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
+        first = json.loads((await connection.request(request))[1])["n"]
+        await asyncio.sleep(0.05)  # the server has hung up by now
+        second = json.loads((await connection.request(request))[1])["n"]
+        connection.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert (first, second) == (1, 2) and connection.opened == 2
+
+
 def bench_args(**overrides: object) -> argparse.Namespace:
     defaults: dict[str, object] = {
         "url": "",
@@ -261,3 +288,13 @@ def test_a_deadline_is_sent_and_answers_later_than_it_are_counted() -> None:
     assert report["ok_past_deadline"] == 1 and report["deadline_ms"] == 250
     assert report["latency"]["refused"]["count"] == 2 and report["latency"]["refused"]["max_ms"] == 4.0
     assert "ok_past_deadline" not in loadgen.summarise(run, {})
+
+
+def test_the_server_s_stage_timings_are_summarised_per_lane() -> None:
+    run = loadgen.Run(measured_from=0.0, ended=1.0)
+    stages = {"preprocess": 2.0, "queue": 10.0, "inference": 30.0, "total": 45.0}
+    run.samples += [loadgen.Sample("urgent", 0.05, 200, None, 2, True, stages)] * 3
+    run.samples += [loadgen.Sample("normal", 0.05, 200, None, 8, True, {**stages, "queue": 20.0})]
+    report = loadgen.summarise(run, {})
+    assert report["server_stages_ms"]["urgent"]["queue"] == {"p50": 10.0, "p99": 10.0}
+    assert report["server_stages_ms"]["normal"]["queue"]["p99"] == 20.0

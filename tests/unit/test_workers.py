@@ -67,8 +67,14 @@ def test_close_finishes_what_is_queued_or_cancels_it() -> None:
     assert blocker.result(1) and queued.result(1) == "done"
 
     cancelling = WorkerThreads("cancel", 1)
-    gate2 = threading.Event()
-    running = cancelling.submit(gate2.wait)
+    gate2, started = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        started.set()
+        return gate2.wait()
+
+    running = cancelling.submit(hold)
+    assert started.wait(10), "the worker took the first call"
     waiting = cancelling.submit(lambda: "never")
     threading.Timer(0.05, gate2.set).start()
     cancelling.close(cancel_waiting=True)

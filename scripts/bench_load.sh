@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Latency under load, in one run. Usage: scripts/bench_load.sh [OUT_DIR]   (default out/load)
+#
+#  (i)   exports MODEL (mobilenet_v3_small, seed 0) into a temporary repository, unless REPOSITORY
+#        holds it, and makes the 640x480 JPEGs with `ai-backend limit` (which also gives the time
+#        one max batch takes, for the urgent lane's bound);
+#  (ii)  serves it on the defaults, with the limit's best batch as the normal lane's max batch;
+#  (iii) saturation: closed loop at SATURATION_CONCURRENCY (64) for DURATION (10) seconds;
+#  (iv)  open loop (Poisson arrivals) at 70% of that rate, 10% urgent, for STEADY_SECONDS (30);
+#  (v)   open loop at twice that rate, 10% urgent, every request with a deadline of DEADLINE_MS
+#        (1000), for OVERLOAD_SECONDS (60);
+#  (vi)  writes OUT_DIR/load.md (and the bench reports beside it).
+#
+# Only loopback traffic, bounded in count and time. Knobs (environment): PORT (8932), MODEL,
+# REPOSITORY, IMAGES (a folder of images: skips making them), and any AI_SERVICE_* setting.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${1:-out/load}
+mkdir -p "$out"
+py=${PYTHON:-"$root/.venv/bin/python"}
+port=${PORT:-8932}
+model=${MODEL:-mobilenet_v3_small}
+repo=${REPOSITORY:-}
+temporary_repo=""
+if [ -z "$repo" ]; then
+  repo=$(mktemp -d /tmp/ai-backend-load-XXXXXX)
+  temporary_repo=$repo
+fi
+server_pid=""
+cleanup() {
+  if [ -n "$server_pid" ]; then kill -TERM "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+  if [ -n "$temporary_repo" ]; then rm -rf "$temporary_repo"; fi
+}
+trap cleanup EXIT
+field() { "$py" -c "import json, sys; r = json.load(open(sys.argv[1])); print($2)" "$1"; }
+
+# (i)
+if [ ! -d "$repo/$model" ]; then "$py" -m app.cli export --arch "$model" --seed 0 --out "$repo" 2>/dev/null; fi
+images=${IMAGES:-$out/images}
+if [ -n "${IMAGES:-}" ]; then image_args=(--images "$images"); else image_args=(--images-out "$images"); fi
+"$py" -m app.bench.limit --repository "$repo" --model "$model" "${image_args[@]}" --pipeline-seconds 0 \
+  --seconds 1 --out "$out/limit.json" >/dev/null 2>&1
+best_batch=$(field "$out/limit.json" "r['limit']['best_batch']")
+
+# (ii)
+export AI_SERVICE_MODEL__REPOSITORY="$repo" AI_SERVICE_MODEL__NAMES="[\"$model\"]" AI_SERVICE_MODEL__DEFAULT="$model"
+export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$best_batch}"
+"$py" -m app.cli serve --port "$port" >"$out/server.log" 2>&1 &
+server_pid=$!
+for _ in $(seq 1 600); do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ] && break
+  kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $out/server.log" >&2; exit 1; }
+  sleep 0.1
+done
+bench() {  # bench OUT_JSON ARGS...
+  local report=$1
+  shift
+  "$py" -m app.cli bench --url "http://127.0.0.1:$port" --client raw --images "$images" --server-pid "$server_pid" \
+    --urgent-fraction 0.1 --out "$report" "$@" >/dev/null
+}
+
+# (iii) - (v)
+bench "$out/saturation.json" --concurrency "${SATURATION_CONCURRENCY:-64}" --duration "${DURATION:-10}" --warmup 3
+saturation=$(field "$out/saturation.json" "r['throughput_rps']")
+echo "saturation: $saturation requests/s"
+steady=$("$py" -c "print(round(0.7 * $saturation, 1))")
+bench "$out/steady.json" --rate "$steady" --duration "${STEADY_SECONDS:-30}" --warmup 3
+echo "70%: $(field "$out/steady.json" "r['throughput_rps']") requests/s"
+overload=$("$py" -c "print(round(2 * $saturation, 1))")
+bench "$out/overload.json" --rate "$overload" --duration "${OVERLOAD_SECONDS:-60}" --warmup 3 \
+  --deadline-ms "${DEADLINE_MS:-1000}" --timeout 30
+echo "200%: $(field "$out/overload.json" "r['throughput_rps']") requests/s answered"
+
+# (vi)
+"$py" - "$out" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+limit = json.loads((out / "limit.json").read_text())
+sat, steady, over = (json.loads((out / f"{name}.json").read_text()) for name in ("saturation", "steady", "overload"))
+best = limit["limit"]["best_batch"]
+forward = next(f for f in limit["limit"]["forward_1_thread"] if f["batch_size"] == best)
+batch_ms = forward["wall_ms_per_image"] * best
+bound = 2 + batch_ms
+
+
+def lanes(report: dict) -> str:
+    rows = []
+    for lane in ("urgent", "normal", "refused"):
+        latency = report["latency"][lane]
+        if latency["count"]:
+            rows.append(
+                f"| {lane} | {latency['count']} | {latency['p50_ms']:.1f} | {latency['p90_ms']:.1f} "
+                f"| {latency['p99_ms']:.1f} | {latency['max_ms']:.1f} |"
+            )
+    return "\n".join(["| lane | answered | p50 ms | p90 ms | p99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: | ---: |", *rows])
+
+
+urgent, normal = steady["latency"]["urgent"], steady["latency"]["normal"]
+answered = over["throughput_rps"]
+rss = over.get("server_rss_mb", {})
+errors = ", ".join(f"{k} x{v}" for k, v in sorted(over["errors"].items())) or "none"
+lines = [
+    f"## latency under load: {limit['model']} v{limit['version']}, {limit['limit']['cores']} cores",
+    "",
+    f"- saturation (closed loop, {sat['concurrency']} clients): **{sat['throughput_rps']} requests/s**, "
+    f"mean batch {sat['mean_batch_size']}",
+    f"- one max batch ({best}) takes {batch_ms:.1f} ms in process (one torch thread); the urgent bound is "
+    f"2 ms + that = {bound:.1f} ms plus overhead",
+    "",
+    f"### 70% of saturation: {steady['rate_rps']} requests/s offered (Poisson), 10% urgent",
+    "",
+    f"answered {steady['throughput_rps']} requests/s, mean batch {steady['mean_batch_size']} "
+    f"(urgent lane {steady['mean_batch_size_by_lane']['urgent']}, normal {steady['mean_batch_size_by_lane']['normal']}), "
+    f"errors: {', '.join(f'{k} x{v}' for k, v in steady['errors'].items()) or 'none'}",
+    "",
+    lanes(steady),
+    "",
+    "where the time went, by the server's own timings (p50 / p99 ms):",
+    "",
+    "| lane | preprocess | queue | inference | total in the app |",
+    "| --- | ---: | ---: | ---: | ---: |",
+    *(
+        f"| {lane} | "
+        + " | ".join(
+            f"{stages[name]['p50']:.1f} / {stages[name]['p99']:.1f}"
+            for name in ("preprocess", "queue", "inference", "total")
+        )
+        + " |"
+        for lane, stages in steady.get("server_stages_ms", {}).items()
+        if stages
+    ),
+    "",
+    f"- urgent p99 {urgent['p99_ms']:.1f} ms {'<' if urgent['p99_ms'] < normal['p50_ms'] else '>='} "
+    f"normal p50 {normal['p50_ms']:.1f} ms",
+    f"- urgent p99 {urgent['p99_ms']:.1f} ms against the bound {bound:.1f} ms: overhead "
+    f"{urgent['p99_ms'] - bound:+.1f} ms",
+    "",
+    f"### twice saturation: {over['rate_rps']} requests/s offered for {over['measured_s']:.0f} s, "
+    f"deadline {over['deadline_ms']:.0f} ms, 10% urgent",
+    "",
+    f"- answered: {answered} requests/s = **{answered / sat['throughput_rps']:.2f} of saturation**, "
+    f"mean batch {over['mean_batch_size']}",
+    f"- answered later than their deadline (client clock): **{over['ok_past_deadline']}** of {over['ok']}",
+    f"- refused: {errors}",
+    f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
+    f"max {rss.get('max')} MiB",
+    "",
+    lanes(over),
+]
+text = "\n".join(lines) + "\n"
+(out / "load.md").write_text(text)
+print(text)
+PY

@@ -1,0 +1,51 @@
+"""A backlog at the decode pool counts at admission, and an image past its deadline is not decoded."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from app.batching import Lane
+from tests.conftest import SettingsFactory
+from tests.support import running_app, sample_png
+
+
+async def test_requests_waiting_to_be_decoded_fill_the_queue_and_late_ones_are_never_decoded(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 5.0, "max_batch": 2, "max_queue": 2}},
+    )
+    async with running_app(settings) as running:
+        service = running.service
+        gate = threading.Event()
+        for _ in range(service.threads.decode):  # every decode thread busy: images wait for one
+            service._pool.submit(gate.wait)
+        try:
+            waiting = [asyncio.ensure_future(running.predict_png(sample_png(d))) for d in (1, 2)]
+            batcher = service.models["digits"].batcher
+            async with asyncio.timeout(30):
+                while batcher._ahead(Lane.NORMAL) < 2:  # noqa: ASYNC110 (no event says "admitted")
+                    await asyncio.sleep(0.005)
+            assert batcher.depth(Lane.NORMAL) == 0, "nothing reached the queue itself: both are decoding"
+            refused = await running.predict_png(sample_png(3))
+            assert refused.status_code == 503 and refused.json()["code"] == "queue_full"
+            assert refused.headers["Retry-After"]
+        finally:
+            gate.set()
+        assert [r.status_code for r in await asyncio.gather(*waiting)] == [200, 200]
+
+        gate = threading.Event()
+        for _ in range(service.threads.decode):
+            service._pool.submit(gate.wait)
+        try:
+            late = asyncio.ensure_future(running.predict_png(sample_png(4), headers={"X-Request-Timeout": "50"}))
+            await asyncio.sleep(0.3)  # its deadline passes while its image waits for a decode thread
+        finally:
+            gate.set()
+        answer = await late
+        assert answer.status_code == 503 and answer.json()["code"] == "deadline_exceeded"
+        assert "waited to be decoded" in answer.json()["message"]
+        ok = await running.predict_png(sample_png(5))
+        assert ok.status_code == 200, "the seats were all given back"
