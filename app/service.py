@@ -96,11 +96,13 @@ class Outcome:
 
 def _decode_before(
     deadline: float, payload: bytes | str, spec: InputSpec, limits: preprocess.ImageLimits
-) -> torch.Tensor:
-    """In the decode pool: an image whose request's deadline passed while it waited is not decoded."""
-    if time.monotonic() >= deadline:
+) -> tuple[torch.Tensor, float]:
+    """In the decode pool: the tensor and the seconds decoding took. An image whose request's
+    deadline passed while it waited is not decoded."""
+    started = time.monotonic()
+    if started >= deadline:
         raise DeadlineExceeded("the request's deadline passed while its image waited to be decoded")
-    return preprocess.decode_payload(payload, spec, limits)
+    return preprocess.decode_payload(payload, spec, limits), time.monotonic() - started
 
 
 class InferenceService:
@@ -128,6 +130,8 @@ class InferenceService:
         self._device_thread = DeviceThread(workers=self.threads.workers)
         self._switch_interval: float | None = None  # Python's, restored at close
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
+        self._decoding = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted requests whose images wait or decode
+        self._decode_s: float | None = None  # moving estimate of one decode, in the pool
         self._policy = batch_policy(settings.batching)
         self.metrics.scrape_time.queue_depths = self._queue_depths
         self.metrics.scrape_time.queue_capacities = self._queue_capacities
@@ -340,6 +344,17 @@ class InferenceService:
             raise NotFound(f"no model named {name!r}", code="model_not_found")
         return group.route(version)
 
+    def admit(self, served: ServedModel, lane: Lane, timeout_s: float, reserve: bool = False) -> None:
+        """Refuse at once (503) what cannot be answered in time: the batcher's own rules, with the
+        wait for a decode thread in front of it (the images ahead of this one, urgent first, at
+        the measured decode time, shared among the threads). Cheap: routes call it before
+        reading the body, and ``predict`` again, holding the request's seat while it decodes."""
+        upstream_s = 0.0
+        if self._decode_s is not None:
+            ahead = self._decoding[Lane.URGENT] + (self._decoding[Lane.NORMAL] if lane is Lane.NORMAL else 0)
+            upstream_s = (ahead + 1) * self._decode_s / self._pool.workers
+        served.batcher.admit(lane, timeout_s, reserve=reserve, upstream_s=upstream_s)
+
     async def predict(
         self,
         served: ServedModel,
@@ -360,15 +375,18 @@ class InferenceService:
         deadline = time.monotonic() + timeout_s
         # admitted with a seat in its lane held while the image decodes: a backlog at the
         # decode pool counts as queued, so overload is refused here, not after a long wait
-        served.batcher.admit(lane, timeout_s, reserve=True)
+        self.admit(served, lane, timeout_s, reserve=True)
+        self._decoding[lane] += 1
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
         try:
             with self.tracer.start_as_current_span("preprocess", attributes=ids):
                 spec = served.model.manifest.input
                 decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
-                tensor = await self._pool.run(decode, urgent=lane is Lane.URGENT)
+                tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
+            self._decode_s = decode_s if self._decode_s is None else 0.9 * self._decode_s + 0.1 * decode_s
         finally:
+            self._decoding[lane] -= 1
             served.batcher.release(lane)
         preprocessed = time.perf_counter()
         job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)

@@ -177,13 +177,15 @@ class DualWindowBatcher(Generic[P, R]):
     def _ahead(self, lane: Lane) -> int:
         return self._queues[lane].waiting + self._reserved[lane]
 
-    def admit(self, lane: Lane, timeout_s: float, reserve: bool = False) -> None:
+    def admit(self, lane: Lane, timeout_s: float, reserve: bool = False, upstream_s: float = 0.0) -> None:
         """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach.
 
         ``reserve`` holds a seat in the lane for a request admitted before its payload is
         ready (its image is being decoded): until ``release``, it counts in the queue's bound
         and in the wait predicted for those behind it, so a backlog upstream of the queue
-        cannot slip past admission.
+        cannot slip past admission. ``upstream_s`` is how long the request is expected to take
+        to reach the queue (its image waiting to be decoded behind others'): the predicted wait
+        is the longer of the two stages, since they run side by side.
         """
         if not self._accepting:
             raise Draining("the service is shutting down")
@@ -193,7 +195,9 @@ class DualWindowBatcher(Generic[P, R]):
         if self._ahead(lane) >= self._policy.lane(lane).max_queue:
             self._observer.on_rejected(lane, "queue_full")
             raise QueueFull(f"the {lane.value} queue is full")
-        wait = self.predicted_wait(lane)
+        wait = self.predicted_wait(lane)  # None until a batch has been timed: no estimate, no refusal
+        if wait is not None and upstream_s > 0:
+            wait = max(wait, upstream_s + self._effective_policy().lane(lane).window_s + (self.batch_s or 0.0))
         if wait is not None and wait > timeout_s:
             self._observer.on_rejected(lane, "would_miss_deadline")
             raise WouldMissDeadline(

@@ -140,3 +140,14 @@ async def test_reserved_seats_count_in_the_predicted_wait() -> None:
         batcher.release(Lane.NORMAL)
     batcher.admit(Lane.NORMAL, 0.2)
     await batcher.close(grace_s=0)
+
+
+async def test_a_wait_upstream_of_the_queue_counts_when_it_is_the_longer_stage() -> None:
+    batcher, clock, runner, recorder = make(max_batch=4)
+    await run_one_timed_batch(batcher, clock, runner)  # 100 ms a batch, queue empty
+    batcher.admit(Lane.NORMAL, 0.2, upstream_s=0.05)  # 50 + 25 + 100 ms fits in 200
+    with pytest.raises(WouldMissDeadline) as refused:
+        batcher.admit(Lane.NORMAL, 0.2, upstream_s=0.1)  # 100 + 25 + 100 ms does not
+    assert "225 ms" in str(refused.value)
+    assert recorder.rejected[-1] == (Lane.NORMAL, "would_miss_deadline")
+    await batcher.close(grace_s=0)

@@ -44,11 +44,13 @@ async def _predict(
 ) -> Response:
     server = service.settings.server
     served = service.served(name, headers.version)  # 404 / 503 before reading the body
+    state = request.scope["state"]
+    # overload is refused before the body is read and parsed: a refusal must stay cheap
+    service.admit(served, headers.lane, headers.timeout_s - (time.perf_counter() - state["started"]))
     body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
     top_k = body.top_k or query_top_k or server.default_top_k
     if top_k > min(server.max_top_k, len(served.labels)):
         raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
-    state = request.scope["state"]
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     outcome = await unless_disconnected(
         request, service.predict(served, body.payload, top_k, headers.lane, remaining, headers.request_id)
