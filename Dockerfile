@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
 # Build: docker build -t ai-backend:0.1.0 .
+#        docker build --build-arg EXTRAS=ray -t ai-backend-ray:0.1.0 .   (with Ray Serve: deploy/k8s/overlays/ray)
 # Run:   docker run -p 127.0.0.1:8000:8000 -v "$PWD/models:/srv/models:ro" ai-backend:0.1.0
 # The model repository is not in the image (.dockerignore): it is mounted, read-only.
 
@@ -8,13 +9,15 @@ FROM python:3.11.13-slim-bookworm AS build
 COPY --from=ghcr.io/astral-sh/uv:0.13.9 /uv /usr/local/bin/uv
 ENV UV_COMPILE_BYTECODE=1 UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never
 WORKDIR /srv
+# optional extras of the project, e.g. "ray" (ray[serve], at the locked version)
+ARG EXTRAS=""
 # dependencies first: this layer is rebuilt only when the lock changes, not the code
 COPY pyproject.toml uv.lock README.md ./
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-install-project
+    uv sync --frozen --no-dev --no-install-project ${EXTRAS:+--extra "$EXTRAS"}
 COPY app ./app
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-editable
+    uv sync --frozen --no-dev --no-editable ${EXTRAS:+--extra "$EXTRAS"}
 
 # --- runtime: the same Python, the virtual environment, no build tools --------------------
 FROM python:3.11.13-slim-bookworm AS runtime
