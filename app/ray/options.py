@@ -145,12 +145,14 @@ def deployment_options(args: BuildArgs, settings: Settings, num_gpus: float) -> 
     if args.num_replicas == "auto":
         options["autoscaling_config"] = {
             "min_replicas": args.min_replicas,
-            "initial_replicas": max(1, args.min_replicas),
             "max_replicas": max(args.max_replicas, args.min_replicas, 1),
             "target_ongoing_requests": args.target_ongoing_requests or float(2 * max_batch),
             "upscale_delay_s": 10.0,
             "downscale_delay_s": 300.0,
         }
+        if args.min_replicas == 0:  # scale to zero, but start with one; otherwise Serve starts min_replicas
+            # (left out when not needed: a config whose min_replicas is raised past it is refused)
+            options["autoscaling_config"]["initial_replicas"] = 1
     else:
         options["num_replicas"] = args.num_replicas
     return options

@@ -71,7 +71,8 @@ def test_options_keep_batches_whole_and_bound_the_queue() -> None:
     assert options["max_ongoing_requests"] >= max(64, 4 * max_batch)
     assert 0 < options["max_queued_requests"] < 10_000
     scaling = options["autoscaling_config"]
-    assert scaling["min_replicas"] <= scaling["initial_replicas"] <= scaling["max_replicas"]
+    assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]
+    assert "initial_replicas" not in scaling, "raising min_replicas in the config file must be enough to scale"
     assert max_batch <= scaling["target_ongoing_requests"] < options["max_ongoing_requests"]
     assert scaling["upscale_delay_s"] < scaling["downscale_delay_s"]
     assert options["graceful_shutdown_timeout_s"] > settings.server.shutdown_grace_s
