@@ -14,6 +14,7 @@ from fastapi import Depends, Header, Request
 from app.batching import Lane
 from app.errors import BadRequest
 from app.service import InferenceService
+from app.settings import ServerSettings
 
 
 async def get_service(request: Request) -> InferenceService:
@@ -48,18 +49,23 @@ async def get_predict_headers(
     ] = None,
 ) -> PredictHeaders:
     # one dependency for all three headers: FastAPI's cost is per dependency, per request
-    lane = _LANES.get("normal" if x_urgency is None else x_urgency.strip().lower())
+    state = request.scope["state"]
+    lane, timeout_s, version = parse_predict_headers(
+        x_urgency, x_request_timeout, x_model_version, request.app.state.settings.server
+    )
+    state["lane"] = lane.value  # for the latency metric
+    return PredictHeaders(lane=lane, timeout_s=timeout_s, version=version, request_id=state["request_id"])
+
+
+def parse_predict_headers(
+    urgency: str | None, timeout: str | None, version: str | None, server: ServerSettings
+) -> tuple[Lane, float, str | None]:
+    """Lane, deadline in seconds and pinned version from the raw header values (400 when bad)."""
+    lane = _LANES.get("normal" if urgency is None else urgency.strip().lower())
     if lane is None:
         raise BadRequest("X-Urgency must be 'high' or 'normal'", code="invalid_header")
-    state = request.scope["state"]
-    state["lane"] = lane.value  # for the latency metric
-    server = request.app.state.settings.server
-    return PredictHeaders(
-        lane=lane,
-        timeout_s=_timeout_s(x_request_timeout, server.default_timeout_ms, server.max_timeout_ms),
-        version=x_model_version.strip() if x_model_version is not None else None,
-        request_id=state["request_id"],
-    )
+    timeout_s = _timeout_s(timeout, server.default_timeout_ms, server.max_timeout_ms)
+    return lane, timeout_s, version.strip() if version is not None else None
 
 
 def _timeout_s(header: str | None, default_ms: int, max_ms: int) -> float:

@@ -51,7 +51,7 @@ def envelope(
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
 
 
-async def _service_error(request: Request, exc: Exception) -> JSONResponse:
+async def service_error_response(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
     if exc.status >= 500 and exc.status != 503:
         log.error("request failed: %s", exc.code, exc_info=exc.__cause__ or exc)
@@ -80,6 +80,6 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(ServiceError, service_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

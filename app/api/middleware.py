@@ -7,6 +7,7 @@ log line, and turns an exception nobody handled into a generic 500 envelope.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -15,8 +16,11 @@ import re
 import time
 
 from opentelemetry import trace
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.errors import service_error_response
+from app.api.shedding import shed
 from app.telemetry.logging import caller_trace_var, request_id_var
 from app.telemetry.metrics import Metrics
 
@@ -56,6 +60,34 @@ def request_id_from(scope: Scope) -> str:
     return f"{_ids.getrandbits(128):032x}"
 
 
+def _trace_of(scope: Scope, request_id: str) -> tuple[str | None, contextvars.Token[tuple[str, str] | None] | None]:
+    """The request's trace id: its server span's when tracing is on; else the caller's, if it
+    sent a ``traceparent`` (set for the logs, with the token that unsets it)."""
+    span = trace.get_current_span()  # the HTTP server span, when tracing is on
+    context = span.get_span_context()
+    if context.is_valid:
+        span.set_attribute("request.id", request_id)
+        return format(context.trace_id, "032x"), None
+    caller = caller_trace(scope)
+    return (caller[0] if caller else None), caller_trace_var.set(caller)
+
+
+def _access_line(scope: Scope, status: int, started: float) -> None:
+    log.info(
+        "%s %s %d",
+        scope["method"],
+        scope["path"],
+        status,
+        extra={
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+            **scope["state"].get("log_fields", {}),
+        },
+    )
+
+
 class RequestContextMiddleware:
     """Request id, timing, access log and the 500 of last resort."""
 
@@ -75,16 +107,7 @@ class RequestContextMiddleware:
         scope["state"]["started"] = started
         token = request_id_var.set(request_id)
         status = 0
-        span = trace.get_current_span()  # the HTTP server span, when tracing is on
-        context = span.get_span_context()
-        caller_token = None
-        if context.is_valid:
-            span.set_attribute("request.id", request_id)
-            trace_id: str | None = format(context.trace_id, "032x")
-        else:  # tracing is off: the caller's trace, if it sent one, still names the request's trace
-            caller = caller_trace(scope)
-            caller_token = caller_trace_var.set(caller)
-            trace_id = caller[0] if caller else None
+        trace_id, caller_token = _trace_of(scope, request_id)
         trace_header = [(b"x-trace-id", trace_id.encode())] if trace_id else []
         self.metrics.in_flight.inc()
 
@@ -97,7 +120,11 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            if (refusal := shed(scope)) is not None:  # overload: refused before routing and the body
+                response = await service_error_response(Request(scope), refusal)
+                await response(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
         except Exception:
             _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if status == 0:
@@ -116,26 +143,14 @@ class RequestContextMiddleware:
             self.metrics.in_flight.dec()
             self._record(scope, status, time.perf_counter() - started)
             if self.access_log:
-                log.info(
-                    "%s %s %d",
-                    scope["method"],
-                    scope["path"],
-                    status,
-                    extra={
-                        "method": scope["method"],
-                        "path": scope["path"],
-                        "status": status,
-                        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-                        **scope["state"].get("log_fields", {}),
-                    },
-                )
+                _access_line(scope, status, started)
             request_id_var.reset(token)
             if caller_token is not None:
                 caller_trace_var.reset(caller_token)
 
     def _record(self, scope: Scope, status: int, seconds: float) -> None:
         route = scope.get("route")
-        template = getattr(route, "path", None) or "unmatched"
         state = scope["state"]
+        template = getattr(route, "path", None) or state.get("route") or "unmatched"
         self.metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)
         self.metrics.requests.labels(str(status), state.get("error_code", "ok" if status < 400 else "error")).inc()

@@ -1,0 +1,56 @@
+"""Load shedding at the edge: a prediction the service would refuse now is refused first.
+
+Under overload most requests must be refused, and a refusal that costs as much as an answer
+turns overload into collapse: the event loop spends itself on refusals while the device
+waits. So the outermost middleware asks the service's own admission rules (queue bounds,
+predicted wait against the deadline, draining, not ready) before routing, before the body is
+read or parsed, and answers a 503 in the usual envelope itself. Everything it does not
+refuse, including anything malformed, goes on to the routes, which decide as before; with
+an API key configured it sheds nothing, so that credentials are checked first.
+"""
+
+from __future__ import annotations
+
+import re
+
+from starlette.types import Scope
+
+from app.api.deps import parse_predict_headers
+from app.errors import ServiceError
+
+_NAMED = re.compile(r"^/v1/models/([^/]+)/predict$")
+_HEADERS = {b"x-urgency": 0, b"x-request-timeout": 1, b"x-model-version": 2}
+
+
+def shed(scope: Scope) -> ServiceError | None:
+    """The 503 the service would answer this prediction now, or None (routing decides)."""
+    if scope["method"] != "POST":
+        return None
+    path = scope["path"]
+    if path == "/predict":
+        name, template = None, "/predict"
+    elif match := _NAMED.fullmatch(path):
+        name, template = match[1], "/v1/models/{name}/predict"
+    else:
+        return None
+    state = getattr(scope.get("app"), "state", None)
+    service = getattr(state, "service", None)
+    if service is None or getattr(state, "api_key", None) is not None:
+        return None
+    values: list[str | None] = [None, None, None]
+    for key, value in scope["headers"]:
+        if (index := _HEADERS.get(key)) is not None:
+            values[index] = value.decode("latin-1")
+    urgency, timeout, version = values
+    try:
+        lane, timeout_s, version = parse_predict_headers(urgency, timeout, version, service.settings.server)
+    except ServiceError:
+        return None  # a bad header: the route answers 400, with its message
+    try:
+        service.admit(service.served(name, version), lane, timeout_s)
+    except ServiceError as exc:
+        if exc.status != 503:
+            return None  # e.g. an unknown model: the route answers it
+        scope["state"].update(lane=lane.value, route=template)  # for the latency metric
+        return exc
+    return None
