@@ -94,6 +94,21 @@ class Outcome:
     inference_s: float
 
 
+class Seat:
+    """A request's place in its lane between admission and the batcher's queue (its body being
+    read, its image decoded); ``release`` once it is queued or has failed (idempotent)."""
+
+    def __init__(self, decoding: dict[Lane, int], served: ServedModel, lane: Lane) -> None:
+        self._decoding, self._served, self._lane = decoding, served, lane
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._decoding[self._lane] -= 1
+            self._served.batcher.release(self._lane)
+
+
 def _decode_before(
     deadline: float, payload: bytes | str, spec: InputSpec, limits: preprocess.ImageLimits
 ) -> tuple[torch.Tensor, float]:
@@ -125,9 +140,16 @@ class InferenceService:
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
         model = settings.model
         self.threads = plan_threads(
-            self.device, model.device_workers, model.intra_op_threads, settings.server.preprocess_workers, cpu_cores()
+            self.device,
+            model.device_workers,
+            model.intra_op_threads,
+            settings.server.preprocess_workers,
+            cpu_cores(),
+            model.urgent_workers,
         )
-        self._device_thread = DeviceThread(workers=self.threads.workers)
+        self._device_thread = DeviceThread(
+            workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=model.normal_nice
+        )
         self._switch_interval: float | None = None  # Python's, restored at close
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
         self._decoding = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted requests whose images wait or decode
@@ -320,6 +342,7 @@ class InferenceService:
             observer=self.metrics.observer(name, version),
             name=name,
             max_in_flight=self.threads.workers,
+            urgent_in_flight=self.threads.urgent,
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
@@ -344,16 +367,21 @@ class InferenceService:
             raise NotFound(f"no model named {name!r}", code="model_not_found")
         return group.route(version)
 
-    def admit(self, served: ServedModel, lane: Lane, timeout_s: float, reserve: bool = False) -> None:
+    def admit(self, served: ServedModel, lane: Lane, timeout_s: float, reserve: bool = False) -> Seat | None:
         """Refuse at once (503) what cannot be answered in time: the batcher's own rules, with the
         wait for a decode thread in front of it (the images ahead of this one, urgent first, at
-        the measured decode time, shared among the threads). Cheap: routes call it before
-        reading the body, and ``predict`` again, holding the request's seat while it decodes."""
+        the measured decode time, shared among the threads). Cheap: the edge asks it before
+        routing. ``reserve`` returns the request's ``Seat``: from then until it joins the batcher's
+        queue (while its body is read and its image decoded) it counts as queued ahead of others."""
         upstream_s = 0.0
         if self._decode_s is not None:
             ahead = self._decoding[Lane.URGENT] + (self._decoding[Lane.NORMAL] if lane is Lane.NORMAL else 0)
             upstream_s = (ahead + 1) * self._decode_s / self._pool.workers
         served.batcher.admit(lane, timeout_s, reserve=reserve, upstream_s=upstream_s)
+        if not reserve:
+            return None
+        self._decoding[lane] += 1
+        return Seat(self._decoding, served, lane)
 
     async def predict(
         self,
@@ -363,6 +391,7 @@ class InferenceService:
         lane: Lane,
         timeout_s: float,
         request_id: str = "",
+        seat: Seat | None = None,
     ) -> Outcome:
         """Decode ``image`` (bytes, or base64 text from a JSON body), batch it, run it, and
         label the top ``top_k`` classes.
@@ -373,10 +402,10 @@ class InferenceService:
         version routing chose; the request stays on it whatever is promoted meanwhile.
         """
         deadline = time.monotonic() + timeout_s
-        # admitted with a seat in its lane held while the image decodes: a backlog at the
-        # decode pool counts as queued, so overload is refused here, not after a long wait
-        self.admit(served, lane, timeout_s, reserve=True)
-        self._decoding[lane] += 1
+        # a seat in its lane, held while the image decodes (the route takes it before reading
+        # the body): a backlog upstream of the queue counts as queued, so overload is refused
+        # at admission, not after a long wait
+        seat = seat or self.admit(served, lane, timeout_s, reserve=True)
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
         try:
@@ -386,8 +415,8 @@ class InferenceService:
                 tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
             self._decode_s = decode_s if self._decode_s is None else 0.9 * self._decode_s + 0.1 * decode_s
         finally:
-            self._decoding[lane] -= 1
-            served.batcher.release(lane)
+            if seat is not None:
+                seat.release()
         preprocessed = time.perf_counter()
         job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
         queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})

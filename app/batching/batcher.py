@@ -95,11 +95,13 @@ class DualWindowBatcher(Generic[P, R]):
         observer: BatchObserver | None = None,
         name: str = "batcher",
         max_in_flight: int = 1,
+        urgent_in_flight: int = 0,
     ) -> None:
-        if max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
+        if max_in_flight < 1 or urgent_in_flight < 0:
+            raise ValueError("max_in_flight must be at least 1, urgent_in_flight at least 0")
         self._runner = runner
         self._max_in_flight = max_in_flight
+        self._urgent_in_flight = urgent_in_flight  # more batches in flight, for urgent batches only
         self._observer: BatchObserver = observer or NullObserver()
         self._policy = policy
         self._clock: Clock = clock or MonotonicClock()
@@ -264,17 +266,23 @@ class DualWindowBatcher(Generic[P, R]):
         try:
             while True:
                 self._wakeup.clear()
-                if len(self._in_flight) >= self._max_in_flight:
+                if len(self._in_flight) >= self._max_in_flight + self._urgent_in_flight:
                     await self._wakeup.wait()  # a batch finishing sets it
                     continue
                 u_state, n_state = urgent.state(), normal.state()
-                plan = plan_batch(u_state, n_state, self._effective_policy(), self._clock.now(), flush=self._flush)
-                if plan is not None:
+                policy = self._effective_policy()
+                plan = plan_batch(u_state, n_state, policy, self._clock.now(), flush=self._flush)
+                if plan is not None and (plan.lane is Lane.URGENT or len(self._in_flight) < self._max_in_flight):
                     self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
                     continue
                 if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0:
                     break
-                wake = next_wakeup(u_state, n_state, self._effective_policy())
+                if plan is None:
+                    wake = next_wakeup(u_state, n_state, policy)
+                elif u_state.oldest_at is not None:  # a normal batch waits for a worker; urgent ones need not
+                    wake = u_state.oldest_at + policy.urgent.window_s
+                else:
+                    wake = None  # a batch finishing, or an urgent request coming, wakes it
                 await self._clock.wait(self._wakeup, None if wake is None else wake - self._clock.now())
             while self._in_flight:  # closing: the last batches finish before the batcher is done
                 await asyncio.wait(set(self._in_flight))

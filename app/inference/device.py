@@ -43,30 +43,34 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Threads:
-    """How many batches run at once on the device, how many torch threads each uses, and how
-    many threads decode images."""
+    """How many batches run at once on the device (and how many more for urgent batches only),
+    how many torch threads each uses, and how many threads decode images."""
 
     workers: int
     intra_op: int  # 0: torch's own default
     decode: int
+    urgent: int = 0
 
 
-def plan_threads(device: torch.device, workers: int, intra_op: int, decode: int, cores: int) -> Threads:
-    """Resolve ``model.device_workers``, ``model.intra_op_threads`` and
-    ``server.preprocess_workers`` (0 is automatic for each).
+def plan_threads(
+    device: torch.device, workers: int, intra_op: int, decode: int, cores: int, urgent: int | None = None
+) -> Threads:
+    """Resolve ``model.device_workers``, ``model.intra_op_threads``, ``server.preprocess_workers``
+    and ``model.urgent_workers`` (0, or None for the last, is automatic).
 
     A GPU gets one worker: it serialises device work. A CPU of two or more cores gets two,
     and the cores are shared among them: on small models one batch cannot keep several
     cores busy (and OpenMP threads spin against the decode pool), while two batches at
-    once keep every core on the forward pass. Decoding gets half the cores: more runnable
-    threads than cores only trade CPU for context switches (measured on 2 cores: one decode
-    thread beat two by 0.6 to 0.7 of the limit).
+    once keep every core on the forward pass. A CPU also gets one thread for urgent batches
+    only, so that an urgent batch never waits for a normal one to end. Decoding gets half
+    the cores: more runnable threads than cores only trade CPU for context switches
+    (measured on 2 cores: one decode thread beat two by 0.6 to 0.7 of the limit).
     """
     decode = decode or max(1, cores // 2)
     if device.type != "cpu":
-        return Threads(workers or 1, intra_op, decode)
+        return Threads(workers or 1, intra_op, decode, urgent or 0)
     workers = workers or (2 if cores >= 2 else 1)
-    return Threads(workers, intra_op or max(1, cores // workers), decode)
+    return Threads(workers, intra_op or max(1, cores // workers), decode, 1 if urgent is None else urgent)
 
 
 def cpu_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
@@ -108,5 +112,5 @@ def memory(device: torch.device) -> Memory:
 class DeviceThread(WorkerThreads):
     """The device's worker threads (one by default): whole batches, loads and warm-ups."""
 
-    def __init__(self, name: str = "device", workers: int = 1) -> None:
-        super().__init__(name, workers)
+    def __init__(self, name: str = "device", workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
+        super().__init__(name, workers, urgent_workers, normal_nice)

@@ -9,8 +9,10 @@ in the order they came. A call cancelled while it waits (its client went away) n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,26 +25,41 @@ URGENT, NORMAL = 0, 1
 
 
 class WorkerThreads:
-    """``workers`` daemon threads serving one priority queue (daemons: a stuck call cannot
-    keep the process alive at exit; ``close`` joins them, bounded)."""
+    """``workers`` daemon threads serving one priority queue, plus ``urgent_workers`` that take
+    urgent calls only, so an urgent call never waits for a normal one to finish (daemons: a
+    stuck call cannot keep the process alive at exit; ``close`` joins them, bounded).
 
-    def __init__(self, name: str, workers: int = 1) -> None:
+    ``normal_nice`` lowers the OS priority of the threads that run normal calls (Linux; a
+    thread may lower its own priority without privileges): where calls compete for cores, the
+    event loop, the decode pool and urgent calls are scheduled first, and normal calls take
+    what is left, which on a busy machine is still everything they would have had.
+    """
+
+    def __init__(self, name: str, workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
         if workers < 1:
             raise ValueError(f"{name} needs at least one worker thread")
         self._calls: list[tuple[int, int, Callable[[], Any], Future[Any]]] = []
         self._ready = threading.Condition()
         self._order = itertools.count()
         self._closing = False
+        self._normal_nice = normal_nice
         self._threads = [
-            threading.Thread(target=self._work, name=name if workers == 1 else f"{name}-{i}", daemon=True)
+            threading.Thread(
+                target=self._work, args=(False,), name=name if workers == 1 else f"{name}-{i}", daemon=True
+            )
             for i in range(workers)
+        ] + [
+            threading.Thread(target=self._work, args=(True,), name=f"{name}-urgent-{i}", daemon=True)
+            for i in range(urgent_workers)
         ]
+        self.urgent_workers = urgent_workers
         for thread in self._threads:
             thread.start()
 
     @property
     def workers(self) -> int:
-        return len(self._threads)
+        """Threads that take any call (the urgent-only ones apart)."""
+        return len(self._threads) - self.urgent_workers
 
     def submit(self, fn: Callable[[], T], urgent: bool = False) -> Future[T]:
         future: Future[T] = Future()
@@ -50,19 +67,27 @@ class WorkerThreads:
             if self._closing:
                 raise RuntimeError("the worker threads are closed")
             heapq.heappush(self._calls, (URGENT if urgent else NORMAL, next(self._order), fn, future))
-            self._ready.notify()
+            # every thread wakes when some take urgent calls only: one woken for a normal call
+            # would go back to sleep and the call would wait
+            if self.urgent_workers:
+                self._ready.notify_all()
+            else:
+                self._ready.notify()
         return future
 
     async def run(self, fn: Callable[[], T], urgent: bool = False) -> T:
         """Run ``fn`` on a worker and await its result without blocking the event loop."""
         return await asyncio.wrap_future(self.submit(fn, urgent))
 
-    def _work(self) -> None:
+    def _work(self, urgent_only: bool) -> None:
+        if self._normal_nice and not urgent_only and hasattr(os, "setpriority"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._normal_nice)
         while True:
             with self._ready:
-                while not self._calls and not self._closing:
+                while not self._closing and not (self._calls and (not urgent_only or self._calls[0][0] == URGENT)):
                     self._ready.wait()
-                if not self._calls:
+                if not self._calls or (urgent_only and self._calls[0][0] != URGENT):
                     return
                 *_, fn, future = heapq.heappop(self._calls)
             if not future.set_running_or_notify_cancel():

@@ -99,3 +99,23 @@ async def test_closing_past_its_grace_fails_every_running_batch_with_draining() 
 def test_max_in_flight_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_in_flight"):
         DualWindowBatcher(FakeRunner(), policy(), clock=FakeClock(), max_in_flight=0)
+
+
+async def test_an_urgent_batch_takes_its_own_seat_when_every_worker_is_busy() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    made: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, policy(), clock=clock, max_in_flight=1, urgent_in_flight=1
+    )
+    made.start()
+    normal = [asyncio.ensure_future(made.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await clock.advance(100 * MS)
+    assert runner.batches == [[0, 1]], "one normal batch in flight; the next waits for its worker"
+    urgent = asyncio.ensure_future(made.submit(9, Lane.URGENT, 10.0))
+    await clock.advance(1 * MS)
+    assert runner.batches == [[0, 1]], "the urgent window is still open"
+    await clock.advance(1 * MS)
+    assert runner.batches[1][0] == 9, "the urgent batch went on its own seat, at its window's end"
+    runner.gate.set()
+    await asyncio.gather(urgent, *normal)
+    await made.close(grace_s=None)

@@ -86,3 +86,20 @@ def test_close_finishes_what_is_queued_or_cancels_it() -> None:
 def test_at_least_one_worker() -> None:
     with pytest.raises(ValueError, match="at least one"):
         WorkerThreads("none", 0)
+
+
+def test_an_urgent_only_thread_takes_urgent_calls_while_the_others_are_busy() -> None:
+    workers = WorkerThreads("test", 1, urgent_workers=1, normal_nice=5)
+    gate = threading.Event()
+    try:
+        busy = workers.submit(gate.wait)  # the one general thread is held
+        waiting_normal = workers.submit(lambda: "normal")
+        urgent = workers.submit(lambda: threading.current_thread().name, urgent=True)
+        assert urgent.result(10) == "test-urgent-0"
+        assert not waiting_normal.done(), "the urgent-only thread never takes a normal call"
+        gate.set()
+        assert busy.result(10) and waiting_normal.result(10) == "normal"
+        assert workers.workers == 1 and workers.urgent_workers == 1
+    finally:
+        gate.set()
+        workers.close()

@@ -45,16 +45,19 @@ async def _predict(
     server = service.settings.server
     served = service.served(name, headers.version)  # 404 / 503 before reading the body
     state = request.scope["state"]
-    # overload is refused before the body is read and parsed: a refusal must stay cheap
-    service.admit(served, headers.lane, headers.timeout_s - (time.perf_counter() - state["started"]))
-    body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
-    top_k = body.top_k or query_top_k or server.default_top_k
-    if top_k > min(server.max_top_k, len(served.labels)):
-        raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
-    remaining = headers.timeout_s - (time.perf_counter() - state["started"])
-    outcome = await unless_disconnected(
-        request, service.predict(served, body.payload, top_k, headers.lane, remaining, headers.request_id)
-    )
+    # admitted before the body is read (a refusal stays cheap), holding a seat from then on
+    seat = service.admit(served, headers.lane, headers.timeout_s - (time.perf_counter() - state["started"]), True)
+    try:
+        body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
+        top_k = body.top_k or query_top_k or server.default_top_k
+        if top_k > min(server.max_top_k, len(served.labels)):
+            raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
+        remaining = headers.timeout_s - (time.perf_counter() - state["started"])
+        work = service.predict(served, body.payload, top_k, headers.lane, remaining, headers.request_id, seat)
+        outcome = await unless_disconnected(request, work)
+    finally:
+        if seat is not None:
+            seat.release()
     response = _response(outcome, headers.request_id, state["started"])
     state["log_fields"] = {  # the access log line carries the stages
         "model": response.model,
