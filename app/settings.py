@@ -124,7 +124,7 @@ class ModelSettings(_Group):
         default=None, ge=0, le=8, description="extra threads for urgent batches only; unset: 1 on a CPU, 0 on CUDA"
     )
     normal_nice: int = Field(
-        default=10, ge=0, le=19, description="OS priority offset (nice) of threads running normal batches (Linux)"
+        default=0, ge=0, le=19, description="OS priority offset (nice) of threads running normal batches (Linux)"
     )
     intra_op_threads: int = Field(
         default=0, ge=0, le=256, description="torch threads per batch; 0: on the CPU, its cores / device_workers"
