@@ -120,8 +120,8 @@ class ModelSettings(_Group):
     device_workers: int = Field(
         default=0, ge=0, le=64, description="threads running batches at once; 0: 1 on CUDA, 2 on a CPU of 2+ cores"
     )
-    urgent_workers: int | None = Field(
-        default=None, ge=0, le=8, description="extra threads for urgent batches only; unset: 1 on a CPU, 0 on CUDA"
+    urgent_workers: int = Field(
+        default=0, ge=0, le=8, description="extra device threads for urgent batches only (off by default)"
     )
     normal_nice: int = Field(
         default=0, ge=0, le=19, description="OS priority offset (nice) of threads running normal batches (Linux)"

@@ -53,24 +53,26 @@ class Threads:
 
 
 def plan_threads(
-    device: torch.device, workers: int, intra_op: int, decode: int, cores: int, urgent: int | None = None
+    device: torch.device, workers: int, intra_op: int, decode: int, cores: int, urgent: int = 0
 ) -> Threads:
-    """Resolve ``model.device_workers``, ``model.intra_op_threads``, ``server.preprocess_workers``
-    and ``model.urgent_workers`` (0, or None for the last, is automatic).
+    """Resolve ``model.device_workers``, ``model.intra_op_threads`` and ``server.preprocess_workers``
+    (0 is automatic for each); ``model.urgent_workers`` is taken as it is.
 
     A GPU gets one worker: it serialises device work. A CPU of two or more cores gets two,
     and the cores are shared among them: on small models one batch cannot keep several
     cores busy (and OpenMP threads spin against the decode pool), while two batches at
-    once keep every core on the forward pass. A CPU also gets one thread for urgent batches
-    only, so that an urgent batch never waits for a normal one to end. Decoding gets half
+    once keep every core on the forward pass. Threads for urgent batches only (an urgent batch
+    then never waits for a normal one to end) are off by default: at saturation, urgent batches
+    carrying normal requests made a third forward pass on two cores, and the throughput fell
+    (0.54 of the limit against 0.65). Decoding gets half
     the cores: more runnable threads than cores only trade CPU for context switches
     (measured on 2 cores: one decode thread beat two by 0.6 to 0.7 of the limit).
     """
     decode = decode or max(1, cores // 2)
     if device.type != "cpu":
-        return Threads(workers or 1, intra_op, decode, urgent or 0)
+        return Threads(workers or 1, intra_op, decode, urgent)
     workers = workers or (2 if cores >= 2 else 1)
-    return Threads(workers, intra_op or max(1, cores // workers), decode, 1 if urgent is None else urgent)
+    return Threads(workers, intra_op or max(1, cores // workers), decode, urgent)
 
 
 def cpu_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
