@@ -83,6 +83,7 @@ def _access_line(scope: Scope, status: int, started: float) -> None:
             "path": scope["path"],
             "status": status,
             "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+            **({"code": scope["state"].get("error_code")} if status >= 400 else {}),
             **scope["state"].get("log_fields", {}),
         },
     )
