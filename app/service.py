@@ -194,6 +194,10 @@ class InferenceService:
         return self.state is State.READY
 
     @property
+    def draining(self) -> bool:
+        return self.state in (State.DRAINING, State.STOPPED)
+
+    @property
     def degraded(self) -> bool:
         """Some model is served by its CPU fallback after its device kept failing."""
         return any(served.runner.degraded for served in self.all_served())

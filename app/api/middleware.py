@@ -72,6 +72,13 @@ def _trace_of(scope: Scope, request_id: str) -> tuple[str | None, contextvars.To
     return (caller[0] if caller else None), caller_trace_var.set(caller)
 
 
+def _draining(scope: Scope) -> bool:
+    """The service is shutting down: each connection ends with its current response, so no
+    client sends its next request on a connection the server is about to close."""
+    service = getattr(getattr(scope.get("app"), "state", None), "service", None)
+    return bool(getattr(service, "draining", False))
+
+
 def _access_line(scope: Scope, status: int, started: float) -> None:
     log.info(
         "%s %s %d",
@@ -117,7 +124,10 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode()), *trace_header]
+                extra = [(b"x-request-id", request_id.encode()), *trace_header]
+                if _draining(scope):  # no keep-alive past the drain: a reused connection would be cut
+                    extra.append((b"connection", b"close"))
+                message["headers"] = [*message["headers"], *extra]
             await send(message)
 
         try:

@@ -153,9 +153,11 @@ async def test_queue_overflow_is_a_503(cluster: Cluster) -> None:
         responses = await asyncio.gather(*(_predict(client, "/tight/predict") for _ in range(12)))
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 503}, statuses
-    # 2 in the replica and 2 queued in the proxy's router at most: the rest are refused at once
+    # 2 in the replica and 2 queued in the proxy's router at a time, each batch held by the
+    # 1 s window: most of the 12 are refused at once (a slot that frees while the burst is
+    # still arriving can take one more, so the bound is loose)
     assert statuses.count(200) >= 2, statuses
-    assert statuses.count(503) >= 6, statuses
+    assert statuses.count(503) >= 4, statuses
 
 
 def test_the_lifespan_runs_once_per_replica(cluster: Cluster) -> None:
