@@ -9,7 +9,9 @@ import asyncio
 import base64
 import contextlib
 import io
+import os
 import shutil
+import socket
 import struct
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -240,3 +242,21 @@ async def wait_queued(running: RunningApp, lane: Lane, depth: int, timeout: floa
     async with asyncio.timeout(timeout):
         while batcher.depth(lane) != depth:  # noqa: ASYNC110 - nothing to wait on but the depth
             await asyncio.sleep(0.002)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A loopback port free right now, for a server a test starts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def server_environment(overrides: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment for a server subprocess: no ``AI_SERVICE_*`` setting (nor any
+    other prefix in ``drop``), unbuffered output, tracebacks of every thread on a crash (an abort
+    at exit leaves them in the log), then ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AI_SERVICE_", *drop))}
+    env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env.update(overrides or {})
+    return env

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -29,7 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import MODEL_NAME, REPO_ROOT, sample_png, top_label
+from tests.support import MODEL_NAME, REPO_ROOT, free_port, sample_png, server_environment, top_label
 
 pytestmark = pytest.mark.e2e
 
@@ -78,22 +77,6 @@ def _log_records(stderr: str) -> list[dict[str, object]]:
     return records
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _environment(overrides: dict[str, str]) -> dict[str, str]:
-    """This process's environment without any AI_SERVICE_* setting, plus ``overrides``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AI_SERVICE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONFAULTHANDLER"] = "1"  # a crash (say, an abort at exit) leaves every thread's traceback in the log
-    env.update(overrides)
-    return env
-
-
 @dataclass
 class Server:
     process: subprocess.Popen[bytes]
@@ -136,7 +119,7 @@ class Server:
 
 def _spawn(logs: Path, env: dict[str, str]) -> Server:
     """``python -m app.cli serve`` on loopback, output to files (a full pipe would stall it)."""
-    port = _free_port()
+    port = free_port(HOST)
     command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port)]
     with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
@@ -169,7 +152,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     started: dict[str, Server] = {}
     try:
         for name, env in scenarios.items():
-            started[name] = _spawn(tmp_path_factory.mktemp(name), _environment(env))
+            started[name] = _spawn(tmp_path_factory.mktemp(name), server_environment(env))
         yield started
     finally:
         _stop_all([server.process for server in started.values()])

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from tests.support import REPO_ROOT, sample_png
+from tests.support import REPO_ROOT, free_port, sample_png, server_environment
 
 pytestmark = pytest.mark.e2e
 
@@ -160,13 +158,6 @@ class Receiver:
 # --- the servers -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @dataclass
 class Server:
     process: subprocess.Popen[bytes]
@@ -198,15 +189,16 @@ class Server:
 
 def _spawn(logs: Path, schedule_delay_ms: int) -> Server:
     receiver = Receiver()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AI_SERVICE_", "OTEL_"))}
-    env.update(
-        PYTHONUNBUFFERED="1",
-        AI_SERVICE_TELEMETRY__EXPORTER="otlp_http",
-        AI_SERVICE_TELEMETRY__ENDPOINT=receiver.endpoint,
-        AI_SERVICE_TELEMETRY__SCHEDULE_DELAY_MS=str(schedule_delay_ms),
-        AI_SERVICE_SERVER__SHUTDOWN_GRACE_S="10",
+    env = server_environment(
+        {
+            "AI_SERVICE_TELEMETRY__EXPORTER": "otlp_http",
+            "AI_SERVICE_TELEMETRY__ENDPOINT": receiver.endpoint,
+            "AI_SERVICE_TELEMETRY__SCHEDULE_DELAY_MS": str(schedule_delay_ms),
+            "AI_SERVICE_SERVER__SHUTDOWN_GRACE_S": "10",
+        },
+        drop=("OTEL_",),
     )
-    port = _free_port()
+    port = free_port(HOST)
     command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port)]
     with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)

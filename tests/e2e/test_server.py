@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,8 +27,10 @@ from tests.support import (
     REPO_ROOT,
     b64,
     copy_repository,
+    free_port,
     png_from_array,
     sample_png,
+    server_environment,
     top_label,
     truncate_file,
 )
@@ -40,21 +40,6 @@ pytestmark = pytest.mark.e2e
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
 EXIT_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _environment(**overrides: str) -> dict[str, str]:
-    """This process's environment without any AI_SERVICE_* setting, plus ``overrides``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AI_SERVICE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(overrides)
-    return env
 
 
 @dataclass
@@ -139,12 +124,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, held_out: Future[HeldOut]) 
     """The serving process. It asks for ``held_out`` only so that loading the split overlaps its start."""
     # Eager heads and a large warm-up batch make loading take long enough that /readyz
     # is sure to answer 503 between the socket opening and the models being ready.
-    env = _environment(
-        AI_SERVICE_MODEL__EAGER_HEADS="true",
-        AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="256",
-        AI_SERVICE_BATCHING__NORMAL__MAX_QUEUE="1024",
+    env = server_environment(
+        {
+            "AI_SERVICE_MODEL__EAGER_HEADS": "true",
+            "AI_SERVICE_BATCHING__NORMAL__MAX_BATCH": "256",
+            "AI_SERVICE_BATCHING__NORMAL__MAX_QUEUE": "1024",
+        }
     )
-    port = _free_port()
+    port = free_port(HOST)
     logs = tmp_path_factory.mktemp("server")
     process = _spawn(logs, env, port)
     running = Server(process, port, logs)
@@ -270,14 +257,14 @@ def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Doome
     broken = root / MODEL_NAME / "1" / "backbone.safetensors"
     truncate_file(broken)
     cases = {
-        "corrupt_repository": (_environment(AI_SERVICE_MODEL__REPOSITORY=str(root)), broken),
-        "invalid_setting": (_environment(AI_SERVICE_BATCHING__NORMAL__WINDOW_MS="0"), None),
+        "corrupt_repository": (server_environment({"AI_SERVICE_MODEL__REPOSITORY": str(root)}), broken),
+        "invalid_setting": (server_environment({"AI_SERVICE_BATCHING__NORMAL__WINDOW_MS": "0"}), None),
     }
     started: dict[str, Doomed] = {}
     try:
         for name, (env, names) in cases.items():
             logs = tmp_path_factory.mktemp(name)
-            started[name] = Doomed(_spawn(logs, env, _free_port()), logs, names)
+            started[name] = Doomed(_spawn(logs, env, free_port(HOST)), logs, names)
         yield started
     finally:
         for case in started.values():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import statistics
 import time
 import urllib.request
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import MODELS_DIR, REPO_ROOT, sample_png
+from tests.support import MODELS_DIR, REPO_ROOT, free_port, sample_png
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -59,13 +58,6 @@ TIGHT = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @dataclass
 class Cluster:
     url: str
@@ -76,7 +68,7 @@ class Cluster:
 def cluster() -> Iterator[Cluster]:
     from app.ray_app import build
 
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port, metrics_port = free_port(HOST), free_port(HOST)
     ray.init(
         address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port
     )
