@@ -61,7 +61,7 @@ def batch_policy(settings: BatchingSettings) -> BatchPolicy:
     def lane(s: LaneSettings) -> LanePolicy:
         return LanePolicy(s.window_ms / 1000.0, s.max_batch, s.max_queue)
 
-    return BatchPolicy(lane(settings.urgent), lane(settings.normal), settings.urgent_fill)
+    return BatchPolicy(lane(settings.urgent), lane(settings.normal), settings.urgent_fill, settings.admission_headroom)
 
 
 @dataclass
@@ -425,7 +425,7 @@ class InferenceService:
         job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
         queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})
         try:
-            done = await served.batcher.submit(job, lane, deadline - time.monotonic())
+            done = await served.batcher.submit(job, lane, deadline - time.monotonic(), admitted=True)
         except BaseException as exc:
             queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             queue_span.end()

@@ -158,6 +158,12 @@ class BatchingSettings(_Group):
     normal: LaneSettings = LaneSettings(window_ms=25.0, max_batch=16, max_queue=1024)
     urgent: LaneSettings = LaneSettings(window_ms=2.0, max_batch=16, max_queue=256)
     urgent_fill: bool = Field(default=True, description="urgent batches take free seats from the normal queue")
+    admission_headroom: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="admit when the predicted wait is at most this share of the time left (1: up to the deadline)",
+    )
 
     @model_validator(mode="after")
     def _urgent_is_faster(self) -> BatchingSettings:

@@ -150,6 +150,7 @@ class DualWindowBatcher(Generic[P, R]):
             urgent=_capped(self._policy.urgent, self._ceiling),
             normal=_capped(self._policy.normal, self._ceiling),
             urgent_fill=self._policy.urgent_fill,
+            admission_headroom=self._policy.admission_headroom,
         )
 
     def _calm(self) -> None:
@@ -179,7 +180,9 @@ class DualWindowBatcher(Generic[P, R]):
     def _ahead(self, lane: Lane) -> int:
         return self._queues[lane].waiting + self._reserved[lane]
 
-    def admit(self, lane: Lane, timeout_s: float, reserve: bool = False, upstream_s: float = 0.0) -> None:
+    def admit(
+        self, lane: Lane, timeout_s: float, reserve: bool = False, upstream_s: float = 0.0, predict: bool = True
+    ) -> None:
         """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach.
 
         ``reserve`` holds a seat in the lane for a request admitted before its payload is
@@ -197,10 +200,11 @@ class DualWindowBatcher(Generic[P, R]):
         if self._ahead(lane) >= self._policy.lane(lane).max_queue:
             self._observer.on_rejected(lane, "queue_full")
             raise QueueFull(f"the {lane.value} queue is full")
-        wait = self.predicted_wait(lane)  # None until a batch has been timed: no estimate, no refusal
+        # None until a batch has been timed: no estimate, no refusal
+        wait = self.predicted_wait(lane) if predict else None
         if wait is not None and upstream_s > 0:
             wait = max(wait, upstream_s + self._effective_policy().lane(lane).window_s + (self.batch_s or 0.0))
-        if wait is not None and wait > timeout_s:
+        if wait is not None and wait > self._policy.admission_headroom * timeout_s:
             self._observer.on_rejected(lane, "would_miss_deadline")
             raise WouldMissDeadline(
                 f"predicted wait {wait * 1000:.0f} ms exceeds the deadline of {timeout_s * 1000:.0f} ms",
@@ -226,14 +230,17 @@ class DualWindowBatcher(Generic[P, R]):
         self._accepting = True
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name=f"{self._name}-dispatch")
 
-    async def submit(self, payload: P, lane: Lane, timeout_s: float) -> Completed[R]:
+    async def submit(self, payload: P, lane: Lane, timeout_s: float, admitted: bool = False) -> Completed[R]:
         """Queue ``payload`` and wait for its answer.
 
         Raises ``QueueFull`` at once when the lane is at its bound, ``DeadlineExceeded``
-        when ``timeout_s`` passes before the batch runs, ``Draining`` once closing began.
+        when ``timeout_s`` passes before the batch runs, ``Draining`` once closing began, and
+        ``WouldMissDeadline`` when its predicted wait is longer than ``timeout_s``, unless it was
+        ``admitted`` already (its seat was held upstream, its image decoded: that work is done,
+        and it is given its chance; past its deadline it still leaves uncomputed).
         Cancelling the caller cancels the request: it leaves the queue uncomputed.
         """
-        self.admit(lane, timeout_s)
+        self.admit(lane, timeout_s, predict=not admitted)
         queue = self._queues[lane]
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()

@@ -36,11 +36,17 @@ class LanePolicy:
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    """Both lanes, and whether an urgent batch fills its free seats from the normal queue."""
+    """Both lanes, whether an urgent batch fills its free seats from the normal queue, and the
+    share of a request's remaining time that its predicted wait may take at admission."""
 
     urgent: LanePolicy
     normal: LanePolicy
     urgent_fill: bool = True
+    admission_headroom: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.admission_headroom <= 1:
+            raise ValueError("admission_headroom must be in (0, 1]")
 
     def lane(self, lane: Lane) -> LanePolicy:
         return self.urgent if lane is Lane.URGENT else self.normal

@@ -32,7 +32,9 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 
 async def test_traffic_moves_the_histograms_and_counters(make_settings: SettingsFactory) -> None:
-    settings = make_settings(batching={"normal": {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 8}})
+    # batches fill by count under a window that never closes (see test_device_faults)
+    normal = {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 8}
+    settings = make_settings(batching={"normal": normal, "admission_headroom": 1.0})
     async with running_app(settings) as running:
         before = await scrape(running)
         assert value(before, "ai_backend_model_info", model="digits", version="1", device="cpu", dtype="float32") == 1

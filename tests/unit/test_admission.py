@@ -151,3 +151,19 @@ async def test_a_wait_upstream_of_the_queue_counts_when_it_is_the_longer_stage()
     assert "225 ms" in str(refused.value)
     assert recorder.rejected[-1] == (Lane.NORMAL, "would_miss_deadline")
     await batcher.close(grace_s=0)
+
+
+async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
+    clock, runner, recorder = FakeClock(), FakeRunner(), Recorder()
+    lanes = LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64)
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, BatchPolicy(*lanes, admission_headroom=0.5), clock=clock, observer=recorder
+    )
+    batcher.start()
+    await run_one_timed_batch(batcher, clock, runner)  # predicted wait now 25 + 100 ms
+    batcher.admit(Lane.NORMAL, 0.25)  # 125 ms is half of 250
+    with pytest.raises(WouldMissDeadline):
+        batcher.admit(Lane.NORMAL, 0.2)  # 125 ms is more than half of 200
+    await batcher.close(grace_s=0)
+    with pytest.raises(ValueError, match="admission_headroom"):
+        BatchPolicy(*lanes, admission_headroom=0.0)
