@@ -20,23 +20,12 @@ out=${1:-out/load}
 mkdir -p "$out"
 py=${PYTHON:-"$root/.venv/bin/python"}
 port=${PORT:-8932}
-model=${MODEL:-mobilenet_v3_small}
-repo=${REPOSITORY:-}
-temporary_repo=""
-if [ -z "$repo" ]; then
-  repo=$(mktemp -d /tmp/ai-backend-load-XXXXXX)
-  temporary_repo=$repo
-fi
-server_pid=""
-cleanup() {
-  if [ -n "$server_pid" ]; then kill -TERM "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
-  if [ -n "$temporary_repo" ]; then rm -rf "$temporary_repo"; fi
-}
-trap cleanup EXIT
-field() { "$py" -c "import json, sys; r = json.load(open(sys.argv[1])); print($2)" "$1"; }
+BENCH_NAME=load
+# shellcheck source=scripts/bench_common.sh
+source "$root/scripts/bench_common.sh"
 
 # (i)
-if [ ! -d "$repo/$model" ]; then "$py" -m app.cli export --arch "$model" --seed 0 --out "$repo" 2>/dev/null; fi
+export_model
 images=${IMAGES:-$out/images}
 if [ -n "${IMAGES:-}" ]; then image_args=(--images "$images"); else image_args=(--images-out "$images"); fi
 "$py" -m app.bench.limit --repository "$repo" --model "$model" "${image_args[@]}" --pipeline-seconds 0 \

@@ -33,27 +33,9 @@ concurrencies=${CONCURRENCIES:-"8 16 32 64 128"}
 duration=${DURATION:-10}
 warmup=${WARMUP:-3}
 profile_seconds=${PROFILE_SECONDS:-8}
-model=${MODEL:-mobilenet_v3_small}
-
-repo=${REPOSITORY:-}
-temporary_repo=""
-if [ -z "$repo" ]; then
-  repo=$(mktemp -d /tmp/ai-backend-ratio-XXXXXX)
-  temporary_repo=$repo
-fi
-server_pid=""
-stop_server() {
-  if [ -n "$server_pid" ]; then
-    kill -TERM "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-    server_pid=""
-  fi
-}
-cleanup() {
-  stop_server
-  if [ -n "$temporary_repo" ]; then rm -rf "$temporary_repo"; fi
-}
-trap cleanup EXIT
+BENCH_NAME=ratio
+# shellcheck source=scripts/bench_common.sh
+source "$root/scripts/bench_common.sh"
 # wait_quiet: up to QUIET_WAIT seconds (default 120) for the rest of the machine to go idle
 # (under QUIET_CORES busy cores, default 0.15, over 2 s): these machines are shared, and a
 # measurement taken while something else runs is a measurement of both.
@@ -71,13 +53,8 @@ while True:
         break
 PY
 }
-field() {  # field JSON_FILE PYTHON_EXPRESSION_OF_r
-  "$py" -c "import json, sys; r = json.load(open(sys.argv[1])); print($2)" "$1"
-}
 # (i) the model
-if [ ! -d "$repo/$model" ]; then
-  "$py" -m app.cli export --arch "$model" --seed 0 --out "$repo" 2>/dev/null
-fi
+export_model
 
 # (ii) the limit, on the same images the load generator sends
 if [ -n "${LIMIT_JSON:-}" ]; then  # reuse a limit measured before (its images must be in $out/images)
