@@ -20,6 +20,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
 
+from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.errors import DeadlineExceeded, Draining, NotFound, NotReady
 from app.inference import preprocess
@@ -94,21 +95,6 @@ class Outcome:
     inference_s: float
 
 
-class Seat:
-    """A request's place in its lane between admission and the batcher's queue (its body being
-    read, its image decoded); ``release`` once it is queued or has failed (idempotent)."""
-
-    def __init__(self, decoding: dict[Lane, int], served: ServedModel, lane: Lane) -> None:
-        self._decoding, self._served, self._lane = decoding, served, lane
-        self._held = True
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._decoding[self._lane] -= 1
-            self._served.batcher.release(self._lane)
-
-
 def _decode_before(
     deadline: float, payload: bytes | str, spec: InputSpec, limits: preprocess.ImageLimits
 ) -> tuple[torch.Tensor, float]:
@@ -152,8 +138,7 @@ class InferenceService:
         )
         self._switch_interval: float | None = None  # Python's, restored at close
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
-        self._decoding = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted requests whose images wait or decode
-        self._decode_s: float | None = None  # moving estimate of one decode, in the pool
+        self._backlog = DecodeBacklog(self.threads.decode)  # admitted requests whose images wait or decode
         self._policy = batch_policy(settings.batching)
         self.metrics.scrape_time.queue_depths = self._queue_depths
         self.metrics.scrape_time.queue_capacities = self._queue_capacities
@@ -371,21 +356,16 @@ class InferenceService:
             raise NotFound(f"no model named {name!r}", code="model_not_found")
         return group.route(version)
 
-    def admit(self, served: ServedModel, lane: Lane, timeout_s: float, reserve: bool = False) -> Seat | None:
+    def admit(self, served: ServedModel, lane: Lane, timeout_s: float) -> None:
         """Refuse at once (503) what cannot be answered in time: the batcher's own rules, with the
-        wait for a decode thread in front of it (the images ahead of this one, urgent first, at
-        the measured decode time, shared among the threads). Cheap: the edge asks it before
-        routing. ``reserve`` returns the request's ``Seat``: from then until it joins the batcher's
-        queue (while its body is read and its image decoded) it counts as queued ahead of others."""
-        upstream_s = 0.0
-        if self._decode_s is not None:
-            ahead = self._decoding[Lane.URGENT] + (self._decoding[Lane.NORMAL] if lane is Lane.NORMAL else 0)
-            upstream_s = (ahead + 1) * self._decode_s / self._pool.workers
-        served.batcher.admit(lane, timeout_s, reserve=reserve, upstream_s=upstream_s)
-        if not reserve:
-            return None
-        self._decoding[lane] += 1
-        return Seat(self._decoding, served, lane)
+        wait for a decode thread in front of it. Cheap: the edge asks it before routing."""
+        served.batcher.admit(lane, timeout_s, upstream_s=self._backlog.wait_s(lane))
+
+    def reserve(self, served: ServedModel, lane: Lane, timeout_s: float) -> Seat:
+        """``admit``, and hold the request's ``Seat`` in its lane until it is queued: meanwhile
+        (its body read, its image decoded) it counts as queued ahead of later requests."""
+        served.batcher.admit(lane, timeout_s, reserve=True, upstream_s=self._backlog.wait_s(lane))
+        return self._backlog.seat(served.batcher, lane)
 
     async def predict(
         self,
@@ -400,8 +380,9 @@ class InferenceService:
         """Decode ``image`` (bytes, or base64 text from a JSON body), batch it, run it, and
         label the top ``top_k`` classes.
 
-        ``timeout_s`` is what is left of the request's deadline. Admission is checked before
-        decoding, so refusals under overload cost almost nothing, and again when queued.
+        ``timeout_s`` is what is left of the request's deadline. ``seat`` is the one the route
+        reserved before reading the body (else it is reserved here); from the queue on, the
+        deadline alone can end the request, never a second prediction.
         Each stage is a span under the caller's (the HTTP request's) span. ``served`` is the
         version routing chose; the request stays on it whatever is promoted meanwhile.
         """
@@ -409,7 +390,7 @@ class InferenceService:
         # a seat in its lane, held while the image decodes (the route takes it before reading
         # the body): a backlog upstream of the queue counts as queued, so overload is refused
         # at admission, not after a long wait
-        seat = seat or self.admit(served, lane, timeout_s, reserve=True)
+        seat = seat or self.reserve(served, lane, timeout_s)
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
         try:
@@ -417,10 +398,9 @@ class InferenceService:
                 spec = served.model.manifest.input
                 decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
                 tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
-            self._decode_s = decode_s if self._decode_s is None else 0.9 * self._decode_s + 0.1 * decode_s
+            self._backlog.record(decode_s)
         finally:
-            if seat is not None:
-                seat.release()
+            seat.release()
         preprocessed = time.perf_counter()
         job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
         queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})

@@ -46,7 +46,7 @@ async def _predict(
     served = service.served(name, headers.version)  # 404 / 503 before reading the body
     state = request.scope["state"]
     # admitted before the body is read (a refusal stays cheap), holding a seat from then on
-    seat = service.admit(served, headers.lane, headers.timeout_s - (time.perf_counter() - state["started"]), True)
+    seat = service.reserve(served, headers.lane, headers.timeout_s - (time.perf_counter() - state["started"]))
     try:
         body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
         top_k = body.top_k or query_top_k or server.default_top_k
@@ -56,8 +56,7 @@ async def _predict(
         work = service.predict(served, body.payload, top_k, headers.lane, remaining, headers.request_id, seat)
         outcome = await unless_disconnected(request, work)
     finally:
-        if seat is not None:
-            seat.release()
+        seat.release()
     response = _response(outcome, headers.request_id, state["started"])
     state["log_fields"] = {  # the access log line carries the stages
         "model": response.model,
