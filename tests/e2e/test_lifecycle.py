@@ -15,7 +15,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -28,12 +27,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import MODEL_NAME, REPO_ROOT, free_port, sample_png, server_environment, top_label
+from tests.e2e.server import HOST, ServerProcess, spawn
+from tests.support import MODEL_NAME, sample_png, server_environment, top_label
 
 pytestmark = pytest.mark.e2e
 
-HOST = "127.0.0.1"
-START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
 GRACE_S = 10.0  # AI_SERVICE_SERVER__SHUTDOWN_GRACE_S of the servers that get SIGTERM
 EXIT_SLACK_S = 20.0  # on top of the grace: uvicorn's own grace, lifespan close, interpreter exit
 CLIENT_TIMEOUT_S = 30.0  # longer than any wait the server may legitimately impose: a hang fails
@@ -78,38 +76,7 @@ def _log_records(stderr: str) -> list[dict[str, object]]:
 
 
 @dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    port: int
-    logs: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def stderr(self) -> str:
-        return (self.logs / "stderr.log").read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        """Poll /readyz until 200 (bounded); fail with the log if the process dies or never gets there."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        seen: list[int | str] = []
-        with httpx.Client(base_url=self.url, timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    pytest.fail(f"server exited with {self.process.returncode}:\n{self.stderr()[-4000:]}")
-                try:
-                    status = client.get("/readyz").status_code
-                except httpx.TransportError as exc:
-                    seen.append(type(exc).__name__)
-                    time.sleep(0.02)
-                    continue
-                if status == 200:
-                    return
-                seen.append(status)
-                time.sleep(0.02)
-        pytest.fail(f"not ready after {START_TIMEOUT_S:.0f}s; saw {seen[-20:]}:\n{self.stderr()[-4000:]}")
-
+class Server(ServerProcess):
     def wait_exit(self) -> int:
         try:
             return self.process.wait(timeout=GRACE_S + EXIT_SLACK_S)
@@ -118,12 +85,7 @@ class Server:
 
 
 def _spawn(logs: Path, env: dict[str, str]) -> Server:
-    """``python -m app.cli serve`` on loopback, output to files (a full pipe would stall it)."""
-    port = free_port(HOST)
-    command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port)]
-    with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
-    return Server(process, port, logs)
+    return Server(*spawn(logs, env), logs)
 
 
 def _stop_all(processes: list[subprocess.Popen[bytes]]) -> None:

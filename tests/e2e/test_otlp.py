@@ -18,7 +18,6 @@ import asyncio
 import gzip
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,12 +34,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from tests.support import REPO_ROOT, free_port, sample_png, server_environment
+from tests.e2e.server import HOST, ServerProcess, spawn
+from tests.support import sample_png, server_environment
 
 pytestmark = pytest.mark.e2e
 
-HOST = "127.0.0.1"
-START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
 SPANS_TIMEOUT_S = 30.0  # the periodic server exports every 100 ms: this only bounds a failure
 EXIT_TIMEOUT_S = 60.0
 STAGES = ("preprocess", "queue", "inference", "postprocess")
@@ -159,32 +157,8 @@ class Receiver:
 
 
 @dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    port: int
-    logs: Path
+class Server(ServerProcess):
     receiver: Receiver
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def stderr(self) -> str:
-        return (self.logs / "stderr.log").read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with httpx.Client(base_url=self.url, timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    pytest.fail(f"server exited with {self.process.returncode}:\n{self.stderr()[-4000:]}")
-                try:
-                    if client.get("/readyz").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.02)
-        pytest.fail(f"not ready after {START_TIMEOUT_S:.0f}s:\n{self.stderr()[-4000:]}")
 
 
 def _spawn(logs: Path, schedule_delay_ms: int) -> Server:
@@ -198,11 +172,7 @@ def _spawn(logs: Path, schedule_delay_ms: int) -> Server:
         },
         drop=("OTEL_",),
     )
-    port = free_port(HOST)
-    command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port)]
-    with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
-    return Server(process, port, logs, receiver)
+    return Server(*spawn(logs, env), logs, receiver)
 
 
 def _stop(server: Server) -> None:
