@@ -12,7 +12,6 @@ import enum
 import functools
 import logging
 import random
-import sys
 import time
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from app.inference.postprocess import Prediction, label
 from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
 from app.inference.workers import WorkerThreads
+from app.interpreter import Saved, Tuning
 from app.routing import ModelGroup, Routing
 from app.settings import BatchingSettings, LaneSettings, Settings
 from app.telemetry.metrics import Metrics
@@ -136,7 +136,9 @@ class InferenceService:
         self._device_thread = DeviceThread(
             workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=model.normal_nice
         )
-        self._switch_interval: float | None = None  # Python's, restored at close
+        server = settings.server
+        self._tuning = Tuning(server.switch_interval_ms / 1000, server.gc_freeze, server.gc_young_threshold)
+        self._saved: Saved | None = None  # the interpreter's settings, restored at close
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
         self._backlog = DecodeBacklog(self.threads.decode)  # admitted requests whose images wait or decode
         self._policy = batch_policy(settings.batching)
@@ -194,10 +196,7 @@ class InferenceService:
         """
         try:
             await self._device_thread.run(self._configure_threads)
-            # The event loop holds the GIL most of the time; at Python's default 5 ms interval
-            # a device thread coming back from a torch op can wait that long for it, per op.
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(self.settings.server.switch_interval_ms / 1000)
+            self._saved = self._tuning.apply()
             entries = self.entries = await asyncio.to_thread(self.repository.models)
             wanted = self.settings.model.names or [entry.name for entry in entries]
             found = {entry.name: entry for entry in entries}
@@ -211,6 +210,7 @@ class InferenceService:
                 self.groups[name] = await self._load_group(found[name])
             self.default_model = default
             await self._warm_pool()
+            self._tuning.freeze()
             for served in self.all_served():
                 served.batcher.start()
             self.state = State.READY
@@ -458,8 +458,8 @@ class InferenceService:
         # joined, bounded: threads left inside torch at interpreter exit can abort the process
         await asyncio.to_thread(self._pool.close, cancel_waiting=True)
         await asyncio.to_thread(self._device_thread.close)
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
+        if self._saved is not None:
+            self._saved.restore()
         if self.device.type == "cuda":
             self.groups.clear()
             torch.cuda.empty_cache()

@@ -63,6 +63,16 @@ class ServerSettings(_Group):
         le=100,
         description="Python's GIL switch interval (its default is 5): how soon a device or decode thread gets it back",
     )
+    gc_freeze: bool = Field(
+        default=True,
+        description="once models are loaded and warm, move every live object out of the garbage collector's walks",
+    )
+    gc_young_threshold: int = Field(
+        default=10_000,
+        ge=0,
+        le=1_000_000,
+        description="allocations between young-generation collections (Python's default 700; 0 keeps it)",
+    )
 
     @property
     def max_body_bytes(self) -> int:
