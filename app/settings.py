@@ -134,7 +134,7 @@ class ModelSettings(_Group):
         default=0, ge=0, le=8, description="extra device threads for urgent batches only (off by default)"
     )
     normal_nice: int = Field(
-        default=0, ge=0, le=19, description="OS priority offset (nice) of threads running normal batches (Linux)"
+        default=0, ge=0, le=19, description="OS priority offset (nice) of the threads running normal batches (Linux; needs urgent_workers)"
     )
     intra_op_threads: int = Field(
         default=0, ge=0, le=256, description="torch threads per batch; 0: on the CPU, its cores / device_workers"
@@ -145,6 +145,8 @@ class ModelSettings(_Group):
     def _default_is_loaded(self) -> ModelSettings:
         if self.default is not None and self.names and self.default not in self.names:
             raise ValueError("default must be one of names when names is set")
+        if self.normal_nice and not self.urgent_workers:
+            raise ValueError("normal_nice needs urgent_workers >= 1: urgent batches would run at the lowered priority")
         return self
 
 

@@ -1,7 +1,7 @@
-"""Dependencies: the service from ``app.state``, and the request headers, validated.
+"""The service from ``app.state`` (a dependency), and a prediction's headers, validated.
 
-All ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread, a thread
-hop per dependency per request for work that takes microseconds.
+Dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread, a
+thread hop per dependency per request for work that takes microseconds.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from starlette.types import Scope
 
 from app.batching import Lane
 from app.errors import BadRequest
@@ -32,29 +33,31 @@ class PredictHeaders:
     lane: Lane
     timeout_s: float
     version: str | None
-    request_id: str
 
 
-async def get_predict_headers(
-    request: Request,
-    x_urgency: Annotated[
-        str | None,
-        Header(description="`high` rides the urgent lane (2 ms window); `normal` or absent, the normal lane"),
-    ] = None,
-    x_request_timeout: Annotated[
-        str | None, Header(description="milliseconds this request may take, at most server.max_timeout_ms")
-    ] = None,
-    x_model_version: Annotated[
-        str | None, Header(description="pin a version of the model (404 if unknown, 503 if not loaded)")
-    ] = None,
-) -> PredictHeaders:
-    # one dependency for all three headers: FastAPI's cost is per dependency, per request
-    state = request.scope["state"]
-    lane, timeout_s, version = parse_predict_headers(
-        x_urgency, x_request_timeout, x_model_version, request.app.state.settings.server
-    )
-    state["lane"] = lane.value  # for the latency metric
-    return PredictHeaders(lane=lane, timeout_s=timeout_s, version=version, request_id=state["request_id"])
+_PREDICT_HEADERS = {b"x-urgency": 0, b"x-request-timeout": 1, b"x-model-version": 2}
+
+
+def predict_headers(scope: Scope, server: ServerSettings) -> PredictHeaders:
+    """The prediction headers of a request, parsed once (the edge and the route both ask) and
+    kept in the request's state; raises 400 ``invalid_header``, and keeps nothing then.
+
+    Read by hand from the raw headers rather than declared as FastAPI ``Header`` parameters:
+    FastAPI's per-parameter validation cost more than the rest of the route on this path (the
+    route declares them in its OpenAPI document).
+    """
+    state = scope["state"]
+    if (parsed := state.get("predict_headers")) is not None:
+        return parsed  # type: ignore[no-any-return]
+    values: list[str | None] = [None, None, None]
+    for key, value in scope["headers"]:
+        if (index := _PREDICT_HEADERS.get(key)) is not None:
+            values[index] = value.decode("latin-1")
+    urgency, timeout, version = values
+    parsed = PredictHeaders(*parse_predict_headers(urgency, timeout, version, server))
+    state["predict_headers"] = parsed
+    state["lane"] = parsed.lane.value  # for the latency metric
+    return parsed
 
 
 def parse_predict_headers(
@@ -83,4 +86,3 @@ def _timeout_s(header: str | None, default_ms: int, max_ms: int) -> float:
 
 
 Service = Annotated[InferenceService, Depends(get_service)]
-Headers = Annotated[PredictHeaders, Depends(get_predict_headers)]

@@ -15,11 +15,10 @@ import re
 
 from starlette.types import Scope
 
-from app.api.deps import parse_predict_headers
+from app.api.deps import predict_headers
 from app.errors import ServiceError
 
 _NAMED = re.compile(r"^/v1/models/([^/]+)/predict$")
-_HEADERS = {b"x-urgency": 0, b"x-request-timeout": 1, b"x-model-version": 2}
 
 
 def shed(scope: Scope) -> ServiceError | None:
@@ -37,20 +36,15 @@ def shed(scope: Scope) -> ServiceError | None:
     service = getattr(state, "service", None)
     if service is None or getattr(state, "api_key", None) is not None:
         return None
-    values: list[str | None] = [None, None, None]
-    for key, value in scope["headers"]:
-        if (index := _HEADERS.get(key)) is not None:
-            values[index] = value.decode("latin-1")
-    urgency, timeout, version = values
     try:
-        lane, timeout_s, version = parse_predict_headers(urgency, timeout, version, service.settings.server)
+        headers = predict_headers(scope, service.settings.server)
     except ServiceError:
         return None  # a bad header: the route answers 400, with its message
     try:
-        service.admit(service.served(name, version), lane, timeout_s)
+        service.admit(service.served(name, headers.version), headers.lane, headers.timeout_s)
     except ServiceError as exc:
         if exc.status != 503:
             return None  # e.g. an unknown model: the route answers it
-        scope["state"].update(lane=lane.value, route=template)  # for the latency metric
+        scope["state"]["route"] = template  # for the latency metric
         return exc
     return None

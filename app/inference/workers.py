@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -22,34 +21,38 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 URGENT, NORMAL = 0, 1
+# what a thread takes, in the order it looks
+ANY, URGENT_ONLY, NORMAL_ONLY = (URGENT, NORMAL), (URGENT,), (NORMAL,)
+Call = tuple[Callable[[], Any], "Future[Any]"]
 
 
 class WorkerThreads:
-    """``workers`` daemon threads serving one priority queue, plus ``urgent_workers`` that take
-    urgent calls only, so an urgent call never waits for a normal one to finish (daemons: a
+    """``workers`` daemon threads serving two queues, urgent calls first, plus ``urgent_workers``
+    that take urgent calls only, so an urgent call never waits for a normal one to finish (daemons: a
     stuck call cannot keep the process alive at exit; ``close`` joins them, bounded).
 
-    ``normal_nice`` lowers the OS priority of the threads that run normal calls (Linux; a
-    thread may lower its own priority without privileges): where calls compete for cores, the
-    event loop, the decode pool and urgent calls are scheduled first, and normal calls take
-    what is left, which on a busy machine is still everything they would have had.
+    ``normal_nice`` (with urgent workers only) lowers the OS priority of the other threads, which
+    then take normal calls only (Linux; a thread may lower its own priority without privileges,
+    never raise it back, so a thread keeps one priority for its life). Where calls compete for
+    cores, the event loop, the decode pool and urgent batches are scheduled first, and normal
+    batches take what is left, which on a busy machine is still everything they would have had.
     """
 
     def __init__(self, name: str, workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
         if workers < 1:
             raise ValueError(f"{name} needs at least one worker thread")
-        self._calls: list[tuple[int, int, Callable[[], Any], Future[Any]]] = []
+        if normal_nice and not urgent_workers:
+            raise ValueError(f"{name}: a lowered priority for normal calls needs urgent-only threads")
+        self._queues: tuple[deque[Call], deque[Call]] = (deque(), deque())  # URGENT, NORMAL
         self._ready = threading.Condition()
-        self._order = itertools.count()
         self._closing = False
         self._normal_nice = normal_nice
+        kind = NORMAL_ONLY if normal_nice else ANY
         self._threads = [
-            threading.Thread(
-                target=self._work, args=(False,), name=name if workers == 1 else f"{name}-{i}", daemon=True
-            )
+            threading.Thread(target=self._work, args=(kind,), name=name if workers == 1 else f"{name}-{i}", daemon=True)
             for i in range(workers)
         ] + [
-            threading.Thread(target=self._work, args=(True,), name=f"{name}-urgent-{i}", daemon=True)
+            threading.Thread(target=self._work, args=(URGENT_ONLY,), name=f"{name}-urgent-{i}", daemon=True)
             for i in range(urgent_workers)
         ]
         self.urgent_workers = urgent_workers
@@ -66,9 +69,9 @@ class WorkerThreads:
         with self._ready:
             if self._closing:
                 raise RuntimeError("the worker threads are closed")
-            heapq.heappush(self._calls, (URGENT if urgent else NORMAL, next(self._order), fn, future))
-            # every thread wakes when some take urgent calls only: one woken for a normal call
-            # would go back to sleep and the call would wait
+            self._queues[URGENT if urgent else NORMAL].append((fn, future))
+            # every thread wakes when threads differ in what they take: one woken for a call it
+            # does not take would go back to sleep and the call would wait
             if self.urgent_workers:
                 self._ready.notify_all()
             else:
@@ -79,17 +82,23 @@ class WorkerThreads:
         """Run ``fn`` on a worker and await its result without blocking the event loop."""
         return await asyncio.wrap_future(self.submit(fn, urgent))
 
-    def _work(self, urgent_only: bool) -> None:
-        if self._normal_nice and not urgent_only and hasattr(os, "setpriority"):
+    def _next(self, kind: tuple[int, ...]) -> Call | None:
+        for priority in kind:
+            if self._queues[priority]:
+                return self._queues[priority].popleft()
+        return None
+
+    def _work(self, kind: tuple[int, ...]) -> None:
+        if kind == NORMAL_ONLY and hasattr(os, "setpriority"):
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._normal_nice)
         while True:
             with self._ready:
-                while not self._closing and not (self._calls and (not urgent_only or self._calls[0][0] == URGENT)):
+                while (call := self._next(kind)) is None and not self._closing:
                     self._ready.wait()
-                if not self._calls or (urgent_only and self._calls[0][0] != URGENT):
+                if call is None:
                     return
-                *_, fn, future = heapq.heappop(self._calls)
+            fn, future = call
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -106,9 +115,10 @@ class WorkerThreads:
         with self._ready:
             self._closing = True
             if cancel_waiting:
-                for *_, future in self._calls:
-                    future.cancel()
-                self._calls.clear()
+                for queue in self._queues:
+                    for _, future in queue:
+                        future.cancel()
+                    queue.clear()
             self._ready.notify_all()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:

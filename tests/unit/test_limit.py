@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -100,3 +100,39 @@ def test_given_images_are_used_and_a_folder_without_jpegs_is_an_error(tmp_path: 
     (tmp_path / "only.png").write_bytes(base64.b64decode("iVBORw0KGgo="))
     code = limit.main(["--repository", str(MODELS_DIR), "--model", "digits", "--images", str(tmp_path)])
     assert code == 1
+
+
+class _RecordingModel:
+    """Stands in for a LayeredModel: records the batch size of every forward pass."""
+
+    class manifest:  # noqa: N801 - mirrors LayeredModel.manifest
+        labels = ["a", "b", "c"]
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def probabilities(self, batch: torch.Tensor) -> torch.Tensor:
+        self.calls.append(batch.shape[0])
+        return torch.softmax(torch.ones(batch.shape[0], 3), dim=1)
+
+
+def test_forward_sizes_are_timed_in_interleaved_rounds_each_the_median_of_its_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _RecordingModel()
+    timed: list[int] = []  # the size of each timed stretch, in order
+    drift = iter([1.0, 9.0, 2.0] * 4)  # per stretch: CPU ms per call; the median of 1, 9, 2 is 2
+
+    def fake_cost(fn: Callable[[int], object], items: int, seconds: float, rounds: int, clock: object) -> Cost:
+        fn(0)
+        timed.append(model.calls[-1])
+        return Cost(next(drift) / 1000, 0.0, 1)
+
+    monkeypatch.setattr(limit, "cpu_cost", fake_cost)
+    sizes = (1, 2, 4, 8)
+    results = limit.measure_forward(model, [torch.zeros(3, 4, 4, dtype=torch.uint8)], sizes, 1, 0.3, rounds=3)  # type: ignore[arg-type]
+    rounds = [timed[i : i + len(sizes)] for i in range(0, len(timed), len(sizes))]
+    assert len(rounds) == 3 and all(sorted(r) == list(sizes) for r in rounds), "every size once in every round"
+    assert len({tuple(r) for r in rounds}) > 1, "the order changes between rounds"
+    per_call = {size: sorted(v for t, v in zip(timed, [1.0, 9.0, 2.0] * 4, strict=True) if t == size) for size in sizes}
+    assert [r.cpu_ms_per_image for r in results] == [round(per_call[s][1] / s, 4) for s in sizes]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 
@@ -103,3 +105,27 @@ def test_an_urgent_only_thread_takes_urgent_calls_while_the_others_are_busy() ->
     finally:
         gate.set()
         workers.close()
+
+
+def test_with_a_lowered_priority_the_general_threads_take_normal_calls_only_and_run_niced() -> None:
+    workers = WorkerThreads("test", 1, urgent_workers=1, normal_nice=5)
+    gate = threading.Event()
+    try:
+        held = workers.submit(gate.wait, urgent=True)  # the urgent-only thread is held
+        normal = workers.submit(
+            lambda: (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        )
+        assert normal.result(10) == ("test", os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 5)
+        urgent = workers.submit(lambda: threading.current_thread().name, urgent=True)
+        time.sleep(0.05)
+        assert not urgent.done(), "a niced thread never runs an urgent call: it would run it at the low priority"
+        gate.set()
+        assert held.result(10) and urgent.result(10) == "test-urgent-0"
+    finally:
+        gate.set()
+        workers.close()
+
+
+def test_a_lowered_priority_needs_urgent_only_threads() -> None:
+    with pytest.raises(ValueError, match="urgent-only threads"):
+        WorkerThreads("test", 2, normal_nice=5)

@@ -5,21 +5,38 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Path, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from app.api.auth import require_api_key
+from app.api.auth import check_api_key
 from app.api.body import OPENAPI_BODY, read_image_body
-from app.api.deps import Headers, PredictHeaders, Service
+from app.api.deps import predict_headers
 from app.api.disconnect import unless_disconnected
 from app.api.errors import error_responses
+from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.errors import SchemaError
-from app.service import Outcome
+from app.service import InferenceService, Outcome
 
-router = APIRouter(tags=["predict"], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["predict"])
 
 _ERRORS = error_responses(400, 401, 403, 404, 413, 415, 422, 500, 503)
-_TOP_K = Query(ge=1, description="for raw image bodies: how many classes to return")
+_OPENAPI = {**OPENAPI_BODY, "parameters": PREDICT_PARAMETERS}
+
+
+class _Query(BaseModel):
+    top_k: int | None = Field(default=None, ge=1)
+
+
+def _query_top_k(request: Request) -> int | None:
+    """``top_k`` from the query string, validated as FastAPI would (422 ``validation_error``)."""
+    if not request.scope.get("query_string"):
+        return None
+    try:
+        return _Query.model_validate(dict(request.query_params)).top_k
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 
 
 def _response(outcome: Outcome, request_id: str, started: float) -> PredictResponse:
@@ -39,10 +56,12 @@ def _response(outcome: Outcome, request_id: str, started: float) -> PredictRespo
     )
 
 
-async def _predict(
-    name: str | None, request: Request, service: Service, headers: PredictHeaders, query_top_k: int | None
-) -> Response:
+async def _predict(name: str | None, request: Request) -> Response:
+    service: InferenceService = request.app.state.service
+    check_api_key(request)
     server = service.settings.server
+    headers = predict_headers(request.scope, server)
+    query_top_k = _query_top_k(request)
     served = service.served(name, headers.version)  # 404 / 503 before reading the body
     state = request.scope["state"]
     # admitted before the body is read (a refusal stays cheap), holding a seat from then on
@@ -53,11 +72,11 @@ async def _predict(
         if top_k > min(server.max_top_k, len(served.labels)):
             raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
         remaining = headers.timeout_s - (time.perf_counter() - state["started"])
-        work = service.predict(served, body.payload, top_k, headers.lane, remaining, headers.request_id, seat)
+        work = service.predict(served, body.payload, top_k, headers.lane, remaining, state["request_id"], seat)
         outcome = await unless_disconnected(request, work)
     finally:
         seat.release()
-    response = _response(outcome, headers.request_id, state["started"])
+    response = _response(outcome, state["request_id"], state["started"])
     state["log_fields"] = {  # the access log line carries the stages
         "model": response.model,
         "version": response.version,
@@ -73,32 +92,23 @@ async def _predict(
     "/predict",
     response_model=PredictResponse,
     responses=_ERRORS,
-    openapi_extra=OPENAPI_BODY,
+    openapi_extra=_OPENAPI,
     summary="Classify an image with the default model",
 )
-async def predict_default(
-    request: Request,
-    service: Service,
-    headers: Headers,
-    top_k: Annotated[int | None, _TOP_K] = None,
-) -> Response:
+async def predict_default(request: Request) -> Response:
     """JSON `{"image_base64": ..., "top_k": 5}`, or the raw bytes with `Content-Type: image/jpeg|png|webp`."""
-    return await _predict(None, request, service, headers, top_k)
+    return await _predict(None, request)
 
 
 @router.post(
     "/v1/models/{name}/predict",
     response_model=PredictResponse,
     responses=_ERRORS,
-    openapi_extra=OPENAPI_BODY,
+    openapi_extra=_OPENAPI,
     summary="Classify an image with the named model",
 )
 async def predict_named(
-    name: Annotated[str, Path(description="a model name from GET /v1/models")],
-    request: Request,
-    service: Service,
-    headers: Headers,
-    top_k: Annotated[int | None, _TOP_K] = None,
+    name: Annotated[str, Path(description="a model name from GET /v1/models")], request: Request
 ) -> Response:
     """As `/predict`, for the model `name`; 404 when no such model is served."""
-    return await _predict(name, request, service, headers, top_k)
+    return await _predict(name, request)
