@@ -14,13 +14,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from app.batching.policy import UrgentFill
 
 ENV_PREFIX = "AI_SERVICE_"
 CONFIG_FILE_ENV = "AI_SERVICE_CONFIG_FILE"
@@ -134,7 +136,10 @@ class ModelSettings(_Group):
         default=0, ge=0, le=8, description="extra device threads for urgent batches only (off by default)"
     )
     normal_nice: int = Field(
-        default=0, ge=0, le=19, description="OS priority offset (nice) of the threads running normal batches (Linux; needs urgent_workers)"
+        default=0,
+        ge=0,
+        le=19,
+        description="OS priority offset (nice) of the threads running normal batches (Linux; needs urgent_workers)",
     )
     intra_op_threads: int = Field(
         default=0, ge=0, le=256, description="torch threads per batch; 0: on the CPU, its cores / device_workers"
@@ -169,13 +174,22 @@ class BatchingSettings(_Group):
 
     normal: LaneSettings = LaneSettings(window_ms=25.0, max_batch=16, max_queue=1024)
     urgent: LaneSettings = LaneSettings(window_ms=2.0, max_batch=16, max_queue=256)
-    urgent_fill: bool = Field(default=True, description="urgent batches take free seats from the normal queue")
+    urgent_fill: UrgentFill = Field(
+        default=UrgentFill.ALWAYS,
+        description="when urgent batches take free seats from the normal queue: always, backlog (a full normal "
+        "batch waits), never; true/false mean always/never",
+    )
     admission_headroom: float = Field(
         default=0.5,
         gt=0,
         le=1,
         description="admit when the predicted wait is at most this share of the time left (1: up to the deadline)",
     )
+
+    @field_validator("urgent_fill", mode="before")
+    @classmethod
+    def _fill_from_bool(cls, value: object) -> object:
+        return UrgentFill.parse(value)
 
     @model_validator(mode="after")
     def _urgent_is_faster(self) -> BatchingSettings:

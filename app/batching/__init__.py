@@ -3,7 +3,7 @@
 from app.batching.batcher import Completed, DualWindowBatcher, Runner
 from app.batching.clock import Clock, MonotonicClock
 from app.batching.observer import BatchObserver, NullObserver
-from app.batching.policy import BatchPolicy, Lane, LanePolicy
+from app.batching.policy import BatchPolicy, Lane, LanePolicy, UrgentFill
 
 __all__ = [
     "BatchObserver",
@@ -16,4 +16,5 @@ __all__ = [
     "MonotonicClock",
     "NullObserver",
     "Runner",
+    "UrgentFill",
 ]

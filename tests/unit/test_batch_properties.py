@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.batching.policy import LaneState, is_ready, next_wakeup, plan_batch
 from tests.unit.fakes import FakeClock, settle
 
@@ -18,7 +18,7 @@ lane_policies = st.builds(
     st.integers(min_value=1, max_value=32),
     st.integers(min_value=0, max_value=64),
 )
-policies = st.builds(BatchPolicy, lane_policies, lane_policies, st.booleans())
+policies = st.builds(BatchPolicy, lane_policies, lane_policies, st.sampled_from(UrgentFill))
 
 
 @st.composite
@@ -44,7 +44,9 @@ def test_a_plan_respects_priority_bounds_and_seats(
         assert plan.lane is Lane.URGENT, "a ready urgent batch always goes first"
         assert plan.from_urgent == min(urgent.waiting, policy.urgent.max_batch)
         assert plan.size <= policy.urgent.max_batch
-        if policy.urgent_fill:
+        backlogged = normal.waiting >= policy.normal.max_batch
+        fill = policy.urgent_fill is UrgentFill.ALWAYS or (policy.urgent_fill is UrgentFill.BACKLOG and backlogged)
+        if fill:
             assert plan.from_normal == min(policy.urgent.max_batch - plan.from_urgent, normal.waiting)
         else:
             assert plan.from_normal == 0

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy
+from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
@@ -19,7 +19,7 @@ def policy(
     normal_max: int = 16,
     urgent_window: float = 2 * MS,
     urgent_max: int = 16,
-    fill: bool = True,
+    fill: UrgentFill = UrgentFill.ALWAYS,
     max_queue: int = 64,
 ) -> BatchPolicy:
     return BatchPolicy(
@@ -112,7 +112,7 @@ async def test_urgent_goes_before_normal_and_takes_free_seats_oldest_first(make)
 
 
 async def test_without_fill_urgent_batches_carry_only_urgent_requests(make) -> None:
-    h = make(policy(fill=False))
+    h = make(policy(fill=UrgentFill.NEVER))
     normal = [h.submit(i) for i in range(3)]
     urgent = h.submit(9, Lane.URGENT)
     await h.clock.advance(2 * MS)
@@ -120,6 +120,26 @@ async def test_without_fill_urgent_batches_carry_only_urgent_requests(make) -> N
     await h.clock.advance(23 * MS)
     assert h.runner.batches == [[9], [0, 1, 2]]
     await asyncio.gather(urgent, *normal)
+
+
+async def test_backlog_fill_takes_normal_seats_only_while_a_full_normal_batch_waits(make) -> None:
+    h = make(policy(fill=UrgentFill.BACKLOG, normal_max=4, urgent_max=8))
+    few = [h.submit(i) for i in range(3)]  # under a full normal batch: the urgent batch goes alone
+    alone = h.submit(90, Lane.URGENT)
+    await h.clock.advance(2 * MS)
+    assert h.runner.batches == [[90]]
+    await h.clock.advance(23 * MS)
+    assert h.runner.batches[1] == [0, 1, 2]
+    h.runner.gate = asyncio.Event()  # the device falls behind: normal requests pile up past a batch
+    busy = h.submit(50, Lane.URGENT)
+    await h.clock.advance(2 * MS)
+    backlog = [h.submit(i) for i in range(3, 9)]
+    filled = h.submit(91, Lane.URGENT)
+    await h.clock.advance(2 * MS)
+    h.runner.gate.set()
+    await settle()
+    assert h.runner.batches[2:4] == [[50], [91, 3, 4, 5, 6, 7, 8]]
+    await asyncio.gather(alone, busy, filled, *few, *backlog)
 
 
 async def test_work_accumulates_while_the_device_is_busy_and_goes_when_it_frees(make) -> None:

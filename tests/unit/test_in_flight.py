@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.errors import Draining
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
@@ -15,7 +15,9 @@ MS = 0.001
 
 def policy(max_batch: int = 2) -> BatchPolicy:
     return BatchPolicy(
-        urgent=LanePolicy(2 * MS, max_batch, 64), normal=LanePolicy(25 * MS, max_batch, 64), urgent_fill=True
+        urgent=LanePolicy(2 * MS, max_batch, 64),
+        normal=LanePolicy(25 * MS, max_batch, 64),
+        urgent_fill=UrgentFill.ALWAYS,
     )
 
 

@@ -75,6 +75,14 @@ def test_a_bad_value_is_refused_naming_the_setting_and_the_rule(
     assert rule in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("value", "fill"), [("true", "always"), ("False", "never"), ("backlog", "backlog"), ("never", "never")]
+)
+def test_urgent_fill_takes_a_mode_or_a_boolean(monkeypatch: pytest.MonkeyPatch, value: str, fill: str) -> None:
+    monkeypatch.setenv("AI_SERVICE_BATCHING__URGENT_FILL", value)
+    assert load_settings().batching.urgent_fill == fill
+
+
 def test_an_unknown_setting_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "typo.toml"
     config.write_text("[batching.normal]\nwindow_msec = 5.0\n")
