@@ -278,7 +278,9 @@ class DualWindowBatcher(Generic[P, R]):
                     continue
                 u_state, n_state = urgent.state(), normal.state()
                 policy = self._effective_policy()
-                plan = plan_batch(u_state, n_state, policy, self._clock.now(), flush=self._flush)
+                plan = plan_batch(
+                    u_state, n_state, policy, self._clock.now(), self._flush, backlog_batches=self._max_in_flight
+                )
                 if plan is not None and (plan.lane is Lane.URGENT or len(self._in_flight) < self._max_in_flight):
                     self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
                     continue

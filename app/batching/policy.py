@@ -22,8 +22,9 @@ class UrgentFill(enum.StrEnum):
 
     Seats filled make the batch cheaper per image (a batch of one costs about three images'
     time in a batch of twelve on a CPU) and the urgent batch longer. ``backlog`` fills only
-    while a full normal batch is waiting, that is while the device is behind and throughput
-    is what the normal lane lacks; under lighter load urgent batches stay small and fast.
+    while every device thread has a full normal batch waiting, that is while the device is
+    behind and throughput is what the normal lane lacks; under lighter load urgent batches
+    stay small and fast.
     """
 
     ALWAYS = "always"
@@ -113,21 +114,28 @@ def is_ready(state: LaneState, policy: LanePolicy, now: float, flush: bool = Fal
     return deadline is not None and now >= deadline
 
 
-def fills(policy: BatchPolicy, normal: LaneState) -> bool:
-    """Whether an urgent batch formed now takes free seats from the normal queue."""
+def fills(policy: BatchPolicy, normal: LaneState, backlog_batches: int = 1) -> bool:
+    """Whether an urgent batch formed now takes free seats from the normal queue; ``backlog``
+    fills while the normal queue holds ``backlog_batches`` full batches (one for each batch
+    the device runs at once: every device thread has a full batch waiting)."""
     if policy.urgent_fill is UrgentFill.BACKLOG:
-        return normal.waiting >= policy.normal.max_batch
+        return normal.waiting >= policy.normal.max_batch * backlog_batches
     return policy.urgent_fill is UrgentFill.ALWAYS
 
 
 def plan_batch(
-    urgent: LaneState, normal: LaneState, policy: BatchPolicy, now: float, flush: bool = False
+    urgent: LaneState,
+    normal: LaneState,
+    policy: BatchPolicy,
+    now: float,
+    flush: bool = False,
+    backlog_batches: int = 1,
 ) -> BatchPlan | None:
     """The next batch to run, urgent first; ``None`` when no lane is ready."""
     if is_ready(urgent, policy.urgent, now, flush):
         take = min(urgent.waiting, policy.urgent.max_batch)
         seats = policy.urgent.max_batch - take
-        fill = min(seats, normal.waiting) if fills(policy, normal) else 0
+        fill = min(seats, normal.waiting) if fills(policy, normal, backlog_batches) else 0
         return BatchPlan(Lane.URGENT, take, fill)
     if is_ready(normal, policy.normal, now, flush):
         return BatchPlan(Lane.NORMAL, 0, min(normal.waiting, policy.normal.max_batch))

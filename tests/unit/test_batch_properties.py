@@ -28,11 +28,18 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     return LaneState(waiting, oldest)
 
 
-@given(lane_states(), lane_states(), policies, st.floats(min_value=0.0, max_value=1.2), st.booleans())
+@given(
+    lane_states(),
+    lane_states(),
+    policies,
+    st.floats(min_value=0.0, max_value=1.2),
+    st.booleans(),
+    st.integers(min_value=1, max_value=4),
+)
 def test_a_plan_respects_priority_bounds_and_seats(
-    urgent: LaneState, normal: LaneState, policy: BatchPolicy, now: float, flush: bool
+    urgent: LaneState, normal: LaneState, policy: BatchPolicy, now: float, flush: bool, backlog_batches: int
 ) -> None:
-    plan = plan_batch(urgent, normal, policy, now, flush)
+    plan = plan_batch(urgent, normal, policy, now, flush, backlog_batches)
     urgent_ready = is_ready(urgent, policy.urgent, now, flush)
     normal_ready = is_ready(normal, policy.normal, now, flush)
     if not urgent_ready and not normal_ready:
@@ -44,7 +51,7 @@ def test_a_plan_respects_priority_bounds_and_seats(
         assert plan.lane is Lane.URGENT, "a ready urgent batch always goes first"
         assert plan.from_urgent == min(urgent.waiting, policy.urgent.max_batch)
         assert plan.size <= policy.urgent.max_batch
-        backlogged = normal.waiting >= policy.normal.max_batch
+        backlogged = normal.waiting >= policy.normal.max_batch * backlog_batches
         fill = policy.urgent_fill is UrgentFill.ALWAYS or (policy.urgent_fill is UrgentFill.BACKLOG and backlogged)
         if fill:
             assert plan.from_normal == min(policy.urgent.max_batch - plan.from_urgent, normal.waiting)

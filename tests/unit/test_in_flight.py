@@ -121,3 +121,28 @@ async def test_an_urgent_batch_takes_its_own_seat_when_every_worker_is_busy() ->
     runner.gate.set()
     await asyncio.gather(urgent, *normal)
     await made.close(grace_s=None)
+
+
+async def test_backlog_fill_waits_for_a_full_normal_batch_per_batch_in_flight() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    backlog = BatchPolicy(
+        urgent=LanePolicy(2 * MS, 4, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=UrgentFill.BACKLOG
+    )
+    b: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, backlog, clock=clock, max_in_flight=2, urgent_in_flight=2
+    )
+    b.start()
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(7)]  # 2 batches run, 3 wait
+    await settle()
+    tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
+    await clock.advance(2 * MS)
+    assert runner.batches[2] == [90], "3 waiting are under a full batch for each of the 2 in flight"
+    tasks.append(asyncio.ensure_future(b.submit(7, Lane.NORMAL, 10.0)))  # now 4: two full batches
+    tasks.append(asyncio.ensure_future(b.submit(91, Lane.URGENT, 10.0)))
+    await clock.advance(2 * MS)
+    assert runner.batches[3] == [91, 4, 5, 6], "the device is behind: the urgent batch fills its seats"
+    runner.gate.set()
+    await clock.advance(25 * MS)
+    await asyncio.gather(*tasks)
+    await b.close(grace_s=None)
