@@ -132,14 +132,17 @@ class ModelSettings(_Group):
     device_workers: int = Field(
         default=0, ge=0, le=64, description="threads running batches at once; 0: 1 on CUDA, 2 on a CPU of 2+ cores"
     )
-    urgent_workers: int = Field(
-        default=0, ge=0, le=8, description="extra device threads for urgent batches only (off by default)"
+    urgent_workers: int | None = Field(
+        default=None,
+        ge=0,
+        le=8,
+        description="device threads for urgent batches only; unset: 1 on a CPU of 2+ cores, 0 on CUDA",
     )
     normal_nice: int = Field(
-        default=0,
+        default=10,
         ge=0,
         le=19,
-        description="OS priority offset (nice) of the threads running normal batches (Linux; needs urgent_workers)",
+        description="OS priority offset (nice) of the threads running normal batches, where urgent-only ones exist",
     )
     intra_op_threads: int = Field(
         default=0, ge=0, le=256, description="torch threads per batch; 0: on the CPU, its cores / device_workers"
@@ -150,8 +153,6 @@ class ModelSettings(_Group):
     def _default_is_loaded(self) -> ModelSettings:
         if self.default is not None and self.names and self.default not in self.names:
             raise ValueError("default must be one of names when names is set")
-        if self.normal_nice and not self.urgent_workers:
-            raise ValueError("normal_nice needs urgent_workers >= 1: urgent batches would run at the lowered priority")
         return self
 
 
@@ -175,7 +176,7 @@ class BatchingSettings(_Group):
     normal: LaneSettings = LaneSettings(window_ms=25.0, max_batch=16, max_queue=1024)
     urgent: LaneSettings = LaneSettings(window_ms=2.0, max_batch=16, max_queue=256)
     urgent_fill: UrgentFill = Field(
-        default=UrgentFill.ALWAYS,
+        default=UrgentFill.BACKLOG,
         description="when urgent batches take free seats from the normal queue: always, backlog (a full normal "
         "batch waits), never; true/false mean always/never",
     )

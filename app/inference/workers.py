@@ -41,13 +41,12 @@ class WorkerThreads:
     def __init__(self, name: str, workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
         if workers < 1:
             raise ValueError(f"{name} needs at least one worker thread")
-        if normal_nice and not urgent_workers:
-            raise ValueError(f"{name}: a lowered priority for normal calls needs urgent-only threads")
         self._queues: tuple[deque[Call], deque[Call]] = (deque(), deque())  # URGENT, NORMAL
         self._ready = threading.Condition()
         self._closing = False
         self._normal_nice = normal_nice
-        kind = NORMAL_ONLY if normal_nice else ANY
+        # without urgent-only threads a niced thread would run urgent calls at the low priority
+        kind = NORMAL_ONLY if normal_nice and urgent_workers else ANY
         self._threads = [
             threading.Thread(target=self._work, args=(kind,), name=name if workers == 1 else f"{name}-{i}", daemon=True)
             for i in range(workers)

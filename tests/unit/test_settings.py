@@ -62,7 +62,6 @@ def test_a_missing_config_file_named_explicitly_is_an_error(monkeypatch: pytest.
         ("AI_SERVICE_MODEL__LOAD_TIMEOUT_S", "-1", "AI_SERVICE_MODEL__LOAD_TIMEOUT_S", "greater than 0"),
         ("AI_SERVICE_SERVER__DEFAULT_TIMEOUT_MS", "200000", "AI_SERVICE_SERVER", "default_timeout_ms must be <="),
         ("AI_SERVICE_SERVER__PORT", "http", "AI_SERVICE_SERVER__PORT", "valid integer"),
-        ("AI_SERVICE_MODEL__NORMAL_NICE", "10", "AI_SERVICE_MODEL", "normal_nice needs urgent_workers"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_setting_and_the_rule(

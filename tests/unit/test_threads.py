@@ -16,19 +16,21 @@ def test_a_gpu_gets_one_worker_and_keeps_torch_s_threads() -> None:
     assert plan_threads(GPU, 3, 4, 2, cores=16) == Threads(3, 4, 2), "explicit settings win"
 
 
-def test_urgent_workers_are_off_unless_asked_for() -> None:
-    assert plan_threads(CPU, 0, 0, 0, cores=2).urgent == 0
-    assert plan_threads(CPU, 0, 0, 0, cores=2, urgent=1).urgent == 1
+def test_a_cpu_of_two_cores_or_more_gets_an_urgent_thread_unless_told_otherwise() -> None:
+    assert plan_threads(CPU, 0, 0, 0, cores=2).urgent == 1
+    assert plan_threads(CPU, 0, 0, 0, cores=1).urgent == 0
+    assert plan_threads(GPU, 0, 0, 0, cores=16).urgent == 0, "a GPU runs one batch at a time"
+    assert plan_threads(CPU, 0, 0, 0, cores=2, urgent=0).urgent == 0
     assert plan_threads(GPU, 0, 0, 0, cores=2, urgent=2).urgent == 2
 
 
 def test_a_cpu_shares_its_cores_between_two_workers() -> None:
-    assert plan_threads(CPU, 0, 0, 0, cores=2) == Threads(2, 1, 1, 0)
-    assert plan_threads(CPU, 0, 0, 0, cores=16) == Threads(2, 8, 8, 0)
+    assert plan_threads(CPU, 0, 0, 0, cores=2) == Threads(2, 1, 1, 1)
+    assert plan_threads(CPU, 0, 0, 0, cores=16) == Threads(2, 8, 8, 1)
     assert plan_threads(CPU, 0, 0, 0, cores=1) == Threads(1, 1, 1, 0)
-    assert plan_threads(CPU, 4, 0, 3, cores=16) == Threads(4, 4, 3, 0)
-    assert plan_threads(CPU, 1, 0, 0, cores=8) == Threads(1, 8, 4, 0), "one worker gets every core"
-    assert plan_threads(CPU, 0, 3, 0, cores=2) == Threads(2, 3, 1, 0)
+    assert plan_threads(CPU, 4, 0, 3, cores=16) == Threads(4, 4, 3, 1)
+    assert plan_threads(CPU, 1, 0, 0, cores=8) == Threads(1, 8, 4, 1), "one worker gets every core"
+    assert plan_threads(CPU, 0, 3, 0, cores=2) == Threads(2, 3, 1, 1)
 
 
 @given(cores=st.integers(1, 256), workers=st.integers(0, 64), intra=st.integers(0, 256), decode=st.integers(0, 64))

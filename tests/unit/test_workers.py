@@ -126,6 +126,10 @@ def test_with_a_lowered_priority_the_general_threads_take_normal_calls_only_and_
         workers.close()
 
 
-def test_a_lowered_priority_needs_urgent_only_threads() -> None:
-    with pytest.raises(ValueError, match="urgent-only threads"):
-        WorkerThreads("test", 2, normal_nice=5)
+def test_without_urgent_only_threads_no_thread_is_niced_and_every_one_takes_urgent_calls() -> None:
+    workers = WorkerThreads("test", 1, normal_nice=5)
+    try:
+        call = workers.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), urgent=True)
+        assert call.result(10) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    finally:
+        workers.close()
