@@ -116,7 +116,10 @@ class DualWindowBatcher(Generic[P, R]):
         self._ceiling: int | None = None  # lowered under device memory pressure
         self._calm_batches = 0
         self.recovery_batches = 32  # successful batches before a lowered ceiling doubles again
-        self.batch_s: float | None = None  # moving estimate of one batch's run time
+        # moving estimates of one batch's run time, by the lane that formed it: with a thread
+        # for urgent batches only (and the others niced), urgent batches run apart and faster,
+        # and one estimate for both made normal waits look short and admitted too many
+        self._batch_s: dict[Lane, float | None] = {Lane.URGENT: None, Lane.NORMAL: None}
         self.batches = 0
 
     @property
@@ -163,6 +166,16 @@ class DualWindowBatcher(Generic[P, R]):
             self._calm_batches = 0
             log.info("%s: batch ceiling raised to %s", self._name, self._ceiling or "the policy's max")
 
+    def batch_s(self, lane: Lane) -> float | None:
+        """The moving estimate of a batch's run time in ``lane`` (the other lane's until it has one)."""
+        other = Lane.NORMAL if lane is Lane.URGENT else Lane.URGENT
+        return self._batch_s[lane] if self._batch_s[lane] is not None else self._batch_s[other]
+
+    def observe_batch(self, lane: Lane, run_s: float) -> None:
+        """Fold a batch's run time into its lane's moving estimate."""
+        before = self._batch_s[lane]
+        self._batch_s[lane] = run_s if before is None else 0.8 * before + 0.2 * run_s
+
     def predicted_wait(self, lane: Lane) -> float | None:
         """Seconds until a request submitted now to ``lane`` would be answered, if known.
 
@@ -170,12 +183,12 @@ class DualWindowBatcher(Generic[P, R]):
         running now, shared among the batches that run at once, times the measured batch
         latency, plus the lane's window.
         """
-        if self.batch_s is None:
+        if (batch_s := self.batch_s(lane)) is None:
             return None
         policy = self._effective_policy()
         ahead = self._ahead(Lane.URGENT) + (self._ahead(Lane.NORMAL) if lane is Lane.NORMAL else 0)
         rounds = (ahead // policy.lane(lane).max_batch + len(self._in_flight)) // self._max_in_flight + 1
-        return policy.lane(lane).window_s + rounds * self.batch_s
+        return policy.lane(lane).window_s + rounds * batch_s
 
     def _ahead(self, lane: Lane) -> int:
         return self._queues[lane].waiting + self._reserved[lane]
@@ -203,7 +216,7 @@ class DualWindowBatcher(Generic[P, R]):
         # None until a batch has been timed: no estimate, no refusal
         wait = self.predicted_wait(lane) if predict else None
         if wait is not None and upstream_s > 0:
-            wait = max(wait, upstream_s + self._effective_policy().lane(lane).window_s + (self.batch_s or 0.0))
+            wait = max(wait, upstream_s + self._effective_policy().lane(lane).window_s + (self.batch_s(lane) or 0.0))
         if wait is not None and wait > self._policy.admission_headroom * timeout_s:
             self._observer.on_rejected(lane, "would_miss_deadline")
             raise WouldMissDeadline(
@@ -330,7 +343,7 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
-            self.batch_s = run_s if self.batch_s is None else 0.8 * self.batch_s + 0.2 * run_s
+            self.observe_batch(plan.lane, run_s)
             self._report(plan, batch, started, run_s, ok=True)
             self._calm()
             for item, output in zip(batch, outputs, strict=True):

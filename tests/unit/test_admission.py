@@ -61,7 +61,7 @@ async def test_no_estimate_admits_everything() -> None:
 async def test_a_request_that_would_miss_its_deadline_is_refused_at_once() -> None:
     batcher, clock, runner, recorder = make()
     await run_one_timed_batch(batcher, clock, runner)
-    assert batcher.batch_s == pytest.approx(0.1)
+    assert batcher.batch_s(Lane.NORMAL) == batcher.batch_s(Lane.URGENT) == pytest.approx(0.1)
     runner.gate = asyncio.Event()
     queued = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]
     await settle()  # one batch of 4 runs (gated), 8 wait: two more batches, then ours
@@ -167,3 +167,15 @@ async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
     await batcher.close(grace_s=0)
     with pytest.raises(ValueError, match="admission_headroom"):
         BatchPolicy(*lanes, admission_headroom=0.0)
+
+
+async def test_each_lane_predicts_with_its_own_batches_run_time() -> None:
+    batcher, _, _, _ = make()
+    batcher.observe_batch(Lane.URGENT, 0.01)  # urgent batches run apart, on their own thread
+    batcher.observe_batch(Lane.NORMAL, 0.2)
+    batcher.observe_batch(Lane.NORMAL, 0.1)
+    assert batcher.batch_s(Lane.URGENT) == pytest.approx(0.01)
+    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
+    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(0.025 + 0.18)
+    assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(0.002 + 0.01)
+    await batcher.close(0)

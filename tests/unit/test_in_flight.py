@@ -58,7 +58,7 @@ async def test_predicted_wait_shares_the_queue_among_the_workers() -> None:
     runner.gate = asyncio.Event()
     one, two = batcher(runner, clock, in_flight=1), batcher(runner, clock, in_flight=2)
     for b in (one, two):
-        b.batch_s = 0.1
+        b.observe_batch(Lane.NORMAL, 0.1)
         for i in range(8):  # full batches of 2 leave at once and hang at the gate
             asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
     await settle()
