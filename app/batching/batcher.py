@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 from app.batching.clock import Clock, MonotonicClock, Timer
 from app.batching.observer import BatchObserver, NullObserver
-from app.batching.policy import BatchPlan, BatchPolicy, Lane, LanePolicy, LaneState, next_wakeup, plan_batch
+from app.batching.policy import BatchPlan, BatchPolicy, Lane, LanePolicy, LaneState, fills, next_wakeup, plan_batch
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,10 @@ class DualWindowBatcher(Generic[P, R]):
             return None
         policy = self._effective_policy()
         ahead = self._ahead(Lane.URGENT) + (self._ahead(Lane.NORMAL) if lane is Lane.NORMAL else 0)
-        rounds = (ahead // policy.lane(lane).max_batch + len(self._in_flight)) // self._max_in_flight + 1
+        workers = self._max_in_flight
+        if lane is Lane.NORMAL and fills(policy, LaneState(self._ahead(Lane.NORMAL)), self._max_in_flight):
+            workers += self._urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
+        rounds = (ahead // policy.lane(lane).max_batch + len(self._in_flight)) // workers + 1
         return policy.lane(lane).window_s + rounds * batch_s
 
     def _ahead(self, lane: Lane) -> int:

@@ -146,3 +146,27 @@ async def test_backlog_fill_waits_for_a_full_normal_batch_per_batch_in_flight() 
     await clock.advance(25 * MS)
     await asyncio.gather(*tasks)
     await b.close(grace_s=None)
+
+
+async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_draining_it() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    made = []
+    for fill in (UrgentFill.BACKLOG, UrgentFill.NEVER):
+        policy = BatchPolicy(urgent=LanePolicy(2 * MS, 2, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=fill)
+        b: DualWindowBatcher[int, int] = DualWindowBatcher(
+            runner, policy, clock=clock, max_in_flight=2, urgent_in_flight=1
+        )
+        b.start()
+        b.observe_batch(Lane.NORMAL, 0.1)
+        for i in range(8):  # 2 batches run (gated), 4 requests wait: a full batch for each of the 2
+            asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
+        made.append(b)
+    await settle()
+    backlog, never = made
+    # (4 waiting // 2 + 2 running) batches, shared by 2 normal threads + the urgent one (filling), then its own
+    assert backlog.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 3 + 1) * 0.1)
+    assert never.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
+    runner.gate.set()
+    for b in made:
+        await b.close(grace_s=None)
