@@ -12,30 +12,31 @@
   allocates. The young generation's threshold is raised so fewer short-lived request
   objects are caught alive and promoted.
 
-``Tuning.apply`` returns what ``restore`` puts back (tests and embedders run more than one
-service in a process).
+``Tuning`` applies that at start-up and puts back what it found at close. It is process-wide
+state: services sharing a process (tests, embedders) should close in the reverse order of
+their start, each putting back what the one before it had set.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class Tuning:
-    switch_interval_s: float
-    gc_freeze: bool
-    gc_young_threshold: int
+    def __init__(self, switch_interval_s: float, gc_freeze: bool, gc_young_threshold: int) -> None:
+        self.switch_interval_s = switch_interval_s
+        self.gc_freeze = gc_freeze
+        self.gc_young_threshold = gc_young_threshold
+        self._saved: tuple[float, tuple[int, int, int]] | None = None
+        self.frozen = False
 
-    def apply(self) -> Saved:
-        saved = Saved(sys.getswitchinterval(), gc.get_threshold(), self.gc_freeze)
+    def apply(self) -> None:
+        self._saved = (sys.getswitchinterval(), gc.get_threshold())
         sys.setswitchinterval(self.switch_interval_s)
         if self.gc_young_threshold > 0:
             _, *older = gc.get_threshold()
             gc.set_threshold(self.gc_young_threshold, *older)
-        return saved
 
     def freeze(self) -> None:
         """Collect what start-up left as garbage, then move everything alive out of the
@@ -43,16 +44,23 @@ class Tuning:
         if self.gc_freeze:
             gc.collect()
             gc.freeze()
+            self.frozen = True
 
-
-@dataclass(frozen=True)
-class Saved:
-    switch_interval_s: float
-    gc_threshold: tuple[int, int, int]
-    unfreeze: bool
+    def collect_unloaded(self) -> None:
+        """After a model version is dropped: frozen objects are never collected, and a model
+        holds reference cycles, so thaw, collect (one full pass, a few hundred milliseconds
+        with the GIL held: an admin operation's cost) and freeze again."""
+        if self.frozen:
+            gc.unfreeze()
+        gc.collect()
+        if self.frozen:
+            gc.freeze()
 
     def restore(self) -> None:
-        sys.setswitchinterval(self.switch_interval_s)
-        gc.set_threshold(*self.gc_threshold)
-        if self.unfreeze:
+        if self._saved is not None:
+            sys.setswitchinterval(self._saved[0])
+            gc.set_threshold(*self._saved[1])
+            self._saved = None
+        if self.frozen:
             gc.unfreeze()
+            self.frozen = False

@@ -40,7 +40,7 @@ from app.inference.postprocess import Prediction, label
 from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
 from app.inference.workers import WorkerThreads
-from app.interpreter import Saved, Tuning
+from app.interpreter import Tuning
 from app.routing import ModelGroup, Routing
 from app.settings import BatchingSettings, LaneSettings, Settings
 from app.telemetry.metrics import Metrics
@@ -138,7 +138,6 @@ class InferenceService:
         )
         server = settings.server
         self._tuning = Tuning(server.switch_interval_ms / 1000, server.gc_freeze, server.gc_young_threshold)
-        self._saved: Saved | None = None  # the interpreter's settings, restored at close
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
         self._backlog = DecodeBacklog(self.threads.decode)  # admitted requests whose images wait or decode
         self._policy = batch_policy(settings.batching)
@@ -196,7 +195,7 @@ class InferenceService:
         """
         try:
             await self._device_thread.run(self._configure_threads)
-            self._saved = self._tuning.apply()
+            self._tuning.apply()
             entries = self.entries = await asyncio.to_thread(self.repository.models)
             wanted = self.settings.model.names or [entry.name for entry in entries]
             found = {entry.name: entry for entry in entries}
@@ -263,8 +262,14 @@ class InferenceService:
         return await self._load(name, version)
 
     def forget(self, served: ServedModel) -> None:
-        """An unloaded version's metrics go; its memory goes with the last reference."""
+        """An unloaded version's metrics go; its memory goes at ``release_unloaded``, once the
+        caller holds no reference to it."""
         self.metrics.model_info.remove(served.name, served.version, str(self.device), dtype_name(self.dtype))
+
+    async def release_unloaded(self) -> None:
+        """Free what unloaded versions held: the collector (frozen once warm) must look at them
+        again, and on CUDA the freed blocks go back to the driver."""
+        await asyncio.to_thread(self._tuning.collect_unloaded)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -458,8 +463,7 @@ class InferenceService:
         # joined, bounded: threads left inside torch at interpreter exit can abort the process
         await asyncio.to_thread(self._pool.close, cancel_waiting=True)
         await asyncio.to_thread(self._device_thread.close)
-        if self._saved is not None:
-            self._saved.restore()
+        self._tuning.restore()
         if self.device.type == "cuda":
             self.groups.clear()
             torch.cuda.empty_cache()

@@ -51,7 +51,7 @@ def predict_headers(scope: Scope, server: ServerSettings) -> PredictHeaders:
         return parsed  # type: ignore[no-any-return]
     values: list[str | None] = [None, None, None]
     for key, value in scope["headers"]:
-        if (index := _PREDICT_HEADERS.get(key)) is not None:
+        if (index := _PREDICT_HEADERS.get(key)) is not None and values[index] is None:  # the first one counts
             values[index] = value.decode("latin-1")
     urgency, timeout, version = values
     parsed = PredictHeaders(*parse_predict_headers(urgency, timeout, version, server))

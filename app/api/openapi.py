@@ -22,9 +22,8 @@ PREDICT_PARAMETERS = [
     _parameter(
         "X-Urgency",
         "header",
-        "`high` rides the urgent lane (2 ms window); `normal` or absent, the normal lane",
+        "`high` rides the urgent lane (2 ms window); `normal` or absent, the normal lane (any case)",
         type="string",
-        enum=["high", "normal"],
     ),
     _parameter(
         "X-Request-Timeout",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 from collections import deque
@@ -112,6 +113,7 @@ class DualWindowBatcher(Generic[P, R]):
         self._accepting = False
         self._flush = False
         self._in_flight: set[asyncio.Task[None]] = set()  # batches handed to the runner
+        self._running = {Lane.URGENT: 0, Lane.NORMAL: 0}  # of those, by the lane that formed them
         self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
         self._ceiling: int | None = None  # lowered under device memory pressure
         self._calm_batches = 0
@@ -187,11 +189,26 @@ class DualWindowBatcher(Generic[P, R]):
             return None
         policy = self._effective_policy()
         ahead = self._ahead(Lane.URGENT) + (self._ahead(Lane.NORMAL) if lane is Lane.NORMAL else 0)
-        workers = self._max_in_flight
-        if lane is Lane.NORMAL and fills(policy, LaneState(self._ahead(Lane.NORMAL)), self._max_in_flight):
-            workers += self._urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
-        rounds = (ahead // policy.lane(lane).max_batch + len(self._in_flight)) // workers + 1
+        if not self._urgent_in_flight:  # one set of threads runs both lanes' batches
+            running, workers = len(self._in_flight), self._max_in_flight
+        elif lane is Lane.URGENT:  # urgent batches have threads of their own
+            running, workers = self._running[Lane.URGENT], self._urgent_in_flight
+        else:
+            running, workers = self._running[Lane.NORMAL], self._max_in_flight
+            urgent_traffic = self._ahead(Lane.URGENT) > 0 or self._running[Lane.URGENT] > 0
+            if urgent_traffic and fills(policy, LaneState(self._ahead(Lane.NORMAL)), self._max_in_flight):
+                workers += self._urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
+        rounds = (ahead // policy.lane(lane).max_batch + running) // workers + 1
         return policy.lane(lane).window_s + rounds * batch_s
+
+    def _may_start(self, lane: Lane) -> bool:
+        """A batch formed by ``lane`` has a thread to go to: urgent batches have threads of their
+        own where ``urgent_in_flight`` is set, else both lanes share ``max_in_flight``."""
+        if not self._urgent_in_flight:
+            return len(self._in_flight) < self._max_in_flight
+        if lane is Lane.URGENT:
+            return self._running[Lane.URGENT] < self._urgent_in_flight
+        return self._running[Lane.NORMAL] < self._max_in_flight
 
     def _ahead(self, lane: Lane) -> int:
         return self._queues[lane].waiting + self._reserved[lane]
@@ -289,25 +306,27 @@ class DualWindowBatcher(Generic[P, R]):
         try:
             while True:
                 self._wakeup.clear()
-                if len(self._in_flight) >= self._max_in_flight + self._urgent_in_flight:
+                if not (self._may_start(Lane.URGENT) or self._may_start(Lane.NORMAL)):
                     await self._wakeup.wait()  # a batch finishing sets it
                     continue
                 u_state, n_state = urgent.state(), normal.state()
                 policy = self._effective_policy()
-                plan = plan_batch(
-                    u_state, n_state, policy, self._clock.now(), self._flush, backlog_batches=self._max_in_flight
-                )
-                if plan is not None and (plan.lane is Lane.URGENT or len(self._in_flight) < self._max_in_flight):
+                now, backlog = self._clock.now(), self._max_in_flight
+                plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog_batches=backlog)
+                if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
+                    # the urgent threads are busy: a ready normal batch need not wait for them
+                    plan = plan_batch(LaneState(), n_state, policy, now, self._flush, backlog_batches=backlog)
+                if plan is not None and self._may_start(plan.lane):
                     self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
                     continue
                 if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0:
                     break
-                if plan is None:
+                if plan is None and (self._may_start(Lane.URGENT) or u_state.waiting == 0):
                     wake = next_wakeup(u_state, n_state, policy)
-                elif u_state.oldest_at is not None:  # a normal batch waits for a worker; urgent ones need not
-                    wake = u_state.oldest_at + policy.urgent.window_s
+                elif u_state.oldest_at is not None and self._may_start(Lane.URGENT):
+                    wake = u_state.oldest_at + policy.urgent.window_s  # a normal batch waits; urgent ones need not
                 else:
-                    wake = None  # a batch finishing, or an urgent request coming, wakes it
+                    wake = None  # a batch finishing, or a request coming, wakes it
                 await self._clock.wait(self._wakeup, None if wake is None else wake - self._clock.now())
             while self._in_flight:  # closing: the last batches finish before the batcher is done
                 await asyncio.wait(set(self._in_flight))
@@ -322,10 +341,12 @@ class DualWindowBatcher(Generic[P, R]):
             return
         task = asyncio.get_running_loop().create_task(self._execute(plan, batch), name=f"{self._name}-batch")
         self._in_flight.add(task)
-        task.add_done_callback(self._batch_done)
+        self._running[plan.lane] += 1
+        task.add_done_callback(functools.partial(self._batch_done, plan.lane))
 
-    def _batch_done(self, task: asyncio.Task[None]) -> None:
+    def _batch_done(self, lane: Lane, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
+        self._running[lane] -= 1
         self._wakeup.set()
 
     async def _execute(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:

@@ -97,13 +97,7 @@ class WorkerThreads:
                     self._ready.wait()
                 if call is None:
                     return
-            fn, future = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
+            _run(call)  # its own frame: nothing of the call stays referenced while this thread waits
 
     def close(self, timeout_s: float = 10.0, cancel_waiting: bool = False) -> None:
         """Finish what is queued (or cancel it), then stop, and join the threads (blocking, bounded).
@@ -123,3 +117,13 @@ class WorkerThreads:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _run(call: Call) -> None:
+    fn, future = call
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:
+        future.set_exception(exc)

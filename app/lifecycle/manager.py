@@ -86,6 +86,8 @@ class LifecycleManager:
                 raise Conflict(str(exc)) from exc
         await served.batcher.close(self._service.settings.server.shutdown_grace_s)
         self._service.forget(served)
+        del served  # the last reference here: what it held can be collected now
+        await self._service.release_unloaded()
         log.info("unloaded %s/%s", name, version, extra={"model": name, "version": version})
 
     async def promote(self, name: str, version: str, force: bool = False) -> list[str]:

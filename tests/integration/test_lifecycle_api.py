@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,17 @@ async def test_unloading_drains_and_the_default_cannot_go(repository: Path) -> N
         assert gone.status_code == 503 and gone.json()["code"] == "version_not_loaded"
         back = await running.client.post("/admin/models/digits/versions/2/load", headers=AUTH)
         assert back.status_code == 200
+
+
+async def test_an_unloaded_version_is_freed_although_the_collector_was_frozen(repository: Path) -> None:
+    async with running_app(settings_for(repository)) as running:
+        assert gc.get_freeze_count() > 0, "frozen once warm"
+        group = running.app.state.service.groups["digits"]
+        model = weakref.ref(group.routing.loaded["2"].model)
+        del group
+        unloaded = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        assert unloaded.status_code == 200
+        assert model() is None, "the version's model (reference cycles and all) was collected"
 
 
 async def test_promotion_is_refused_when_accuracy_drops_unless_forced(repository: Path) -> None:

@@ -153,7 +153,7 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
     runner.gate = asyncio.Event()
     made = []
     for fill in (UrgentFill.BACKLOG, UrgentFill.NEVER):
-        policy = BatchPolicy(urgent=LanePolicy(2 * MS, 2, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=fill)
+        policy = BatchPolicy(urgent=LanePolicy(2 * MS, 1, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=fill)
         b: DualWindowBatcher[int, int] = DualWindowBatcher(
             runner, policy, clock=clock, max_in_flight=2, urgent_in_flight=1
         )
@@ -164,9 +164,38 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
         made.append(b)
     await settle()
     backlog, never = made
+    # no urgent traffic: the urgent thread drains nothing, whatever the fill mode
+    assert backlog.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
+    for b in made:
+        asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0))  # runs (gated) on the urgent thread
+    await clock.advance(2 * MS)
     # (4 waiting // 2 + 2 running) batches, shared by 2 normal threads + the urgent one (filling), then its own
     assert backlog.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 3 + 1) * 0.1)
     assert never.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
     runner.gate.set()
     for b in made:
         await b.close(grace_s=None)
+
+
+async def test_urgent_batches_on_their_own_threads_leave_the_normal_threads_free() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    policy = BatchPolicy(
+        urgent=LanePolicy(2 * MS, 2, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=UrgentFill.NEVER
+    )
+    b: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, max_in_flight=2, urgent_in_flight=1)
+    b.start()
+    tasks = [asyncio.ensure_future(b.submit(90 + i, Lane.URGENT, 10.0)) for i in range(4)]
+    await clock.advance(2 * MS)
+    assert runner.batches == [[90, 91]], "one urgent thread: one urgent batch at a time, the next one waits"
+    tasks += [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await settle()
+    assert runner.batches[1:] == [[0, 1], [2, 3]], "an urgent batch in flight holds no normal thread"
+    b.observe_batch(Lane.URGENT, 0.05)
+    # urgent: (2 waiting // 2 + 1 running) batches on its 1 thread, then its own; normal batches do not count
+    assert b.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + ((2 // 2 + 1) // 1 + 1) * 0.05)
+    runner.gate.set()
+    await clock.advance(2 * MS)
+    assert [92, 93] in runner.batches
+    await asyncio.gather(*tasks)
+    await b.close(grace_s=None)

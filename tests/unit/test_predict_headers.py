@@ -27,6 +27,11 @@ def test_the_headers_are_parsed_and_kept_in_the_request_state() -> None:
     assert predict_headers(request, SERVER) is parsed
 
 
+def test_a_repeated_header_counts_once_the_first_time() -> None:
+    parsed = predict_headers(scope((b"x-urgency", b"high"), (b"x-urgency", b"normal")), SERVER)
+    assert parsed.lane is Lane.URGENT
+
+
 def test_absent_headers_give_the_normal_lane_and_the_default_timeout() -> None:
     parsed = predict_headers(scope(), SERVER)
     assert parsed == PredictHeaders(Lane.NORMAL, SERVER.default_timeout_ms / 1000, None)
