@@ -177,7 +177,7 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
         await b.close(grace_s=None)
 
 
-async def test_urgent_batches_on_their_own_threads_leave_the_normal_threads_free() -> None:
+async def test_urgent_batches_have_their_own_threads_and_count_against_the_cores() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()
     policy = BatchPolicy(
@@ -190,12 +190,31 @@ async def test_urgent_batches_on_their_own_threads_leave_the_normal_threads_free
     assert runner.batches == [[90, 91]], "one urgent thread: one urgent batch at a time, the next one waits"
     tasks += [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
     await settle()
-    assert runner.batches[1:] == [[0, 1], [2, 3]], "an urgent batch in flight holds no normal thread"
+    assert runner.batches[1:] == [[0, 1]], "the urgent batch running takes one of the two cores' worth"
     b.observe_batch(Lane.URGENT, 0.05)
     # urgent: (2 waiting // 2 + 1 running) batches on its 1 thread, then its own; normal batches do not count
     assert b.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + ((2 // 2 + 1) // 1 + 1) * 0.05)
     runner.gate.set()
     await clock.advance(2 * MS)
-    assert [92, 93] in runner.batches
+    assert [92, 93] in runner.batches and [2, 3] in runner.batches
+    await asyncio.gather(*tasks)
+    await b.close(grace_s=None)
+
+
+async def test_with_the_urgent_thread_busy_a_normal_window_still_closes_on_time() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    policy = BatchPolicy(
+        urgent=LanePolicy(2 * MS, 1, 64), normal=LanePolicy(25 * MS, 8, 64), urgent_fill=UrgentFill.NEVER
+    )
+    b: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, max_in_flight=2, urgent_in_flight=1)
+    b.start()
+    tasks = [asyncio.ensure_future(b.submit(90 + i, Lane.URGENT, 10.0)) for i in range(2)]
+    await clock.advance(2 * MS)
+    assert runner.batches == [[90]], "the urgent thread is busy; 91 waits for it"
+    tasks.append(asyncio.ensure_future(b.submit(0, Lane.NORMAL, 10.0)))
+    await clock.advance(25 * MS)
+    assert runner.batches == [[90], [0]], "the normal window closed while an urgent request waited for its thread"
+    runner.gate.set()
     await asyncio.gather(*tasks)
     await b.close(grace_s=None)
