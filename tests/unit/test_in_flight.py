@@ -13,16 +13,18 @@ from tests.unit.fakes import FakeClock, FakeRunner, settle
 MS = 0.001
 
 
-def policy(max_batch: int = 2) -> BatchPolicy:
+def policy(urgent_max: int = 2, normal_max: int = 2, fill: UrgentFill = UrgentFill.ALWAYS) -> BatchPolicy:
     return BatchPolicy(
-        urgent=LanePolicy(2 * MS, max_batch, 64),
-        normal=LanePolicy(25 * MS, max_batch, 64),
-        urgent_fill=UrgentFill.ALWAYS,
+        urgent=LanePolicy(2 * MS, urgent_max, 64), normal=LanePolicy(25 * MS, normal_max, 64), urgent_fill=fill
     )
 
 
-def batcher(runner: FakeRunner, clock: FakeClock, in_flight: int) -> DualWindowBatcher[int, int]:
-    made: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy(), clock=clock, max_in_flight=in_flight)
+def batcher(
+    runner: FakeRunner, clock: FakeClock, in_flight: int, urgent_in_flight: int = 0, rules: BatchPolicy | None = None
+) -> DualWindowBatcher[int, int]:
+    made: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, rules or policy(), clock=clock, max_in_flight=in_flight, urgent_in_flight=urgent_in_flight
+    )
     made.start()
     return made
 
@@ -106,10 +108,7 @@ def test_max_in_flight_must_be_positive() -> None:
 async def test_an_urgent_batch_takes_its_own_seat_when_every_worker_is_busy() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()
-    made: DualWindowBatcher[int, int] = DualWindowBatcher(
-        runner, policy(), clock=clock, max_in_flight=1, urgent_in_flight=1
-    )
-    made.start()
+    made = batcher(runner, clock, in_flight=1, urgent_in_flight=1)
     normal = [asyncio.ensure_future(made.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
     await clock.advance(100 * MS)
     assert runner.batches == [[0, 1]], "one normal batch in flight; the next waits for its worker"
@@ -126,13 +125,7 @@ async def test_an_urgent_batch_takes_its_own_seat_when_every_worker_is_busy() ->
 async def test_backlog_fill_waits_for_a_full_normal_batch_per_batch_in_flight() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()
-    backlog = BatchPolicy(
-        urgent=LanePolicy(2 * MS, 4, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=UrgentFill.BACKLOG
-    )
-    b: DualWindowBatcher[int, int] = DualWindowBatcher(
-        runner, backlog, clock=clock, max_in_flight=2, urgent_in_flight=2
-    )
-    b.start()
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=2, rules=policy(4, 2, UrgentFill.BACKLOG))
     tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(7)]  # 2 batches run, 3 wait
     await settle()
     tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
@@ -153,11 +146,7 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
     runner.gate = asyncio.Event()
     made = []
     for fill in (UrgentFill.BACKLOG, UrgentFill.NEVER):
-        policy = BatchPolicy(urgent=LanePolicy(2 * MS, 1, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=fill)
-        b: DualWindowBatcher[int, int] = DualWindowBatcher(
-            runner, policy, clock=clock, max_in_flight=2, urgent_in_flight=1
-        )
-        b.start()
+        b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(1, 2, fill))
         b.observe_batch(Lane.NORMAL, 0.1)
         for i in range(8):  # 2 batches run (gated), 4 requests wait: a full batch for each of the 2
             asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
@@ -180,11 +169,7 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
 async def test_urgent_batches_have_their_own_threads_and_count_against_the_cores() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()
-    policy = BatchPolicy(
-        urgent=LanePolicy(2 * MS, 2, 64), normal=LanePolicy(25 * MS, 2, 64), urgent_fill=UrgentFill.NEVER
-    )
-    b: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, max_in_flight=2, urgent_in_flight=1)
-    b.start()
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(2, 2, UrgentFill.NEVER))
     tasks = [asyncio.ensure_future(b.submit(90 + i, Lane.URGENT, 10.0)) for i in range(4)]
     await clock.advance(2 * MS)
     assert runner.batches == [[90, 91]], "one urgent thread: one urgent batch at a time, the next one waits"
@@ -204,11 +189,7 @@ async def test_urgent_batches_have_their_own_threads_and_count_against_the_cores
 async def test_with_the_urgent_thread_busy_a_normal_window_still_closes_on_time() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()
-    policy = BatchPolicy(
-        urgent=LanePolicy(2 * MS, 1, 64), normal=LanePolicy(25 * MS, 8, 64), urgent_fill=UrgentFill.NEVER
-    )
-    b: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, max_in_flight=2, urgent_in_flight=1)
-    b.start()
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(1, 8, UrgentFill.NEVER))
     tasks = [asyncio.ensure_future(b.submit(90 + i, Lane.URGENT, 10.0)) for i in range(2)]
     await clock.advance(2 * MS)
     assert runner.batches == [[90]], "the urgent thread is busy; 91 waits for it"
