@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 from app.batching import Lane
@@ -36,12 +37,18 @@ async def test_requests_waiting_to_be_decoded_fill_the_queue_and_late_ones_are_n
             gate.set()
         assert [r.status_code for r in await asyncio.gather(*waiting)] == [200, 200]
 
+        # a deadline admission accepts on this host: a slow one measures slow batches, and a
+        # 50 ms deadline was refused up front (would_miss_deadline) instead of expiring later
+        predicted_ms = 1000 * (batcher.predicted_wait(Lane.NORMAL) or 0.0)
+        timeout_ms = max(50, math.ceil(4 * predicted_ms))
         gate = threading.Event()
         for _ in range(service.threads.decode):
             service._pool.submit(gate.wait)
         try:
-            late = asyncio.ensure_future(running.predict_png(sample_png(4), headers={"X-Request-Timeout": "50"}))
-            await asyncio.sleep(0.3)  # its deadline passes while its image waits for a decode thread
+            late = asyncio.ensure_future(
+                running.predict_png(sample_png(4), headers={"X-Request-Timeout": str(timeout_ms)})
+            )
+            await asyncio.sleep(timeout_ms / 1000 + 0.25)  # its deadline passes while its image waits to be decoded
         finally:
             gate.set()
         answer = await late
