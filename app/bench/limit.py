@@ -299,6 +299,81 @@ def measure_pipeline(
     return Pipeline(decode_threads, batch_size, done, round(elapsed, 3), round(done / elapsed, 1))
 
 
+@dataclass(frozen=True)
+class EveryCore:
+    """Images per second with one process per core, each decoding and running its own batches."""
+
+    processes: int
+    batch_size: int
+    images: int
+    seconds: float
+    images_per_s: float
+    per_process: tuple[float, ...]
+
+
+def _core_loop(
+    root: str,
+    name: str,
+    version: str | None,
+    encoded: Sequence[str],
+    batch_size: int,
+    seconds: float,
+    start: Any,
+    results: Any,
+) -> None:
+    """One process of ``measure_every_core``: decode a batch, run it, again, for ``seconds``."""
+    torch.set_num_threads(1)
+    model = load_model(Path(root), name, version)
+    spec, k = model.manifest.input, min(5, len(model.manifest.labels))
+
+    def one_batch(offset: int) -> None:
+        batch = torch.stack(
+            [preprocess.decode_payload(encoded[(offset + i) % len(encoded)], spec, LIMITS) for i in range(batch_size)]
+        )
+        model.probabilities(batch).topk(k, dim=1)
+
+    done = 0
+    with torch.inference_mode():
+        one_batch(0)  # the first pass at this shape pays for its plan
+        start.wait()
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            one_batch(done)
+            done += batch_size
+        results.put((done, time.perf_counter() - started))
+
+
+def measure_every_core(
+    root: Path, name: str, version: str | None, encoded: Sequence[str], batch_size: int, seconds: float
+) -> EveryCore:
+    """What the machine does with no serving layer and every core at work at once.
+
+    The limit adds up costs timed on one core while the others idle; cores busy together
+    share caches, memory bandwidth and (on a VM) the host, and each gets slower. Here one
+    process per core, started together, runs the best in-process path on its own (decode a
+    batch of images on its thread, run the batch with one torch thread): their sum is what
+    the machine reaches with no serving layer and no coordination at all.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # torch and fork do not mix
+    count = cores()
+    start, results = context.Barrier(count), context.Queue()
+    args = (str(root), name, version, list(encoded), batch_size, seconds, start, results)
+    processes = [context.Process(target=_core_loop, args=args, daemon=True) for _ in range(count)]
+    for process in processes:
+        process.start()
+    try:
+        timings = [results.get(timeout=seconds + 300) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    rates = tuple(round(done / elapsed, 1) for done, elapsed in timings)
+    return EveryCore(count, batch_size, sum(done for done, _ in timings), seconds, round(sum(rates), 1), rates)
+
+
 @contextlib.contextmanager
 def model_repository(root: Path | None, name: str) -> Iterator[Path]:
     """``root`` when it holds ``name``; else ``name`` exported (``--seed 0``) into ``root`` or a temporary one."""
@@ -382,6 +457,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {row['batch_size']} | {row['cpu_ms_per_image']:.3f} | {row['wall_ms_per_image']:.3f} | {tail} |"
         )
+    if every := report.get("every_core"):
+        lines.append(
+            f"\nevery core at once, no serving layer ({every['processes']} processes, each decoding and running "
+            f"batches of {every['batch_size']}): {every['images_per_s']:.1f} images/s = "
+            f"{every['images_per_s'] / limit['images_per_s']:.2f} of the limit"
+        )
     for run in report.get("pipeline", []):
         lines.append(
             f"\npipelined in process ({run['decode_threads']} decode threads + 1 forward thread, batch "
@@ -406,28 +487,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     with model_repository(args.repository, args.model) as root:
         model = load_model(root, args.model, args.version)
-    spec = model.manifest.input
-    print("timing decode", file=sys.stderr, flush=True)
-    decode = measure_decode(encoded, spec, args.seconds)
-    tensors = [preprocess.decode(d, spec, LIMITS) for d in data]
-    print("timing forward, 1 torch thread", file=sys.stderr, flush=True)
-    forward_one = measure_forward(model, tensors, args.batch_sizes, 1, args.seconds)
-    forward_default: list[ForwardCost] = []
-    if default_threads > 1:
-        print(f"timing forward, {default_threads} torch threads", file=sys.stderr, flush=True)
-        forward_default = measure_forward(model, tensors, args.batch_sizes, default_threads, args.seconds)
-    limit = limit_report(decode, forward_one, forward_default, cores())
-    pipeline = []
-    if args.pipeline_seconds > 0:
-        print("pipelined run", file=sys.stderr, flush=True)
-        for threads in sorted({1, max(1, cores() - 1), cores()}):
-            result = measure_pipeline(model, encoded, spec, limit["best_batch"], threads, args.pipeline_seconds)
-            pipeline.append(asdict(result))
+        measured = _measure(args, model, root, data, encoded)
     width, height = next(iter(sizes)) if len(sizes) == 1 else (0, 0)
     return {
         "model": model.manifest.name,
         "version": model.manifest.version,
-        "input": spec.model_dump(),
+        "input": model.manifest.input.model_dump(),
         "images": {
             "count": len(paths),
             "folder": str(paths[0].parent),
@@ -447,9 +512,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_1m_after": round(os.getloadavg()[0], 2),
         },
         "settings": {"seconds": args.seconds, "batch_sizes": list(args.batch_sizes)},
-        "limit": limit,
-        "pipeline": pipeline,
+        **measured,
     }
+
+
+def _measure(
+    args: argparse.Namespace, model: LayeredModel, root: Path, data: Sequence[bytes], encoded: Sequence[str]
+) -> dict[str, Any]:
+    default_threads = torch.get_num_threads()
+    spec = model.manifest.input
+    print("timing decode", file=sys.stderr, flush=True)
+    decode = measure_decode(encoded, spec, args.seconds)
+    tensors = [preprocess.decode(d, spec, LIMITS) for d in data]
+    print("timing forward, 1 torch thread", file=sys.stderr, flush=True)
+    forward_one = measure_forward(model, tensors, args.batch_sizes, 1, args.seconds)
+    forward_default: list[ForwardCost] = []
+    if default_threads > 1:
+        print(f"timing forward, {default_threads} torch threads", file=sys.stderr, flush=True)
+        forward_default = measure_forward(model, tensors, args.batch_sizes, default_threads, args.seconds)
+    limit = limit_report(decode, forward_one, forward_default, cores())
+    pipeline = []
+    if args.pipeline_seconds > 0:
+        print("pipelined run", file=sys.stderr, flush=True)
+        for threads in sorted({1, max(1, cores() - 1), cores()}):
+            result = measure_pipeline(model, encoded, spec, limit["best_batch"], threads, args.pipeline_seconds)
+            pipeline.append(asdict(result))
+    every_core = None
+    if args.every_core_seconds > 0:
+        print(f"every core at once ({cores()} processes)", file=sys.stderr, flush=True)
+        every_core = measure_every_core(
+            root, args.model, args.version, encoded, limit["best_batch"], args.every_core_seconds
+        )
+        limit["every_core_images_per_s"] = every_core.images_per_s
+    return {"limit": limit, "pipeline": pipeline, "every_core": asdict(every_core) if every_core else None}
 
 
 def _cpu_model() -> str:
@@ -484,10 +579,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pipeline-seconds", type=float, default=4.0, help="seconds of each pipelined check; 0 skips it"
     )
+    parser.add_argument(
+        "--every-core-seconds",
+        type=float,
+        default=6.0,
+        help="seconds of the run with one process per core, all at once; 0 skips it",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/limit.json"), help="the JSON report")
     args = parser.parse_args(argv)
-    if args.count < 1 or not 0 < args.seconds <= 120 or not 0 <= args.pipeline_seconds <= 120:
-        parser.error("need --count >= 1, 0 < --seconds <= 120 and 0 <= --pipeline-seconds <= 120")
+    if (
+        args.count < 1
+        or not 0 < args.seconds <= 120
+        or not all(0 <= s <= 120 for s in (args.pipeline_seconds, args.every_core_seconds))
+    ):
+        parser.error("need --count >= 1, 0 < --seconds <= 120 and 0 <= --pipeline-seconds, --every-core-seconds <= 120")
     try:
         report = run(args)
     except (LookupError, OSError, ValueError) as exc:

@@ -251,6 +251,14 @@ def build_report(
             for b in benches
         ],
     }
+    every = [
+        float(end["limit"]["every_core_images_per_s"]) for end in ends if "every_core_images_per_s" in end["limit"]
+    ]
+    if every:
+        # every core at once with no serving layer: the machine's own ceiling (see ``limit.measure_every_core``)
+        report["every_core_images_per_s"] = round(statistics.mean(every), 1)
+        report["every_core_runs_images_per_s"] = every
+        report["saturation"]["every_core_ratio"] = round(float(best["throughput_rps"]) / statistics.mean(every), 4)
     if server_ms:
         # the serving layer's cost in CPU, whatever else ran on the machine meanwhile
         report["saturation"]["cpu_ratio"] = round(limit_ms / float(server_ms), 4)
@@ -273,6 +281,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"- service at saturation (concurrency {sat['concurrency']}): {sat['throughput_rps']:.1f} requests/s, "
         f"mean batch {sat['mean_batch_size']:.1f}",
     ]
+    if "every_core_ratio" in sat:
+        lines.append(
+            f"- every core at once with no serving layer: {report['every_core_images_per_s']:.1f} images/s "
+            f"({report['every_core_images_per_s'] / report['limit_images_per_s']:.2f} of the limit); "
+            f"**service / every core: {sat['every_core_ratio']:.2f}**"
+        )
     if "cpu_ratio" in sat:
         lines.append(
             f"- server CPU per request {cpu['server_ms_per_request']:.3f} ms: the limit's per-image CPU is "

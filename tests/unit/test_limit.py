@@ -81,7 +81,8 @@ def test_a_missing_model_is_exported_into_the_repository_and_a_temporary_one_rem
 def test_a_whole_run_on_the_digits_model_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "limit.json"
     argv = ["--repository", str(MODELS_DIR), "--model", "digits", "--count", "2", "--images-out", str(tmp_path)]
-    argv += ["--batch-sizes", "1,4", "--seconds", "0.05", "--pipeline-seconds", "0.2", "--out", str(out)]
+    argv += ["--batch-sizes", "1,4", "--seconds", "0.05", "--pipeline-seconds", "0.2"]
+    argv += ["--every-core-seconds", "0.3", "--out", str(out)]
     threads = torch.get_num_threads()
     assert limit.main(argv) == 0
     assert torch.get_num_threads() == threads, "the thread count is put back"
@@ -93,6 +94,9 @@ def test_a_whole_run_on_the_digits_model_writes_the_report(tmp_path: Path, capsy
     per_image = result["decode"]["total_ms"] + result["forward_cpu_ms"]
     assert result["images_per_s"] == pytest.approx(result["cores"] * 1000 / per_image, rel=1e-3)
     assert report["pipeline"] and all(run["images_per_s"] > 0 for run in report["pipeline"])
+    every = report["every_core"]  # one process per core, each decoding and running its own batches
+    assert every["processes"] == limit.cores() == len(every["per_process"]) and every["images"] > 0
+    assert every["batch_size"] == result["best_batch"] and result["every_core_images_per_s"] == every["images_per_s"]
     assert "**limit:" in capsys.readouterr().out
 
 

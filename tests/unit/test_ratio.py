@@ -137,3 +137,13 @@ def test_a_limit_measured_again_after_the_service_is_averaged_in() -> None:
     assert report["limit_images_per_s"] == 380.0 and report["limit_runs_images_per_s"] == [400.0, 360.0]
     assert report["saturation"]["ratio"] == round(340 / 380, 4)
     assert "measured 400.0 and 360.0" in ratio.markdown(report)
+
+
+def test_the_every_core_ceiling_gives_a_second_ratio_when_the_limit_measured_it() -> None:
+    before = {"limit": {**LIMIT["limit"], "every_core_images_per_s": 320.0}}
+    after = {"limit": {**LIMIT["limit"], "every_core_images_per_s": 360.0}}
+    report = ratio.build_report(before, [bench(64, 306.0)], None, {}, limit_after=after)
+    assert report["every_core_images_per_s"] == 340.0 and report["every_core_runs_images_per_s"] == [320.0, 360.0]
+    assert report["saturation"]["every_core_ratio"] == 0.9 and report["saturation"]["ratio"] == 0.765
+    assert "0.85 of the limit); **service / every core: 0.90**" in ratio.markdown(report)
+    assert "every_core_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
