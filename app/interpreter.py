@@ -1,4 +1,4 @@
-"""The Python interpreter tuned for serving: the GIL switch interval and the garbage collector.
+"""The process tuned for serving: the GIL switch interval, the garbage collector, the allocator.
 
 - **Switch interval.** The event loop holds the GIL most of the time; at Python's default
   5 ms a device or decode thread coming back from a torch or Pillow call can wait that long
@@ -12,6 +12,8 @@
   allocates. The young generation's threshold is raised so fewer short-lived request
   objects are caught alive and promoted.
 
+- **Allocator.** Freed activations kept for the next batch (``app.allocator``).
+
 ``Tuning`` applies that at start-up and puts back what it found at close. It is process-wide
 state: services sharing a process (tests, embedders) should close in the reverse order of
 their start, each putting back what the one before it had set.
@@ -22,12 +24,17 @@ from __future__ import annotations
 import gc
 import sys
 
+from app.allocator import retain_freed_memory
+
 
 class Tuning:
-    def __init__(self, switch_interval_s: float, gc_freeze: bool, gc_young_threshold: int) -> None:
+    def __init__(
+        self, switch_interval_s: float, gc_freeze: bool, gc_young_threshold: int, malloc_retain_bytes: int = 0
+    ) -> None:
         self.switch_interval_s = switch_interval_s
         self.gc_freeze = gc_freeze
         self.gc_young_threshold = gc_young_threshold
+        self.malloc_retain_bytes = malloc_retain_bytes
         self._saved: tuple[float, tuple[int, int, int]] | None = None
         self.frozen = False
 
@@ -37,6 +44,8 @@ class Tuning:
         if self.gc_young_threshold > 0:
             _, *older = gc.get_threshold()
             gc.set_threshold(self.gc_young_threshold, *older)
+        if self.malloc_retain_bytes > 0:  # for the rest of the process: glibc cannot go back to adjusting them
+            retain_freed_memory(self.malloc_retain_bytes)
 
     def freeze(self) -> None:
         """Collect what start-up left as garbage, then move everything alive out of the

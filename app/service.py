@@ -137,7 +137,9 @@ class InferenceService:
             workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=model.normal_nice
         )
         server = settings.server
-        self._tuning = Tuning(server.switch_interval_ms / 1000, server.gc_freeze, server.gc_young_threshold)
+        self._tuning = Tuning(
+            server.switch_interval_ms / 1000, server.gc_freeze, server.gc_young_threshold, server.malloc_retain_mb << 20
+        )
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
         self._backlog = DecodeBacklog(self.threads.decode)  # admitted requests whose images wait or decode
         self._policy = batch_policy(settings.batching)

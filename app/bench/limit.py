@@ -46,15 +46,18 @@ import PIL
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
+from app.allocator import retain_freed_memory
 from app.inference import preprocess
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec
+from app.settings import ServerSettings
 
 DEFAULT_MODEL = "mobilenet_v3_small"
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
 IMAGE_SUFFIXES = (".jpg", ".jpeg")
 # the service's defaults (server.max_image_bytes, server.max_image_pixels)
 LIMITS = preprocess.ImageLimits(max_bytes=1 << 20, max_pixels=16_000_000)
+MALLOC_RETAIN_MB: int = ServerSettings.model_fields["malloc_retain_mb"].default
 
 Clock = Callable[[], float]
 
@@ -320,9 +323,12 @@ def _core_loop(
     seconds: float,
     start: Any,
     results: Any,
+    malloc_retain_mb: int = 0,
 ) -> None:
     """One process of ``measure_every_core``: decode a batch, run it, again, for ``seconds``."""
     torch.set_num_threads(1)
+    if malloc_retain_mb:
+        retain_freed_memory(malloc_retain_mb << 20)
     model = load_model(Path(root), name, version)
     spec, k = model.manifest.input, min(5, len(model.manifest.labels))
 
@@ -344,7 +350,13 @@ def _core_loop(
 
 
 def measure_every_core(
-    root: Path, name: str, version: str | None, encoded: Sequence[str], batch_size: int, seconds: float
+    root: Path,
+    name: str,
+    version: str | None,
+    encoded: Sequence[str],
+    batch_size: int,
+    seconds: float,
+    malloc_retain_mb: int = 0,
 ) -> EveryCore:
     """What the machine does with no serving layer and every core at work at once.
 
@@ -359,7 +371,7 @@ def measure_every_core(
     context = multiprocessing.get_context("spawn")  # torch and fork do not mix
     count = cores()
     start, results = context.Barrier(count), context.Queue()
-    args = (str(root), name, version, list(encoded), batch_size, seconds, start, results)
+    args = (str(root), name, version, list(encoded), batch_size, seconds, start, results, malloc_retain_mb)
     processes = [context.Process(target=_core_loop, args=args, daemon=True) for _ in range(count)]
     for process in processes:
         process.start()
@@ -480,6 +492,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         paths = image_files(args.images)
         if not paths:
             raise LookupError(f"{args.images} holds no .jpg or .jpeg files")
+    if args.malloc_retain_mb:  # the service's allocator settings: its best path is measured, not glibc's default
+        retain_freed_memory(args.malloc_retain_mb << 20)
     data = [p.read_bytes() for p in paths]
     encoded = [base64.b64encode(d).decode("ascii") for d in data]
     sizes = {Image.open(io.BytesIO(d)).size for d in data}
@@ -511,7 +525,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_1m_before": round(load_before, 2),
             "loadavg_1m_after": round(os.getloadavg()[0], 2),
         },
-        "settings": {"seconds": args.seconds, "batch_sizes": list(args.batch_sizes)},
+        "settings": {
+            "seconds": args.seconds,
+            "batch_sizes": list(args.batch_sizes),
+            "malloc_retain_mb": args.malloc_retain_mb,
+        },
         **measured,
     }
 
@@ -541,7 +559,7 @@ def _measure(
     if args.every_core_seconds > 0:
         print(f"every core at once ({cores()} processes)", file=sys.stderr, flush=True)
         every_core = measure_every_core(
-            root, args.model, args.version, encoded, limit["best_batch"], args.every_core_seconds
+            root, args.model, args.version, encoded, limit["best_batch"], args.every_core_seconds, args.malloc_retain_mb
         )
         limit["every_core_images_per_s"] = every_core.images_per_s
     return {"limit": limit, "pipeline": pipeline, "every_core": asdict(every_core) if every_core else None}
@@ -584,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=6.0,
         help="seconds of the run with one process per core, all at once; 0 skips it",
+    )
+    parser.add_argument(
+        "--malloc-retain-mb",
+        type=int,
+        default=MALLOC_RETAIN_MB,
+        help=f"as the service's server.malloc_retain_mb (default {MALLOC_RETAIN_MB}; 0: glibc's defaults)",
     )
     parser.add_argument("--out", type=Path, default=Path("out/limit.json"), help="the JSON report")
     args = parser.parse_args(argv)
