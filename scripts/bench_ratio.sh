@@ -19,7 +19,8 @@
 # saturation point), VARIANTS_ONLY (skip iii-v), REPOSITORY, LIMIT_JSON (reuse a limit report),
 # QUIET_WAIT / QUIET_CORES (wait for an idle machine before each measurement), and any AI_SERVICE_* setting.
 # The server runs on its defaults (on 2 cores: two device workers of one torch thread each, two
-# decode workers, GIL switch interval 0.2 ms), with the limit's best batch as the normal lane's max batch.
+# decode workers, GIL switch interval 0.2 ms), with the limit's serving batch (the largest within 5% of the
+# best batch's CPU per image) as the normal lane's max batch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -65,11 +66,12 @@ else
     --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit.json" 2>/dev/null | tee "$out/limit.md"
 fi
 best_batch=$(field "$out/limit.json" "r['limit']['best_batch']")
+serve_batch=$(field "$out/limit.json" "r['limit'].get('serve_batch', r['limit']['best_batch'])")
 
 export AI_SERVICE_MODEL__REPOSITORY="$repo"
 export AI_SERVICE_MODEL__NAMES="[\"$model\"]"
 export AI_SERVICE_MODEL__DEFAULT="$model"
-export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$best_batch}"
+export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$serve_batch}"
 
 # start_server LOG [ENV=VALUE ...]: serve on $port from $SERVER_TREE (default: this checkout)
 start_server() {
@@ -135,7 +137,7 @@ else
     limit_after=()
   fi
 
-  config=("best_batch=$best_batch" "cores=$(nproc)")
+  config=("best_batch=$best_batch" "serve_batch=$serve_batch" "cores=$(nproc)")
   for name in $(env | grep -o '^AI_SERVICE_[A-Z_]*' | sort); do config+=("$name=${!name}"); done
   "$py" -m app.bench.ratio report --limit "$out/limit.json" "${limit_after[@]}" --bench "${benches[@]}" \
     --profile "$out/profile.json" \

@@ -114,6 +114,11 @@ class DualWindowBatcher(Generic[P, R]):
         self._flush = False
         self._in_flight: set[asyncio.Task[None]] = set()  # batches handed to the runner
         self._running = {Lane.URGENT: 0, Lane.NORMAL: 0}  # of those, by the lane that formed them
+        # with threads of their own for urgent batches (on a CPU), urgent requests that waited for
+        # a busy one go without normal riders: an urgent request then waits for at most one long
+        # (filled) batch, not for that one and then its own. (Without them, as on a GPU where a
+        # batch's time hardly depends on its size, the seats fill as the rule says.)
+        self._urgent_waited = False
         self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
         self._ceiling: int | None = None  # lowered under device memory pressure
         self._calm_batches = 0
@@ -306,16 +311,14 @@ class DualWindowBatcher(Generic[P, R]):
         try:
             while True:
                 self._wakeup.clear()
+                if self._urgent_in_flight and urgent.waiting and not self._may_start(Lane.URGENT):
+                    self._urgent_waited = True  # these urgent requests wait for a busy urgent thread
                 if not (self._may_start(Lane.URGENT) or self._may_start(Lane.NORMAL)):
                     await self._wakeup.wait()  # a batch finishing sets it
                     continue
                 u_state, n_state = urgent.state(), normal.state()
                 policy = self._effective_policy()
-                now, backlog = self._clock.now(), self._max_in_flight
-                plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog_batches=backlog)
-                if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
-                    # the urgent threads are busy: a ready normal batch need not wait for them
-                    plan = plan_batch(LaneState(), n_state, policy, now, self._flush, backlog_batches=backlog)
+                plan = self._plan(u_state, n_state, policy)
                 if plan is not None and self._may_start(plan.lane):
                     self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
                     continue
@@ -337,9 +340,21 @@ class DualWindowBatcher(Generic[P, R]):
             if self._in_flight:
                 await asyncio.wait(set(self._in_flight))
 
+    def _plan(self, u_state: LaneState, n_state: LaneState, policy: BatchPolicy) -> BatchPlan | None:
+        """The batch the rules pick now; a normal one when the urgent threads are busy."""
+        now, backlog = self._clock.now(), self._max_in_flight
+        riders = not self._urgent_waited
+        plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog_batches=backlog, riders=riders)
+        if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
+            # the urgent threads are busy: a ready normal batch need not wait for them
+            plan = plan_batch(LaneState(), n_state, policy, now, self._flush, backlog_batches=backlog)
+        return plan
+
     def _start_batch(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
         if not batch:
             return
+        if plan.lane is Lane.URGENT:
+            self._urgent_waited = False
         task = asyncio.get_running_loop().create_task(self._execute(plan, batch), name=f"{self._name}-batch")
         self._in_flight.add(task)
         self._running[plan.lane] += 1

@@ -130,12 +130,18 @@ def plan_batch(
     now: float,
     flush: bool = False,
     backlog_batches: int = 1,
+    riders: bool = True,
 ) -> BatchPlan | None:
-    """The next batch to run, urgent first; ``None`` when no lane is ready."""
+    """The next batch to run, urgent first; ``None`` when no lane is ready.
+
+    ``riders=False`` keeps normal requests out of an urgent batch whatever the fill rule: the
+    batcher passes it when the urgent requests have already waited for a busy device thread
+    (one running a filled urgent batch, say), so none of them waits for two long batches.
+    """
     if is_ready(urgent, policy.urgent, now, flush):
         take = min(urgent.waiting, policy.urgent.max_batch)
         seats = policy.urgent.max_batch - take
-        fill = min(seats, normal.waiting) if fills(policy, normal, backlog_batches) else 0
+        fill = min(seats, normal.waiting) if riders and fills(policy, normal, backlog_batches) else 0
         return BatchPlan(Lane.URGENT, take, fill)
     if is_ready(normal, policy.normal, now, flush):
         return BatchPlan(Lane.NORMAL, 0, min(normal.waiting, policy.normal.max_batch))

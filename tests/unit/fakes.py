@@ -77,11 +77,20 @@ class FakeRunner:
     def __init__(self, fail_on: Callable[[Sequence[int]], BaseException | None] | None = None) -> None:
         self.batches: list[list[int]] = []
         self.gate: asyncio.Event | None = None
+        self.held: list[asyncio.Event] | None = None  # [] holds each batch until ``release(its index)``
         self.fail_on = fail_on
         self.short = False
 
+    def release(self, *indexes: int) -> None:
+        assert self.held is not None, "set held = [] before the batches run"
+        for index in indexes or range(len(self.held)):
+            self.held[index].set()
+
     async def __call__(self, payloads: Sequence[int]) -> list[int]:
         self.batches.append(list(payloads))
+        if self.held is not None:
+            self.held.append(event := asyncio.Event())
+            await event.wait()
         if self.gate is not None:
             await self.gate.wait()
         if self.fail_on is not None and (error := self.fail_on(payloads)) is not None:

@@ -35,11 +35,18 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     st.floats(min_value=0.0, max_value=1.2),
     st.booleans(),
     st.integers(min_value=1, max_value=4),
+    st.booleans(),
 )
 def test_a_plan_respects_priority_bounds_and_seats(
-    urgent: LaneState, normal: LaneState, policy: BatchPolicy, now: float, flush: bool, backlog_batches: int
+    urgent: LaneState,
+    normal: LaneState,
+    policy: BatchPolicy,
+    now: float,
+    flush: bool,
+    backlog_batches: int,
+    riders: bool,
 ) -> None:
-    plan = plan_batch(urgent, normal, policy, now, flush, backlog_batches)
+    plan = plan_batch(urgent, normal, policy, now, flush, backlog_batches, riders)
     urgent_ready = is_ready(urgent, policy.urgent, now, flush)
     normal_ready = is_ready(normal, policy.normal, now, flush)
     if not urgent_ready and not normal_ready:
@@ -53,7 +60,7 @@ def test_a_plan_respects_priority_bounds_and_seats(
         assert plan.size <= policy.urgent.max_batch
         backlogged = normal.waiting >= policy.normal.max_batch * backlog_batches
         fill = policy.urgent_fill is UrgentFill.ALWAYS or (policy.urgent_fill is UrgentFill.BACKLOG and backlogged)
-        if fill:
+        if fill and riders:
             assert plan.from_normal == min(policy.urgent.max_batch - plan.from_urgent, normal.waiting)
         else:
             assert plan.from_normal == 0

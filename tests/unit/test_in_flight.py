@@ -166,6 +166,33 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
         await b.close(grace_s=None)
 
 
+async def test_urgent_requests_that_waited_for_a_busy_thread_go_without_riders() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.held = []  # each batch runs until released
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(4, 2, UrgentFill.ALWAYS))
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]  # 2 batches run, 8 wait
+    await settle()
+    tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
+    await clock.advance(2 * MS)
+    assert runner.batches[2] == [90, 4, 5, 6], "the urgent thread was free: the batch fills its seats"
+    tasks.append(asyncio.ensure_future(b.submit(91, Lane.URGENT, 10.0)))
+    await clock.advance(10 * MS)
+    assert len(runner.batches) == 3, "91 waits for the urgent thread, busy with the filled batch"
+    runner.release(2)  # the filled urgent batch ends; the normal ones still run
+    await settle()
+    assert runner.batches[3] == [91], "it waited for one long batch: its own carries no riders"
+    runner.release(3)
+    await settle()
+    tasks.append(asyncio.ensure_future(b.submit(92, Lane.URGENT, 10.0)))
+    await clock.advance(2 * MS)
+    assert runner.batches[4] == [92, 7, 8, 9], "the next one, with the thread free again, fills"
+    runner.release()  # every batch held so far ends, and the rest run through
+    runner.held = None
+    await clock.advance(25 * MS)
+    assert [done.output for done in await asyncio.gather(*tasks)] == [2 * i for i in range(12)] + [180, 182, 184]
+    await b.close(grace_s=None)
+
+
 async def test_urgent_batches_have_their_own_threads_and_count_against_the_cores() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()

@@ -49,6 +49,9 @@ def test_the_limit_is_cores_over_decode_plus_the_best_forward() -> None:
     assert report["best_batch"] == 16
     assert report["cpu_ms_per_image"] == 4.0
     assert report["images_per_s"] == 500.0
+    assert report["serve_batch"] == 16, "32 costs 8% more per image: past the 5% tolerance"
+    forward[2] = ForwardCost(32, 1, 2.6, 2.6, 10)
+    assert limit_report(decode, forward, [], core_count=2)["serve_batch"] == 32, "within 4%: the larger one serves"
 
 
 @pytest.fixture
