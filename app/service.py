@@ -32,6 +32,7 @@ from app.inference.device import (
     plan_threads,
     resolve_device,
     resolve_dtype,
+    size_primitive_cache,
 )
 from app.inference.jobs import Answer, Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
@@ -251,6 +252,7 @@ class InferenceService:
         await asyncio.gather(*(self._pool.run(decode) for _ in range(self._pool.workers)))
 
     def _configure_threads(self) -> None:
+        size_primitive_cache(self.settings.model.onednn_primitive_cache)  # before any model runs
         if self.threads.intra_op:
             torch.set_num_threads(self.threads.intra_op)
         if self.settings.model.inter_op_threads:

@@ -155,6 +155,13 @@ class ModelSettings(_Group):
         default=0, ge=0, le=256, description="torch threads per batch; 0: on the CPU, its cores / device_workers"
     )
     inter_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
+    onednn_primitive_cache: int = Field(
+        default=8192,
+        ge=0,
+        le=1_000_000,
+        description="oneDNN's primitive cache on a CPU, one entry per layer and batch shape (its own default, "
+        "1024, thrashes when batches come in every size); 0, or ONEDNN_PRIMITIVE_CACHE_CAPACITY set, keeps that",
+    )
 
     @model_validator(mode="after")
     def _default_is_loaded(self) -> ModelSettings:

@@ -48,9 +48,10 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from app.allocator import retain_freed_memory
 from app.inference import preprocess
+from app.inference.device import size_primitive_cache
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec
-from app.settings import ServerSettings
+from app.settings import ModelSettings, ServerSettings
 
 DEFAULT_MODEL = "mobilenet_v3_small"
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
@@ -59,6 +60,7 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg")
 LIMITS = preprocess.ImageLimits(max_bytes=1 << 20, max_pixels=16_000_000)
 SERVE_BATCH_TOLERANCE = 1.05  # the serving batch: the largest whose CPU per image is within 5% of the best
 MALLOC_RETAIN_MB: int = ServerSettings.model_fields["malloc_retain_mb"].default
+PRIMITIVE_CACHE: int = ModelSettings.model_fields["onednn_primitive_cache"].default
 
 Clock = Callable[[], float]
 
@@ -328,6 +330,7 @@ def _core_loop(
 ) -> None:
     """One process of ``measure_every_core``: decode a batch, run it, again, for ``seconds``."""
     torch.set_num_threads(1)
+    size_primitive_cache(PRIMITIVE_CACHE)
     if malloc_retain_mb:
         retain_freed_memory(malloc_retain_mb << 20)
     model = load_model(Path(root), name, version)
@@ -497,7 +500,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         paths = image_files(args.images)
         if not paths:
             raise LookupError(f"{args.images} holds no .jpg or .jpeg files")
-    if args.malloc_retain_mb:  # the service's allocator settings: its best path is measured, not glibc's default
+    # the service's runtime settings: its best path is measured, not the libraries' defaults
+    size_primitive_cache(PRIMITIVE_CACHE)
+    if args.malloc_retain_mb:
         retain_freed_memory(args.malloc_retain_mb << 20)
     data = [p.read_bytes() for p in paths]
     encoded = [base64.b64encode(d).decode("ascii") for d in data]
