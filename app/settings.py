@@ -76,11 +76,11 @@ class ServerSettings(_Group):
         description="allocations between young-generation collections (Python's default 700; 0 keeps it)",
     )
     malloc_retain_mb: int = Field(
-        default=1024,
+        default=0,
         ge=0,
         le=2047,
         description="glibc: freed memory a heap keeps for the next batch instead of returning it to the OS "
-        "(blocks up to 32 MiB come from the heap); 0 keeps glibc's defaults",
+        "(blocks up to 32 MiB come from the heap); 0 keeps glibc's defaults, which served as well here",
     )
 
     @property
