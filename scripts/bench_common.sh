@@ -29,3 +29,12 @@ export_model() {  # the model, unless the repository holds it already
     "$py" -m app.cli export --arch "$model" --seed 0 --out "$repo" 2>/dev/null
   fi
 }
+wait_ready() {  # wait_ready LOG: until $server_pid answers /readyz on $port with 200 (60 s at most)
+  for _ in $(seq 1 600); do
+    if [ "$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ]; then return 0; fi
+    kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $1" >&2; exit 1; }
+    sleep 0.1
+  done
+  echo "server not ready after 60 s; see $1" >&2
+  exit 1
+}

@@ -39,11 +39,7 @@ export AI_SERVICE_MODEL__REPOSITORY="$repo" AI_SERVICE_MODEL__NAMES="[\"$model\"
 export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$serve_batch}"
 "$py" -m app.cli serve --port "$port" >"$out/server.log" 2>&1 &
 server_pid=$!
-for _ in $(seq 1 600); do
-  [ "$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ] && break
-  kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $out/server.log" >&2; exit 1; }
-  sleep 0.1
-done
+wait_ready "$out/server.log"
 bench() {  # bench OUT_JSON ARGS...
   local report=$1
   shift

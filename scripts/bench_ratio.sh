@@ -82,13 +82,7 @@ start_server() {
   done
   (cd "$tree" && exec env "$@" "$py" -m app.cli serve --port "$port" >"$log" 2>&1) &
   server_pid=$!
-  for _ in $(seq 1 600); do
-    if [ "$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ]; then return 0; fi
-    kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $log" >&2; exit 1; }
-    sleep 0.1
-  done
-  echo "server not ready after 60 s; see $log" >&2
-  exit 1
+  wait_ready "$log"
 }
 
 bench() {  # bench CONCURRENCY OUT_JSON [DURATION [nowait]]

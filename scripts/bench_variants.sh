@@ -35,10 +35,7 @@ for round in $(seq 1 "$rounds"); do
     read -ra assignments <<<"${variant#*:}"
     env "${assignments[@]}" "$py" -m app.cli serve --port "$port" >"$out/server-$label.log" 2>&1 &
     server_pid=$!
-    for _ in $(seq 1 600); do
-      [ "$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ] && break
-      sleep 0.1
-    done
+    wait_ready "$out/server-$label.log"
     bench "$out/saturation-$label-$round.json" --concurrency 64 --duration 10 --warmup 3
     bench "$out/steady-$label-$round.json" --rate "$rate" --duration "${STEADY_SECONDS:-25}" --warmup 3
     stop_server
