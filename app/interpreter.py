@@ -12,8 +12,8 @@
   allocates. The young generation's threshold is raised so fewer short-lived request
   objects are caught alive and promoted.
 
-- **Allocator.** With ``server.malloc_retain_mb``, freed activations kept for the next batch
-  (``app.allocator``; off by default).
+- **Allocator.** With ``server.malloc_retain_mb`` (on by default), freed activations kept for
+  the next batch on every thread (``app.allocator``).
 
 ``Tuning`` applies that at start-up and puts back what it found at close. It is process-wide
 state: services sharing a process (tests, embedders) should close in the reverse order of

@@ -76,11 +76,12 @@ class ServerSettings(_Group):
         description="allocations between young-generation collections (Python's default 700; 0 keeps it)",
     )
     malloc_retain_mb: int = Field(
-        default=0,
+        default=256,
         ge=0,
         le=2047,
-        description="glibc: freed memory a heap keeps for the next batch instead of returning it to the OS "
-        "(blocks up to 32 MiB come from the heap); 0 keeps glibc's defaults, which served as well here",
+        description="glibc: freed memory each thread's heap keeps for the next batch instead of returning it "
+        "to the OS (blocks up to 32 MiB come from a heap; resident memory stays at its high-water mark); "
+        "0 keeps glibc's defaults, under which device threads fault their activations in again every batch",
     )
 
     @property
