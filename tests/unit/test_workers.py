@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -134,5 +136,27 @@ def test_without_urgent_only_threads_no_thread_is_niced_and_every_one_takes_urge
     try:
         call = workers.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), urgent=True)
         assert call.result(10) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    finally:
+        workers.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: thread names in /proc")
+def test_the_os_sees_each_threads_name() -> None:
+    """``top -H`` and per-thread CPU in /proc tell the decode and device threads apart."""
+
+    def os_names() -> set[str]:
+        names = set()
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                names.add(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        return names
+
+    workers = WorkerThreads("device", 2, urgent_workers=1)
+    try:
+        expected = {"device-0", "device-1", "device-urgent-0"}
+        deadline = time.monotonic() + 10
+        while not expected <= os_names() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert expected <= os_names()
     finally:
         workers.close()
