@@ -192,8 +192,9 @@ class BatchingSettings(_Group):
     urgent: LaneSettings = LaneSettings(window_ms=2.0, max_batch=16, max_queue=256)
     urgent_fill: UrgentFill = Field(
         default=UrgentFill.BACKLOG,
-        description="when urgent batches take free seats from the normal queue: always, backlog (a full normal "
-        "batch waits), never; true/false mean always/never",
+        description="when urgent batches take free seats from the normal queue: always, backlog (the normal "
+        "requests admitted ahead, queued or decoding, make a full batch per device thread), never; "
+        "true/false mean always/never",
     )
     admission_headroom: float = Field(
         default=0.5,

@@ -199,7 +199,7 @@ class DualWindowBatcher(Generic[P, R]):
         else:
             running, workers = len(self._in_flight), self._max_in_flight
             urgent_traffic = self._ahead(Lane.URGENT) > 0 or self._running[Lane.URGENT] > 0
-            if urgent_traffic and fills(policy, LaneState(self._ahead(Lane.NORMAL)), self._max_in_flight):
+            if urgent_traffic and fills(policy, self._ahead(Lane.NORMAL), self._max_in_flight):
                 workers += self._urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
         rounds = (ahead // policy.lane(lane).max_batch + running) // workers + 1
         return policy.lane(lane).window_s + rounds * batch_s
@@ -343,8 +343,8 @@ class DualWindowBatcher(Generic[P, R]):
     def _plan(self, u_state: LaneState, n_state: LaneState, policy: BatchPolicy) -> BatchPlan | None:
         """The batch the rules pick now; a normal one when the urgent threads are busy."""
         now, backlog = self._clock.now(), self._max_in_flight
-        riders = not self._urgent_waited
-        plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog_batches=backlog, riders=riders)
+        riders, upstream = not self._urgent_waited, self._reserved[Lane.NORMAL]
+        plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream)
         if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
             # the urgent threads are busy: a ready normal batch need not wait for them
             plan = plan_batch(LaneState(), n_state, policy, now, self._flush, backlog_batches=backlog)

@@ -22,9 +22,10 @@ class UrgentFill(enum.StrEnum):
 
     Seats filled make the batch cheaper per image (a batch of one costs about three images'
     time in a batch of twelve on a CPU) and the urgent batch longer. ``backlog`` fills only
-    while every device thread has a full normal batch waiting, that is while the device is
-    behind and throughput is what the normal lane lacks; under lighter load urgent batches
-    stay small and fast.
+    while the normal requests admitted and not yet running (queued, or still on their way:
+    their images decoding) make a full batch for every device thread, that is while the
+    service is behind and throughput is what the normal lane lacks; under lighter load urgent
+    batches stay small and fast.
     """
 
     ALWAYS = "always"
@@ -114,12 +115,13 @@ def is_ready(state: LaneState, policy: LanePolicy, now: float, flush: bool = Fal
     return deadline is not None and now >= deadline
 
 
-def fills(policy: BatchPolicy, normal: LaneState, backlog_batches: int = 1) -> bool:
+def fills(policy: BatchPolicy, backlog: int, backlog_batches: int = 1) -> bool:
     """Whether an urgent batch formed now takes free seats from the normal queue; ``backlog``
-    fills while the normal queue holds ``backlog_batches`` full batches (one for each batch
-    the device runs at once: every device thread has a full batch waiting)."""
+    fills while the ``backlog`` normal requests admitted ahead make ``backlog_batches`` full
+    batches (one for each batch the device runs at once: every device thread has a full batch
+    coming)."""
     if policy.urgent_fill is UrgentFill.BACKLOG:
-        return normal.waiting >= policy.normal.max_batch * backlog_batches
+        return backlog >= policy.normal.max_batch * backlog_batches
     return policy.urgent_fill is UrgentFill.ALWAYS
 
 
@@ -131,17 +133,21 @@ def plan_batch(
     flush: bool = False,
     backlog_batches: int = 1,
     riders: bool = True,
+    normal_backlog: int = 0,
 ) -> BatchPlan | None:
     """The next batch to run, urgent first; ``None`` when no lane is ready.
 
     ``riders=False`` keeps normal requests out of an urgent batch whatever the fill rule: the
     batcher passes it when the urgent requests have already waited for a busy device thread
     (one running a filled urgent batch, say), so none of them waits for two long batches.
+    ``normal_backlog`` is how many normal requests were admitted and are not queued yet (their
+    images decoding): the fill rule's backlog is those and the queue's.
     """
     if is_ready(urgent, policy.urgent, now, flush):
         take = min(urgent.waiting, policy.urgent.max_batch)
         seats = policy.urgent.max_batch - take
-        fill = min(seats, normal.waiting) if riders and fills(policy, normal, backlog_batches) else 0
+        backlog = normal.waiting + normal_backlog
+        fill = min(seats, normal.waiting) if riders and fills(policy, backlog, backlog_batches) else 0
         return BatchPlan(Lane.URGENT, take, fill)
     if is_ready(normal, policy.normal, now, flush):
         return BatchPlan(Lane.NORMAL, 0, min(normal.waiting, policy.normal.max_batch))

@@ -36,6 +36,7 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     st.booleans(),
     st.integers(min_value=1, max_value=4),
     st.booleans(),
+    st.integers(min_value=0, max_value=64),
 )
 def test_a_plan_respects_priority_bounds_and_seats(
     urgent: LaneState,
@@ -45,8 +46,9 @@ def test_a_plan_respects_priority_bounds_and_seats(
     flush: bool,
     backlog_batches: int,
     riders: bool,
+    upstream: int,
 ) -> None:
-    plan = plan_batch(urgent, normal, policy, now, flush, backlog_batches, riders)
+    plan = plan_batch(urgent, normal, policy, now, flush, backlog_batches, riders, upstream)
     urgent_ready = is_ready(urgent, policy.urgent, now, flush)
     normal_ready = is_ready(normal, policy.normal, now, flush)
     if not urgent_ready and not normal_ready:
@@ -58,7 +60,7 @@ def test_a_plan_respects_priority_bounds_and_seats(
         assert plan.lane is Lane.URGENT, "a ready urgent batch always goes first"
         assert plan.from_urgent == min(urgent.waiting, policy.urgent.max_batch)
         assert plan.size <= policy.urgent.max_batch
-        backlogged = normal.waiting >= policy.normal.max_batch * backlog_batches
+        backlogged = normal.waiting + upstream >= policy.normal.max_batch * backlog_batches
         fill = policy.urgent_fill is UrgentFill.ALWAYS or (policy.urgent_fill is UrgentFill.BACKLOG and backlogged)
         if fill and riders:
             assert plan.from_normal == min(policy.urgent.max_batch - plan.from_urgent, normal.waiting)

@@ -141,6 +141,31 @@ async def test_backlog_fill_waits_for_a_full_normal_batch_per_batch_in_flight() 
     await b.close(grace_s=None)
 
 
+async def test_backlog_fill_counts_normal_requests_admitted_and_still_decoding() -> None:
+    """Under overload the backlog builds up upstream (images waiting for a decode thread), not
+    in the queue: admitted requests count, so urgent batches take the seats the queue has."""
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=2, rules=policy(4, 2, UrgentFill.BACKLOG))
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(5)]  # 2 batches run, 1 waits
+    await settle()
+    b.admit(Lane.NORMAL, 10.0, reserve=True)
+    b.admit(Lane.NORMAL, 10.0, reserve=True)  # 1 queued + 2 decoding: under a full batch for each of 2
+    tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
+    await clock.advance(2 * MS)
+    assert runner.batches[2] == [90], "3 admitted ahead are under two full batches"
+    b.admit(Lane.NORMAL, 10.0, reserve=True)  # 4 admitted ahead: two full batches
+    tasks.append(asyncio.ensure_future(b.submit(91, Lane.URGENT, 10.0)))
+    await clock.advance(2 * MS)
+    assert runner.batches[3] == [91, 4], "the service is behind: the urgent batch takes what the queue has"
+    for _ in range(3):
+        b.release(Lane.NORMAL)
+    runner.gate.set()
+    await clock.advance(25 * MS)
+    await asyncio.gather(*tasks)
+    await b.close(grace_s=None)
+
+
 async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_draining_it() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()
