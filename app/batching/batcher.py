@@ -22,7 +22,17 @@ from typing import Generic, TypeVar
 
 from app.batching.clock import Clock, MonotonicClock, Timer
 from app.batching.observer import BatchObserver, NullObserver
-from app.batching.policy import BatchPlan, BatchPolicy, Lane, LanePolicy, LaneState, fills, next_wakeup, plan_batch
+from app.batching.policy import (
+    BatchPlan,
+    BatchPolicy,
+    Lane,
+    LanePolicy,
+    LaneState,
+    UrgentFill,
+    fills,
+    next_wakeup,
+    plan_batch,
+)
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 
 log = logging.getLogger(__name__)
@@ -342,8 +352,11 @@ class DualWindowBatcher(Generic[P, R]):
 
     def _plan(self, u_state: LaneState, n_state: LaneState, policy: BatchPolicy) -> BatchPlan | None:
         """The batch the rules pick now; a normal one when the urgent threads are busy."""
-        now, backlog = self._clock.now(), self._max_in_flight
-        riders, upstream = not self._urgent_waited, self._reserved[Lane.NORMAL]
+        now, backlog, upstream = self._clock.now(), self._max_in_flight, self._reserved[Lane.NORMAL]
+        # the service is behind (the backlog fill rule holds): throughput comes first, and urgent
+        # requests that waited take riders too
+        behind = policy.urgent_fill is UrgentFill.BACKLOG and fills(policy, n_state.waiting + upstream, backlog)
+        riders = behind or not self._urgent_waited
         plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream)
         if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
             # the urgent threads are busy: a ready normal batch need not wait for them

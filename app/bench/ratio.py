@@ -230,6 +230,7 @@ def build_report(
         "limit_best_batch": limit["limit"]["best_batch"],
         "saturation": {
             "concurrency": best.get("concurrency"),
+            "urgent_fraction": best.get("urgent_fraction", 0.0),
             "throughput_rps": best["throughput_rps"],
             "ratio": round(float(best["throughput_rps"]) / images_per_s, 4),
             "mean_batch_size": best["mean_batch_size"],
@@ -278,7 +279,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- limit: {report['limit_images_per_s']:.1f} images/s ({report['limit_cpu_ms_per_image']:.3f} ms CPU "
         f"per image at batch {report['limit_best_batch']}; measured "
         f"{' and '.join(f'{v:.1f}' for v in report['limit_runs_images_per_s'])})",
-        f"- service at saturation (concurrency {sat['concurrency']}): {sat['throughput_rps']:.1f} requests/s, "
+        f"- service at saturation (concurrency {sat['concurrency']}, {sat.get('urgent_fraction', 0.0):.0%} urgent): "
+        f"{sat['throughput_rps']:.1f} requests/s, "
         f"mean batch {sat['mean_batch_size']:.1f}",
     ]
     if "every_core_ratio" in sat:

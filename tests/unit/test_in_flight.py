@@ -218,6 +218,27 @@ async def test_urgent_requests_that_waited_for_a_busy_thread_go_without_riders()
     await b.close(grace_s=None)
 
 
+async def test_while_the_service_is_behind_urgent_requests_that_waited_take_riders_too() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    runner.held = []  # each batch runs until released
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(4, 2, UrgentFill.BACKLOG))
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]  # 2 batches run, 8 wait
+    await settle()
+    tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
+    await clock.advance(2 * MS)
+    assert runner.batches[2] == [90, 4, 5, 6], "8 admitted ahead: two full batches for the two threads"
+    tasks.append(asyncio.ensure_future(b.submit(91, Lane.URGENT, 10.0)))
+    await clock.advance(10 * MS)
+    runner.release(2)
+    await settle()
+    assert runner.batches[3] == [91, 7, 8, 9], "it waited for a filled batch, but the service is behind: it fills"
+    runner.release()
+    runner.held = None
+    await clock.advance(25 * MS)
+    assert [done.output for done in await asyncio.gather(*tasks)] == [2 * i for i in range(12)] + [180, 182]
+    await b.close(grace_s=None)
+
+
 async def test_urgent_batches_have_their_own_threads_and_count_against_the_cores() -> None:
     clock, runner = FakeClock(), FakeRunner()
     runner.gate = asyncio.Event()
