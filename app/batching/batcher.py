@@ -126,8 +126,9 @@ class DualWindowBatcher(Generic[P, R]):
         self._running = {Lane.URGENT: 0, Lane.NORMAL: 0}  # of those, by the lane that formed them
         # with threads of their own for urgent batches (on a CPU), urgent requests that waited for
         # a busy one go without normal riders: an urgent request then waits for at most one long
-        # (filled) batch, not for that one and then its own. (Without them, as on a GPU where a
-        # batch's time hardly depends on its size, the seats fill as the rule says.)
+        # (filled) batch, not for that one and then its own; except while the service is behind
+        # (see ``_plan``). (Without them, as on a GPU where a batch's time hardly depends on its
+        # size, the seats fill as the rule says.)
         self._urgent_waited = False
         self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
         self._ceiling: int | None = None  # lowered under device memory pressure
