@@ -22,17 +22,7 @@ from typing import Generic, TypeVar
 
 from app.batching.clock import Clock, MonotonicClock, Timer
 from app.batching.observer import BatchObserver, NullObserver
-from app.batching.policy import (
-    BatchPlan,
-    BatchPolicy,
-    Lane,
-    LanePolicy,
-    LaneState,
-    UrgentFill,
-    fills,
-    next_wakeup,
-    plan_batch,
-)
+from app.batching.policy import BatchPlan, BatchPolicy, Lane, LanePolicy, LaneState, fills, next_wakeup, plan_batch
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 
 log = logging.getLogger(__name__)
@@ -126,9 +116,9 @@ class DualWindowBatcher(Generic[P, R]):
         self._running = {Lane.URGENT: 0, Lane.NORMAL: 0}  # of those, by the lane that formed them
         # with threads of their own for urgent batches (on a CPU), urgent requests that waited for
         # a busy one go without normal riders: an urgent request then waits for at most one long
-        # (filled) batch, not for that one and then its own; except while the service is behind
-        # (see ``_plan``). (Without them, as on a GPU where a batch's time hardly depends on its
-        # size, the seats fill as the rule says.)
+        # (filled) batch, not for that one and then its own; except under the backlog rule while
+        # it holds (see ``plan_batch``). (Without them, as on a GPU where a batch's time hardly
+        # depends on its size, the seats fill as the rule says.)
         self._urgent_waited = False
         self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
         self._ceiling: int | None = None  # lowered under device memory pressure
@@ -354,10 +344,7 @@ class DualWindowBatcher(Generic[P, R]):
     def _plan(self, u_state: LaneState, n_state: LaneState, policy: BatchPolicy) -> BatchPlan | None:
         """The batch the rules pick now; a normal one when the urgent threads are busy."""
         now, backlog, upstream = self._clock.now(), self._max_in_flight, self._reserved[Lane.NORMAL]
-        # the service is behind (the backlog fill rule holds): throughput comes first, and urgent
-        # requests that waited take riders too
-        behind = policy.urgent_fill is UrgentFill.BACKLOG and fills(policy, n_state.waiting + upstream, backlog)
-        riders = behind or not self._urgent_waited
+        riders = not self._urgent_waited
         plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream)
         if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
             # the urgent threads are busy: a ready normal batch need not wait for them

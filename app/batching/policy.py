@@ -137,17 +137,19 @@ def plan_batch(
 ) -> BatchPlan | None:
     """The next batch to run, urgent first; ``None`` when no lane is ready.
 
-    ``riders=False`` keeps normal requests out of an urgent batch whatever the fill rule: the
+    ``riders=False`` keeps normal requests out of an urgent batch under the ``always`` rule: the
     batcher passes it when the urgent requests have already waited for a busy device thread
-    (one running a filled urgent batch, say), so none of them waits for two long batches.
-    ``normal_backlog`` is how many normal requests were admitted and are not queued yet (their
-    images decoding): the fill rule's backlog is those and the queue's.
+    (one running a filled urgent batch, say), so none of them waits for two long batches. Under
+    ``backlog`` the seats fill whenever the rule holds: the service is behind, and throughput
+    comes first. ``normal_backlog`` is how many normal requests were admitted and are not
+    queued yet (their images decoding): the fill rule's backlog is those and the queue's.
     """
     if is_ready(urgent, policy.urgent, now, flush):
         take = min(urgent.waiting, policy.urgent.max_batch)
         seats = policy.urgent.max_batch - take
+        takes_riders = riders or policy.urgent_fill is UrgentFill.BACKLOG
         backlog = normal.waiting + normal_backlog
-        fill = min(seats, normal.waiting) if riders and fills(policy, backlog, backlog_batches) else 0
+        fill = min(seats, normal.waiting) if takes_riders and fills(policy, backlog, backlog_batches) else 0
         return BatchPlan(Lane.URGENT, take, fill)
     if is_ready(normal, policy.normal, now, flush):
         return BatchPlan(Lane.NORMAL, 0, min(normal.waiting, policy.normal.max_batch))

@@ -62,7 +62,7 @@ def test_a_plan_respects_priority_bounds_and_seats(
         assert plan.size <= policy.urgent.max_batch
         backlogged = normal.waiting + upstream >= policy.normal.max_batch * backlog_batches
         fill = policy.urgent_fill is UrgentFill.ALWAYS or (policy.urgent_fill is UrgentFill.BACKLOG and backlogged)
-        if fill and riders:
+        if fill and (riders or policy.urgent_fill is UrgentFill.BACKLOG):
             assert plan.from_normal == min(policy.urgent.max_batch - plan.from_urgent, normal.waiting)
         else:
             assert plan.from_normal == 0
