@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy, UrgentFill
@@ -37,6 +37,17 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     st.integers(min_value=1, max_value=4),
     st.booleans(),
     st.integers(min_value=0, max_value=64),
+)
+# pinned: under ``backlog`` with the rule holding, urgent requests that waited (riders=False) still fill
+@example(
+    LaneState(1, 0.0),
+    LaneState(8, 0.0),
+    BatchPolicy(LanePolicy(0.002, 4, 8), LanePolicy(0.025, 2, 64), UrgentFill.BACKLOG),
+    1.0,
+    False,
+    2,
+    False,
+    0,
 )
 def test_a_plan_respects_priority_bounds_and_seats(
     urgent: LaneState,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy, UrgentFill
+from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.errors import Draining
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
@@ -191,11 +191,15 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
         await b.close(grace_s=None)
 
 
-async def test_urgent_requests_that_waited_for_a_busy_thread_go_without_riders() -> None:
+async def urgent_behind_a_filled_batch(
+    fill: UrgentFill,
+) -> tuple[FakeClock, FakeRunner, DualWindowBatcher[int, int], list[asyncio.Future[Completed[int]]]]:
+    """Two normal batches run and 8 wait (two full batches for the two threads); urgent 90 fills
+    its seats on the free urgent thread; urgent 91 comes and waits until that batch ends."""
     clock, runner = FakeClock(), FakeRunner()
     runner.held = []  # each batch runs until released
-    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(4, 2, UrgentFill.ALWAYS))
-    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]  # 2 batches run, 8 wait
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(4, 2, fill))
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]
     await settle()
     tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
     await clock.advance(2 * MS)
@@ -205,6 +209,11 @@ async def test_urgent_requests_that_waited_for_a_busy_thread_go_without_riders()
     assert len(runner.batches) == 3, "91 waits for the urgent thread, busy with the filled batch"
     runner.release(2)  # the filled urgent batch ends; the normal ones still run
     await settle()
+    return clock, runner, b, tasks
+
+
+async def test_urgent_requests_that_waited_for_a_busy_thread_go_without_riders() -> None:
+    clock, runner, b, tasks = await urgent_behind_a_filled_batch(UrgentFill.ALWAYS)
     assert runner.batches[3] == [91], "it waited for one long batch: its own carries no riders"
     runner.release(3)
     await settle()
@@ -219,18 +228,7 @@ async def test_urgent_requests_that_waited_for_a_busy_thread_go_without_riders()
 
 
 async def test_while_the_service_is_behind_urgent_requests_that_waited_take_riders_too() -> None:
-    clock, runner = FakeClock(), FakeRunner()
-    runner.held = []  # each batch runs until released
-    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(4, 2, UrgentFill.BACKLOG))
-    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]  # 2 batches run, 8 wait
-    await settle()
-    tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
-    await clock.advance(2 * MS)
-    assert runner.batches[2] == [90, 4, 5, 6], "8 admitted ahead: two full batches for the two threads"
-    tasks.append(asyncio.ensure_future(b.submit(91, Lane.URGENT, 10.0)))
-    await clock.advance(10 * MS)
-    runner.release(2)
-    await settle()
+    clock, runner, b, tasks = await urgent_behind_a_filled_batch(UrgentFill.BACKLOG)
     assert runner.batches[3] == [91, 7, 8, 9], "it waited for a filled batch, but the service is behind: it fills"
     runner.release()
     runner.held = None
