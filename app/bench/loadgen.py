@@ -10,7 +10,9 @@ minimal HTTP/1.1 client on asyncio streams with every request's bytes built up f
 (``app.bench.rawhttp``), several times cheaper per request than httpx (``--client httpx``,
 kept as an independent implementation to cross-check against). ``--images DIR`` cycles
 through several images; ``--server-pid`` adds where the CPU went in the measured window:
-the server's, the client's and everything else's, per request and in cores.
+the server's, the client's and everything else's, per request and in cores; and, per group of
+the server's threads (event loop, decode, device), the cores each used and the cores' worth of
+time it was runnable but kept waiting for one (``server_threads``, Linux schedstat).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from app.bench import rawhttp
+from app.bench.threads import Scheduled, sched_report, thread_sched
 
 DEFAULT_IMAGE = Path("models/digits/samples/digit_3.png")
 IMAGE_SUFFIXES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
@@ -65,6 +68,8 @@ class Run:
     sent: int = 0
     cpu_before: dict[str, float] | None = None  # CPU snapshots at the measured window's ends
     cpu_after: dict[str, float] | None = None
+    threads_before: dict[int, Scheduled] | None = None  # the server's threads, by the scheduler's account
+    threads_after: dict[int, Scheduled] | None = None
     rss_mb: list[float] = field(default_factory=list)  # the server's resident memory, once a second
 
 
@@ -117,6 +122,14 @@ def cpu_report(before: dict[str, float], after: dict[str, float], ok: int) -> di
         if key in used and ok:
             report[f"{key}_ms_per_request"] = round(used[key] * 1000 / ok, 4)
     return {"window_s": round(wall, 3), **report}
+
+
+def _threads(server_pid: int | None) -> dict[int, Scheduled] | None:
+    if server_pid is None:
+        return None
+    with contextlib.suppress(OSError):  # the server is gone
+        return thread_sched(server_pid)
+    return None
 
 
 def is_loopback(url: str) -> bool:
@@ -243,6 +256,9 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
         }
     if run.cpu_before is not None and run.cpu_after is not None:
         extra["cpu"] = cpu_report(run.cpu_before, run.cpu_after, len(ok))
+        if run.threads_before and run.threads_after:
+            window_s = run.cpu_after["wall"] - run.cpu_before["wall"]
+            extra["server_threads"] = sched_report(run.threads_before, run.threads_after, window_s)
     if deadline_ms is not None:  # the client's own clock: what it waited, beyond what it allowed
         extra["deadline_ms"] = deadline_ms
         extra["ok_past_deadline"] = sum(1 for s in ok if s.latency_s * 1000 > deadline_ms)
@@ -341,6 +357,7 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
     async def watch_cpu() -> None:
         await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
         run.cpu_before = cpu_snapshot(args.server_pid)
+        run.threads_before = _threads(args.server_pid)
 
     async def watch_memory(pid: int) -> None:
         await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
@@ -359,6 +376,7 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
     run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
     if watcher.done():  # from the window's start to the last answer, in-flight requests included
         run.cpu_after = cpu_snapshot(args.server_pid)
+        run.threads_after = _threads(args.server_pid)
     else:  # the load stopped before the window began (request cap): no CPU figures
         watcher.cancel()
     if memory is not None:

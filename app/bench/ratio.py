@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from app.bench.threads import group_name, thread_cpu
 
 # (stage, substrings of a frame "function (file)"); a sample goes to the deepest frame that matches
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -73,20 +72,6 @@ def is_idle(frames: Sequence[str]) -> bool:
     return bool(frames) and frames[-1].startswith(IDLE_LEAVES)
 
 
-def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """Each thread of ``pid``: its name (``comm``) and its user + system CPU seconds so far."""
-    threads = {}
-    for entry in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-            name = (entry / "comm").read_text().strip()
-        except OSError:  # the thread ended
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        threads[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-    return threads
-
-
 @dataclass(frozen=True)
 class Sample:
     tid: int
@@ -125,11 +110,6 @@ def stage_of(frames: Sequence[str]) -> str:
             if any(needle in frame for needle in needles):
                 return stage
     return f"other: {short(frames[-1]) if frames else '?'}"
-
-
-def group_name(thread: str) -> str:
-    """Pool threads (``preprocess-0``, ``preprocess-1``, ``device-0``...) form one group."""
-    return re.sub(r"[_-]\d+$", "", thread) or "unnamed"
 
 
 def summarise_profile(

@@ -192,6 +192,9 @@ async def test_a_kept_alive_connection_the_server_dropped_while_idle_is_retried_
     assert (first, second) == (1, 2) and connection.opened == 2
 
 
+SCHEDSTAT = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists()
+
+
 def bench_args(**overrides: object) -> argparse.Namespace:
     defaults: dict[str, object] = {
         "url": "",
@@ -233,6 +236,9 @@ async def test_a_closed_loop_run_cycles_the_images_and_reports_batches_lanes_and
     assert report["cpu"]["server_ms_per_request"] >= 0 and report["cpu"]["window_s"] > 0
     assert report["latency"]["refused"]["count"] == report["errors"].get("503:queue_full", 0)
     assert report["server_rss_mb"]["max"] >= report["server_rss_mb"]["first"] > 0  # this process stands in
+    if SCHEDSTAT:  # its threads by the scheduler's account
+        groups = report["server_threads"].values()
+        assert sum(g["threads"] for g in groups) >= 1 and sum(g["cpu_cores"] for g in groups) > 0
     if client == "raw":
         assert report["connections"] == len(per_connection) <= 4
 
