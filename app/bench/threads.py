@@ -48,8 +48,8 @@ class Scheduled:
 def thread_sched(pid: int) -> dict[int, Scheduled]:
     """Each thread of ``pid`` by the scheduler's account; empty where the kernel keeps none."""
     threads = {}
-    with_pid = Path(f"/proc/{pid}/task")
-    for entry in with_pid.iterdir() if with_pid.exists() else ():
+    tasks = Path(f"/proc/{pid}/task")
+    for entry in tasks.iterdir() if tasks.exists() else ():
         try:
             on_core, waiting, _ = (int(v) for v in (entry / "schedstat").read_text().split()[:3])
             name = (entry / "comm").read_text().strip()
