@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,17 +23,24 @@ def group_name(thread: str) -> str:
     return re.sub(r"[_-]\d+$", "", thread) or "unnamed"
 
 
+def _each_thread(pid: int, filename: str) -> Iterator[tuple[int, str, str]]:
+    """Each thread of ``pid`` still there: its id, its name (``comm``) and its ``filename`` in /proc."""
+    tasks = Path(f"/proc/{pid}/task")
+    for entry in tasks.iterdir() if tasks.exists() else ():
+        try:
+            text = (entry / filename).read_text()
+            name = (entry / "comm").read_text().strip()
+        except OSError:  # the thread ended, or the kernel keeps no such file
+            continue
+        yield int(entry.name), name, text
+
+
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """Each thread of ``pid``: its name (``comm``) and its user + system CPU seconds so far."""
     threads = {}
-    for entry in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-            name = (entry / "comm").read_text().strip()
-        except OSError:  # the thread ended
-            continue
+    for tid, name, stat in _each_thread(pid, "stat"):
         fields = stat[stat.rindex(")") + 2 :].split()
-        threads[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        threads[tid] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
     return threads
 
 
@@ -48,14 +56,9 @@ class Scheduled:
 def thread_sched(pid: int) -> dict[int, Scheduled]:
     """Each thread of ``pid`` by the scheduler's account; empty where the kernel keeps none."""
     threads = {}
-    tasks = Path(f"/proc/{pid}/task")
-    for entry in tasks.iterdir() if tasks.exists() else ():
-        try:
-            on_core, waiting, _ = (int(v) for v in (entry / "schedstat").read_text().split()[:3])
-            name = (entry / "comm").read_text().strip()
-        except (OSError, ValueError):  # the thread ended, or no schedstat in this kernel
-            continue
-        threads[int(entry.name)] = Scheduled(group_name(name), on_core / 1e9, waiting / 1e9)
+    for tid, name, schedstat in _each_thread(pid, "schedstat"):
+        on_core, waiting = (int(v) for v in schedstat.split()[:2])
+        threads[tid] = Scheduled(group_name(name), on_core / 1e9, waiting / 1e9)
     return threads
 
 
