@@ -131,7 +131,9 @@ def create_app(
     app.state.tracer_provider = tracer_provider
     install_error_handlers(app)
     install_openapi(app)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, access_log=settings.logging.access_log)
+    app.add_middleware(
+        RequestContextMiddleware, metrics=metrics, access_log=settings.logging.access_log, direct=predict.direct
+    )
     for router in (predict.router, models.router, health.router, metrics_route.router):
         app.include_router(router)
     if settings.admin.enabled:

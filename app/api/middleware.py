@@ -2,7 +2,8 @@
 
 A pure ASGI middleware (no response buffering). It keeps a well-formed ``X-Request-ID``
 or makes one, puts it in the logging context and the response header, writes one access
-log line, and turns an exception nobody handled into a generic 500 envelope.
+log line, and turns an exception nobody handled into a generic 500 envelope. Routes that
+``direct`` claims (the predictions) it serves itself, past the router.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 
 from opentelemetry import trace
-from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import service_error_response
-from app.api.shedding import shed
 from app.telemetry.logging import caller_trace_var, request_id_var
 from app.telemetry.metrics import Metrics
 
@@ -99,10 +98,17 @@ def _access_line(scope: Scope, status: int, started: float) -> None:
 class RequestContextMiddleware:
     """Request id, timing, access log and the 500 of last resort."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, access_log: bool = True) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        access_log: bool = True,
+        direct: Callable[[Scope], ASGIApp | None] | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.access_log = access_log
+        self.direct = direct  # the routes served here, past the router (the predictions)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -131,11 +137,8 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            if (refusal := shed(scope)) is not None:  # overload: refused before routing and the body
-                response = await service_error_response(Request(scope), refusal)
-                await response(scope, receive, send_with_id)
-            else:
-                await self.app(scope, receive, send_with_id)
+            target = (self.direct(scope) if self.direct else None) or self.app
+            await target(scope, receive, send_with_id)
         except Exception:
             _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if status == 0:

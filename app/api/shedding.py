@@ -12,6 +12,7 @@ an API key configured it sheds nothing, so that credentials are checked first.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from starlette.types import Scope
 
@@ -21,17 +22,32 @@ from app.errors import ServiceError
 _NAMED = re.compile(r"^/v1/models/([^/]+)/predict$")
 
 
-def shed(scope: Scope) -> ServiceError | None:
-    """The 503 the service would answer this prediction now, or None (routing decides)."""
+@dataclass(frozen=True)
+class PredictCall:
+    """A request for one of the prediction routes: the model it names (None: the default)
+    and the route's template (the latency metric's label)."""
+
+    name: str | None
+    template: str
+
+
+_DEFAULT = PredictCall(None, "/predict")
+
+
+def predict_call(scope: Scope) -> PredictCall | None:
+    """The prediction this request asks for, matched as the router would; None for any other."""
     if scope["method"] != "POST":
         return None
     path = scope["path"]
     if path == "/predict":
-        name, template = None, "/predict"
-    elif match := _NAMED.fullmatch(path):
-        name, template = match[1], "/v1/models/{name}/predict"
-    else:
-        return None
+        return _DEFAULT
+    if match := _NAMED.fullmatch(path):
+        return PredictCall(match[1], "/v1/models/{name}/predict")
+    return None
+
+
+def shed(scope: Scope, call: PredictCall) -> ServiceError | None:
+    """The 503 the service would answer this prediction now, or None (the route decides)."""
     state = getattr(scope.get("app"), "state", None)
     service = getattr(state, "service", None)
     if service is None or getattr(state, "api_key", None) is not None:
@@ -41,10 +57,9 @@ def shed(scope: Scope) -> ServiceError | None:
     except ServiceError:
         return None  # a bad header: the route answers 400, with its message
     try:
-        service.admit(service.served(name, headers.version), headers.lane, headers.timeout_s)
+        service.admit(service.served(call.name, headers.version), headers.lane, headers.timeout_s)
     except ServiceError as exc:
         if exc.status != 503:
             return None  # e.g. an unknown model: the route answers it
-        scope["state"]["route"] = template  # for the latency metric
         return exc
     return None

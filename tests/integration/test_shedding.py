@@ -32,10 +32,12 @@ async def full_queue(running: RunningApp) -> AsyncIterator[None]:
 
 
 def shed_of(running: RunningApp, path: str, *headers: tuple[bytes, bytes]) -> object:
-    from app.api.shedding import shed
+    from app.api.shedding import predict_call, shed
 
     scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers), "app": running.app, "state": {}}
-    return shed(scope)
+    call = predict_call(scope)
+    assert call is not None
+    return shed(scope, call)
 
 
 SETTINGS = {

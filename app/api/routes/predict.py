@@ -1,13 +1,22 @@
-"""Prediction routes: the default model, or one by name."""
+"""Prediction routes: the default model, or one by name.
+
+FastAPI declares them (the OpenAPI document, and any path the edge does not take), but the
+edge serves them itself, past the router: ``direct`` matches a prediction and runs the same
+handler, with overload refused first and errors answered by the app's own exception
+handlers. FastAPI's dispatch (its exception middleware, the router's scan, the endpoint
+wrapper) cost 0.1-0.15 ms of the event loop's 0.7-0.85 per prediction at saturation.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.auth import check_api_key
 from app.api.body import OPENAPI_BODY, read_image_body
@@ -16,6 +25,7 @@ from app.api.disconnect import unless_disconnected
 from app.api.errors import error_responses
 from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
+from app.api.shedding import PredictCall, predict_call, shed
 from app.errors import SchemaError
 from app.service import InferenceService, Outcome
 
@@ -86,6 +96,30 @@ async def _predict(name: str | None, request: Request) -> Response:
     }
     # serialised once, here: returning the model would make FastAPI validate it again first
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def direct(scope: Scope) -> ASGIApp | None:
+    """The ASGI app that serves this request if it is a prediction, else None (route it)."""
+    call = predict_call(scope)
+    if call is None:
+        return None
+    scope["state"]["route"] = call.template  # the latency metric's label, as the router would set
+    return functools.partial(_serve, call)
+
+
+async def _serve(call: PredictCall, scope: Scope, receive: Receive, send: Send) -> None:
+    request = Request(scope, receive, send)
+    try:
+        if (refusal := shed(scope, call)) is not None:  # refused before the body is read
+            raise refusal
+        response = await _predict(call.name, request)
+    except Exception as exc:
+        handlers = request.app.exception_handlers  # looked up by class, as Starlette does
+        handler = next((handlers[klass] for klass in type(exc).__mro__ if klass in handlers), None)
+        if handler is None:
+            raise  # a bug: the middleware answers the generic 500
+        response = await handler(request, exc)
+    await response(scope, receive, send)
 
 
 @router.post(
