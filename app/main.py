@@ -125,6 +125,10 @@ def create_app(
         version="0.1.0",
         summary="Image classification over REST with dual-window batching.",
         lifespan=lifespan,
+        # the service's settings say what is traced (app.telemetry). FastAPI's own telemetry
+        # turns on wherever global OpenTelemetry providers are set (opentelemetry-instrument,
+        # FASTAPI_OTEL_AUTO_CONFIGURE): it would trace with the exporter off, on the hot path
+        telemetry={"tracing": False, "metrics": False, "logs": False, "auto_configure": False},
     )
     app.state.settings = settings
     app.state.metrics = metrics

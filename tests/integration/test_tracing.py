@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 from asgi_lifespan import LifespanManager
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -19,9 +20,13 @@ PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
 @contextlib.asynccontextmanager
-async def traced_app(settings) -> AsyncIterator[tuple[httpx.AsyncClient, InMemorySpanExporter, object]]:  # type: ignore[no-untyped-def]
+async def traced_app(
+    settings, export: bool = True
+) -> AsyncIterator[tuple[httpx.AsyncClient, InMemorySpanExporter, object]]:  # type: ignore[no-untyped-def]
+    """The app with an in-memory span exporter in place of the configured one (``export``),
+    or with the settings' own (``telemetry.exporter="none"``: nothing exported)."""
     exporter = InMemorySpanExporter()
-    app = create_app(settings, span_exporter=exporter)
+    app = create_app(settings, span_exporter=exporter if export else None)
     async with LifespanManager(state_per_request(app)) as manager:
         await app.state.starting
         transport = httpx.ASGITransport(app=manager.app)
@@ -109,3 +114,31 @@ async def test_a_failed_request_marks_its_queue_span(make_settings: SettingsFact
         provider.force_flush()  # type: ignore[attr-defined]
     queue = next(s for s in exporter.get_finished_spans() if s.name == "queue")
     assert queue.status.status_code.name == "ERROR" and queue.attributes["request.id"] == "late-1"
+
+
+@pytest.mark.parametrize("exporter", ["none", "console"])
+async def test_a_global_tracer_provider_adds_no_spans_of_its_own(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, exporter: str
+) -> None:
+    """FastAPI's own telemetry turns itself on when global OpenTelemetry providers are set
+    (``opentelemetry-instrument``, or FastAPI's OTLP auto-configuration from the environment).
+    The service's settings say what is traced: with no exporter nothing is (spans cost the
+    request path), and with one the service's spans are the only ones."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    global_exporter = InMemorySpanExporter()
+    global_provider = TracerProvider()
+    global_provider.add_span_processor(SimpleSpanProcessor(global_exporter))
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", global_provider)
+    assert trace.get_tracer_provider() is global_provider
+    settings = make_settings(telemetry={"exporter": exporter})
+    async with traced_app(settings, export=exporter != "none") as (client, ours, provider):
+        response = await client.post("/predict", content=sample_png(2), headers={"Content-Type": "image/png"})
+        assert response.status_code == 200
+        assert (await client.get("/v1/models")).status_code == 200
+        provider.force_flush()  # type: ignore[attr-defined]
+    servers = [s.name for s in ours.get_finished_spans() if s.kind.name == "SERVER"]
+    assert servers == ([] if exporter == "none" else ["POST /predict", "GET /v1/models"])
+    assert global_exporter.get_finished_spans() == ()
