@@ -2,11 +2,12 @@
 
 Under overload most requests must be refused, and a refusal that costs as much as an answer
 turns overload into collapse: the event loop spends itself on refusals while the device
-waits. So the outermost middleware asks the service's own admission rules (queue bounds,
-predicted wait against the deadline, draining, not ready) before routing, before the body is
-read or parsed, and answers a 503 in the usual envelope itself. Everything it does not
-refuse, including anything malformed, goes on to the routes, which decide as before; with
-an API key configured it sheds nothing, so that credentials are checked first.
+waits. So the edge (the prediction routes' direct path, served by the outermost middleware)
+asks the service's own admission rules (queue bounds, predicted wait against the deadline,
+draining, not ready) before the body is read or parsed, and answers their 503 in the usual
+envelope. Everything it does not refuse, including anything malformed, goes on to the route's
+handler, which decides as before; with an API key configured it sheds nothing, so that
+credentials are checked first.
 """
 
 from __future__ import annotations
