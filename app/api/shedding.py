@@ -12,43 +12,15 @@ credentials are checked first.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 from starlette.types import Scope
 
 from app.api.deps import predict_headers
 from app.errors import ServiceError
 
-_NAMED = re.compile(r"^/v1/models/([^/]+)/predict$")
 
-
-@dataclass(frozen=True)
-class PredictCall:
-    """A request for one of the prediction routes: the model it names (None: the default)
-    and the route's template (the latency metric's label)."""
-
-    name: str | None
-    template: str
-
-
-_DEFAULT = PredictCall(None, "/predict")
-
-
-def predict_call(scope: Scope) -> PredictCall | None:
-    """The prediction this request asks for, matched as the router would; None for any other."""
-    if scope["method"] != "POST":
-        return None
-    path = scope["path"]
-    if path == "/predict":
-        return _DEFAULT
-    if match := _NAMED.fullmatch(path):
-        return PredictCall(match[1], "/v1/models/{name}/predict")
-    return None
-
-
-def shed(scope: Scope, call: PredictCall) -> ServiceError | None:
-    """The 503 the service would answer this prediction now, or None (the route decides)."""
+def shed(scope: Scope, model: str | None) -> ServiceError | None:
+    """The 503 the service would answer this prediction of ``model`` (None: the default) now,
+    or None (the route decides)."""
     state = getattr(scope.get("app"), "state", None)
     service = getattr(state, "service", None)
     if service is None or getattr(state, "api_key", None) is not None:
@@ -58,7 +30,7 @@ def shed(scope: Scope, call: PredictCall) -> ServiceError | None:
     except ServiceError:
         return None  # a bad header: the route answers 400, with its message
     try:
-        service.admit(service.served(call.name, headers.version), headers.lane, headers.timeout_s)
+        service.admit(service.served(model, headers.version), headers.lane, headers.timeout_s)
     except ServiceError as exc:
         if exc.status != 503:
             return None  # e.g. an unknown model: the route answers it

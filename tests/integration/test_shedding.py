@@ -32,12 +32,13 @@ async def full_queue(running: RunningApp) -> AsyncIterator[None]:
 
 
 def shed_of(running: RunningApp, path: str, *headers: tuple[bytes, bytes]) -> object:
-    from app.api.shedding import predict_call, shed
+    from app.api.routes.predict import predict_call
+    from app.api.shedding import shed
 
     scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers), "app": running.app, "state": {}}
     call = predict_call(scope)
     assert call is not None
-    return shed(scope, call)
+    return shed(scope, call.name)
 
 
 SETTINGS = {

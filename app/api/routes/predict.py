@@ -10,7 +10,9 @@ wrapper) cost 0.1-0.15 ms of the event loop's 0.68-0.76 per prediction at satura
 from __future__ import annotations
 
 import functools
+import re
 import time
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
@@ -25,11 +27,15 @@ from app.api.disconnect import unless_disconnected
 from app.api.errors import error_responses
 from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
-from app.api.shedding import PredictCall, predict_call, shed
+from app.api.shedding import shed
 from app.errors import SchemaError
 from app.service import InferenceService, Outcome
 
 router = APIRouter(tags=["predict"])
+
+DEFAULT_PATH = "/predict"
+NAMED_PATH = "/v1/models/{name}/predict"
+_NAMED = re.compile(r"^/v1/models/([^/]+)/predict$")  # NAMED_PATH, matched as the router does
 
 _ERRORS = error_responses(400, 401, 403, 404, 413, 415, 422, 500, 503)
 _OPENAPI = {**OPENAPI_BODY, "parameters": PREDICT_PARAMETERS}
@@ -98,6 +104,30 @@ async def _predict(name: str | None, request: Request) -> Response:
     return Response(response.model_dump_json(), media_type="application/json")
 
 
+@dataclass(frozen=True)
+class PredictCall:
+    """A request for one of the prediction routes: the model it names (None: the default)
+    and the route's template (the latency metric's label)."""
+
+    name: str | None
+    template: str
+
+
+_DEFAULT = PredictCall(None, DEFAULT_PATH)
+
+
+def predict_call(scope: Scope) -> PredictCall | None:
+    """The prediction this request asks for, matched as the router would; None for any other."""
+    if scope["method"] != "POST":
+        return None
+    path = scope["path"]
+    if path == DEFAULT_PATH:
+        return _DEFAULT
+    if match := _NAMED.fullmatch(path):
+        return PredictCall(match[1], NAMED_PATH)
+    return None
+
+
 def direct(scope: Scope) -> ASGIApp | None:
     """The ASGI app that serves this request if it is a prediction, else None (route it)."""
     call = predict_call(scope)
@@ -110,7 +140,7 @@ def direct(scope: Scope) -> ASGIApp | None:
 async def _serve(call: PredictCall, scope: Scope, receive: Receive, send: Send) -> None:
     request = Request(scope, receive, send)
     try:
-        if (refusal := shed(scope, call)) is not None:  # refused before the body is read
+        if (refusal := shed(scope, call.name)) is not None:  # refused before the body is read
             raise refusal
         response = await _predict(call.name, request)
     except Exception as exc:
@@ -123,7 +153,7 @@ async def _serve(call: PredictCall, scope: Scope, receive: Receive, send: Send) 
 
 
 @router.post(
-    "/predict",
+    DEFAULT_PATH,
     response_model=PredictResponse,
     responses=_ERRORS,
     openapi_extra=_OPENAPI,
@@ -135,7 +165,7 @@ async def predict_default(request: Request) -> Response:
 
 
 @router.post(
-    "/v1/models/{name}/predict",
+    NAMED_PATH,
     response_model=PredictResponse,
     responses=_ERRORS,
     openapi_extra=_OPENAPI,
