@@ -30,6 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     # imported only now: a bad setting is reported before torch takes seconds to import
     import uvicorn
 
+    from app.api.edge import edge_protocol
     from app.main import create_app
     from app.server import DrainingServer
     from app.telemetry.logging import configure_logging
@@ -52,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=settings.server.port,
         log_config=None,
         access_log=False,
+        http=edge_protocol(app),  # overload refused by the protocol, before any ASGI work
         timeout_graceful_shutdown=int(settings.server.shutdown_grace_s) + 1,
     )
 

@@ -133,6 +133,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.tracer_provider = tracer_provider
+    app.state.tracing = exporting  # the edge refuses nothing then: each refusal gets its span
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(

@@ -51,15 +51,18 @@ def envelope(
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
 
 
+def retry_after(exc: ServiceError) -> int:
+    """The ``Retry-After`` seconds of a 503: the error's own, else one."""
+    return exc.retry_after_s or 1
+
+
 async def service_error_response(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
     if exc.status >= 500 and exc.status != 503:
         log.error("request failed: %s", exc.code, exc_info=exc.__cause__ or exc)
         return envelope(request, 500, "internal_error", "internal server error")
-    retry = exc.retry_after_s if exc.status == 503 else None
-    return envelope(
-        request, exc.status, exc.code, exc.message, retry_after_s=retry or (1 if exc.status == 503 else None)
-    )
+    retry = retry_after(exc) if exc.status == 503 else None
+    return envelope(request, exc.status, exc.code, exc.message, retry_after_s=retry)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

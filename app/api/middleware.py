@@ -78,7 +78,16 @@ def _draining(scope: Scope) -> bool:
     return bool(getattr(service, "draining", False))
 
 
-def _access_line(scope: Scope, status: int, started: float) -> None:
+def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_log: bool) -> None:
+    """A request's metrics and its access line, once it is answered (here, and by the edge)."""
+    seconds = time.perf_counter() - started
+    state = scope["state"]
+    template = getattr(scope.get("route"), "path", None) or state.get("route") or "unmatched"
+    code = state.get("error_code", "ok" if status < 400 else "error")
+    metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)
+    metrics.requests.labels(str(status), code).inc()
+    if not access_log:
+        return
     log.info(
         "%s %s %d",
         scope["method"],
@@ -88,9 +97,9 @@ def _access_line(scope: Scope, status: int, started: float) -> None:
             "method": scope["method"],
             "path": scope["path"],
             "status": status,
-            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-            **({"code": scope["state"].get("error_code")} if status >= 400 else {}),
-            **scope["state"].get("log_fields", {}),
+            "duration_ms": round(seconds * 1000, 3),
+            **({"code": code} if status >= 400 else {}),
+            **state.get("log_fields", {}),
         },
     )
 
@@ -155,16 +164,7 @@ class RequestContextMiddleware:
                 await send_with_id({"type": "http.response.body", "body": json.dumps(body).encode()})
         finally:
             self.metrics.in_flight.dec()
-            self._record(scope, status, time.perf_counter() - started)
-            if self.access_log:
-                _access_line(scope, status, started)
+            finish(self.metrics, scope, status, started, self.access_log)
             request_id_var.reset(token)
             if caller_token is not None:
                 caller_trace_var.reset(caller_token)
-
-    def _record(self, scope: Scope, status: int, seconds: float) -> None:
-        route = scope.get("route")
-        state = scope["state"]
-        template = getattr(route, "path", None) or state.get("route") or "unmatched"
-        self.metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)
-        self.metrics.requests.labels(str(status), state.get("error_code", "ok" if status < 400 else "error")).inc()

@@ -2,26 +2,27 @@
 
 Under overload most requests must be refused, and a refusal that costs as much as an answer
 turns overload into collapse: the event loop spends itself on refusals while the device
-waits. So the edge (the prediction routes' direct path, served by the outermost middleware)
-asks the service's own admission rules (queue bounds, predicted wait against the deadline,
-draining, not ready) before the body is read or parsed, and answers their 503 in the usual
-envelope. Everything it does not refuse, including anything malformed, goes on to the route's
-handler, which decides as before; with an API key configured it sheds nothing, so that
-credentials are checked first.
+waits. So the edge asks the service's own admission rules (queue bounds, predicted wait
+against the deadline, draining, not ready) before the body is read or parsed, and answers
+their 503 in the usual envelope. The edge is the HTTP protocol itself under uvicorn
+(``app.api.edge``), and the prediction routes' direct path in the outermost middleware
+behind it (and under any other ASGI server). Everything it does not refuse, including
+anything malformed, goes on to the route's handler, which decides as before; with an API
+key configured it sheds nothing, so that credentials are checked first.
 """
 
 from __future__ import annotations
 
+from starlette.datastructures import State
 from starlette.types import Scope
 
 from app.api.deps import predict_headers
 from app.errors import ServiceError
 
 
-def shed(scope: Scope, model: str | None) -> ServiceError | None:
+def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     """The 503 the service would answer this prediction of ``model`` (None: the default) now,
-    or None (the route decides)."""
-    state = getattr(scope.get("app"), "state", None)
+    or None (the route decides). ``state`` is the app's."""
     service = getattr(state, "service", None)
     if service is None or getattr(state, "api_key", None) is not None:
         return None

@@ -38,7 +38,7 @@ def shed_of(running: RunningApp, path: str, *headers: tuple[bytes, bytes]) -> ob
     scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers), "app": running.app, "state": {}}
     call = predict_call(scope)
     assert call is not None
-    return shed(scope, call.name)
+    return shed(running.app.state, scope, call.name)
 
 
 SETTINGS = {

@@ -140,7 +140,7 @@ def direct(scope: Scope) -> ASGIApp | None:
 async def _serve(call: PredictCall, scope: Scope, receive: Receive, send: Send) -> None:
     request = Request(scope, receive, send)
     try:
-        if (refusal := shed(scope, call.name)) is not None:  # refused before the body is read
+        if (refusal := shed(request.app.state, scope, call.name)) is not None:  # refused before the body is read
             raise refusal
         response = await _predict(call.name, request)
     except Exception as exc:

@@ -1,0 +1,232 @@
+"""Refusals answered by the HTTP protocol: the real uvicorn server on a loopback port, the real app.
+
+The edge (``app.api.edge``) writes a refusal itself the moment a prediction's headers are
+parsed. Each test counts the requests that reach the ASGI app, so it fails if the edge never
+engages, and compares the edge's answers with the app's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import Receive, Scope, Send
+
+from app.api.edge import edge_protocol
+from app.bench.rawhttp import ResponseHead, build_request, read_response
+from app.main import create_app
+from app.service import InferenceService
+from app.settings import Settings
+from app.telemetry.logging import RequestIdFilter
+from app.telemetry.metrics import PREFIX
+from tests.conftest import SettingsFactory
+from tests.support import free_port, sample_png
+
+
+@dataclass
+class Served:
+    """The app behind a real uvicorn server, and the requests that reached the app."""
+
+    app: FastAPI
+    port: int
+    reached: list[str] = field(default_factory=list)
+
+    @property
+    def service(self) -> InferenceService:
+        service: InferenceService = self.app.state.service
+        return service
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+    async def exchange(self, *requests: bytes) -> list[tuple[ResponseHead, bytes]]:
+        """Send ``requests`` on one new connection, all at once (pipelined), and read their answers."""
+        reader, writer = await self.connect()
+        try:
+            writer.write(b"".join(requests))
+            return [await read_response(reader) for _ in requests]
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def served(settings: Settings) -> AsyncIterator[Served]:
+    """``create_app(settings)`` served by uvicorn with the edge protocol, as ``ai-backend serve`` does."""
+    app = create_app(settings)
+    port = free_port()
+    result = Served(app, port)
+
+    async def counting(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            result.reached.append(f"{scope['method']} {scope['path']}")
+        await app(scope, receive, send)
+
+    config = uvicorn.Config(
+        counting, host="127.0.0.1", port=port, log_config=None, access_log=False, http=edge_protocol(app)
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(60):
+            while not server.started:  # noqa: ASYNC110 (uvicorn has no event for it)
+                await asyncio.sleep(0.01)
+            await asyncio.shield(app.state.starting)
+        yield result
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def predict(
+    path: str = "/predict", body: bytes | None = None, content_type: str = "image/png", **headers: str
+) -> bytes:
+    """A prediction request as bytes; header names in ``headers`` use ``_`` for ``-``."""
+    sent = {"Content-Type": content_type, **{name.replace("_", "-"): value for name, value in headers.items()}}
+    return build_request("POST", "127.0.0.1", path, sent, sample_png(3) if body is None else body)
+
+
+def comparable(head: ResponseHead) -> dict[str, str]:
+    """The headers that must match between two answers (the date moves)."""
+    return {name: value for name, value in head.headers.items() if name != "date"}
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+SETTINGS: dict[str, Any] = {"logging": {"access_log": True}}
+
+
+async def test_a_refusal_is_answered_by_the_protocol_exactly_as_the_app_answers_it(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.handler.addFilter(RequestIdFilter())
+    async with served(make_settings(**SETTINGS)) as running:
+        ((warm, _),) = await running.exchange(predict())
+        assert warm.status == 200 and running.reached == ["POST /predict"], "a prediction reaches the app"
+        # a deadline shorter than the window itself: refused by the predicted wait
+        late = {"X_Request_Timeout": "1", "X_Request_ID": "edge-late-1"}
+        requests = [
+            predict(**late),
+            predict("/v1/models/digits/predict", **late),
+            predict(body=b"{not json", content_type="application/json", X_Urgency="high", **late),
+        ]
+        with caplog.at_level(logging.INFO, logger="app.access"):
+            at_edge = await running.exchange(*requests)
+            assert running.reached == ["POST /predict"], "refused without reaching the app"
+            running.app.state.tracing = True  # the edge stands aside: the app answers the same requests
+            by_app = await running.exchange(*requests)
+        assert running.reached[1:] == ["POST /predict", "POST /v1/models/digits/predict", "POST /predict"]
+        metrics = (await running.exchange(build_request("GET", "127.0.0.1", "/metrics", {})))[0][1].decode()
+    for (edge_head, edge_body), (app_head, app_body) in zip(at_edge, by_app, strict=True):
+        assert edge_head.status == app_head.status == 503
+        assert edge_body == app_body, "the same envelope, byte for byte"
+        assert comparable(edge_head) == comparable(app_head)
+        assert edge_head.keep_alive
+    assert b'"code":"would_miss_deadline"' in at_edge[0][1] and b'"request_id":"edge-late-1"' in at_edge[0][1]
+    assert at_edge[0][0].headers["retry-after"] == "1"
+    # the same metrics: each refusal counted once per answer, by route, status and lane
+    requests_total = samples(metrics, f"{PREFIX}_requests_total")
+    assert requests_total[(("code", "would_miss_deadline"), ("status", "503"))] == 6
+    latency = samples(metrics, f"{PREFIX}_request_duration_seconds_count")
+    assert latency[(("lane", "normal"), ("route", "/predict"), ("status", "503"))] == 2
+    assert latency[(("lane", "normal"), ("route", "/v1/models/{name}/predict"), ("status", "503"))] == 2
+    assert latency[(("lane", "urgent"), ("route", "/predict"), ("status", "503"))] == 2
+    # and the same access lines
+    lines = [r for r in caplog.records if r.name == "app.access" and getattr(r, "status", None) == 503]
+    assert len(lines) == 6
+    fields = [
+        (r.request_id, r.method, r.path, r.code, isinstance(r.duration_ms, float))  # type: ignore[attr-defined]
+        for r in lines
+    ]
+    assert fields[:3] == fields[3:]
+    assert fields[0] == ("edge-late-1", "POST", "/predict", "would_miss_deadline", True)
+
+
+async def test_a_refused_body_is_dropped_and_the_connection_serves_on(make_settings: SettingsFactory) -> None:
+    async with served(make_settings()) as running:
+        await running.exchange(predict())
+        reader, writer = await running.connect()
+        try:
+            body = b"x" * 300_000
+            head = predict(body=body, X_Request_Timeout="1")[: -len(body)]
+            writer.write(head + body[:1000])
+            refused, _ = await read_response(reader)  # answered before the body is sent
+            assert refused.status == 503 and refused.keep_alive
+            for start in range(1000, len(body), 65_536):
+                writer.write(body[start : start + 65_536])
+                await writer.drain()
+            # the next request on the same connection, and a refused one pipelined with an answer
+            writer.write(predict() + predict(X_Request_Timeout="1") + predict())
+            statuses = [(await read_response(reader))[0].status for _ in range(3)]
+            assert statuses == [200, 503, 200]
+        finally:
+            writer.close()
+        assert running.reached == ["POST /predict"] * 3
+
+
+async def test_a_client_that_waits_for_100_continue_gets_the_refusal_instead(make_settings: SettingsFactory) -> None:
+    async with served(make_settings()) as running:
+        await running.exchange(predict())
+        reader, writer = await running.connect()
+        try:
+            body = sample_png(3)
+            writer.write(predict(X_Request_Timeout="1", Expect="100-continue")[: -len(body)])
+            refused, _ = await read_response(reader)
+            assert refused.status == 503, "no 100 Continue: the final answer comes first"
+            writer.write(body + predict())  # a client may still send the body, then go on
+            assert (await read_response(reader))[0].status == 200
+        finally:
+            writer.close()
+
+
+async def test_a_closing_client_and_a_draining_service_get_the_refusal_then_the_close(
+    make_settings: SettingsFactory,
+) -> None:
+    async with served(make_settings()) as running:
+        await running.exchange(predict())
+        # a request pipelined behind a closing answer is not served (RFC 9112, 9.6), refused or not
+        for first, status in (
+            (predict(X_Request_Timeout="1", Connection="close"), 503),
+            (predict(Connection="close"), 200),
+        ):
+            reader, writer = await running.connect()
+            try:
+                writer.write(first + predict())
+                head, _ = await read_response(reader)
+                assert head.status == status and head.headers["connection"] == "close"
+                assert await reader.read() == b""
+            finally:
+                writer.close()
+        assert running.reached == ["POST /predict"] * 2
+        await running.service.drain(1.0)
+        reader, writer = await running.connect()
+        try:
+            writer.write(predict() + build_request("GET", "127.0.0.1", "/healthz", {}))
+            head, body = await read_response(reader)
+            assert head.status == 503 and b'"code":"draining"' in body
+            assert int(head.headers["retry-after"]) >= 1 and head.headers["connection"] == "close"
+            assert await reader.read() == b"", "the server closed the connection after the refusal"
+        finally:
+            writer.close()
+        assert running.reached == ["POST /predict"] * 2
+
+
+async def test_with_an_api_key_the_edge_refuses_nothing(make_settings: SettingsFactory) -> None:
+    async with served(make_settings(server={"api_key": "k" * 24})) as running:
+        ((head, body),) = await running.exchange(predict(X_Request_Timeout="1"))
+        assert head.status == 401, "credentials are checked before any refusal"
+        assert running.reached == ["POST /predict"]
