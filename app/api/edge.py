@@ -54,6 +54,7 @@ class Edge:
         started = time.perf_counter()
         refused = shed(state, scope, call.name)
         if refused is None:
+            scope["state"]["shed_checked"] = True  # the app's direct path need not ask again
             return None
         request_id = request_id_from(scope)
         caller = caller_trace(scope)

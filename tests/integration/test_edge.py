@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
 from app.api.edge import edge_protocol
+from app.api.shedding import shed
 from app.bench.rawhttp import ResponseHead, build_request, read_response
 from app.main import create_app
 from app.service import InferenceService
@@ -230,3 +231,23 @@ async def test_with_an_api_key_the_edge_refuses_nothing(make_settings: SettingsF
         ((head, body),) = await running.exchange(predict(X_Request_Timeout="1"))
         assert head.status == 401, "credentials are checked before any refusal"
         assert running.reached == ["POST /predict"]
+
+
+async def test_what_the_edge_admits_is_not_asked_again_by_the_app(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.api.routes import predict as routes
+
+    asked: list[str | None] = []
+
+    def counting_shed(state: Any, scope: Scope, model: str | None) -> Any:
+        asked.append(model)
+        return shed(state, scope, model)
+
+    monkeypatch.setattr(routes, "shed", counting_shed)
+    async with served(make_settings()) as running:
+        assert [head.status for head, _ in await running.exchange(predict(), predict())] == [200, 200]
+        assert asked == [], "admitted at the edge: the direct path does not ask again"
+        running.app.state.tracing = True  # the edge stands aside: the direct path asks
+        assert [head.status for head, _ in await running.exchange(predict())] == [200]
+        assert asked == [None]

@@ -140,8 +140,8 @@ def direct(scope: Scope) -> ASGIApp | None:
 async def _serve(call: PredictCall, scope: Scope, receive: Receive, send: Send) -> None:
     request = Request(scope, receive, send)
     try:
-        if (refusal := shed(request.app.state, scope, call.name)) is not None:  # refused before the body is read
-            raise refusal
+        if not scope["state"].get("shed_checked") and (refusal := shed(request.app.state, scope, call.name)):
+            raise refusal  # refused before the body is read (unless the edge asked already)
         response = await _predict(call.name, request)
     except Exception as exc:
         handlers = request.app.exception_handlers  # looked up by class, as Starlette does
