@@ -8,8 +8,10 @@ never go into a log record: only ids, sizes, timings and codes.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import json
 import logging
+import math
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -22,12 +24,18 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("req
 caller_trace_var: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("caller_trace", default=None)
 
 # attributes every LogRecord has; anything else was passed through ``extra=`` and is a field
-_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+_STANDARD = logging.LogRecord("", 0, "", 0, "", None, None).__dict__
+_RESERVED = set(_STANDARD) | {
     "message",
     "asctime",
     "request_id",
     "color_message",  # uvicorn's ANSI-coloured copy of the message
 }
+_ENCODER = json.JSONEncoder(default=str)  # json.dumps(default=...) would build one per line
+
+# A record's own attributes come first in its __dict__ (``extra=`` may not replace them, and
+# is applied after they are set): the fields start after them.
+_FIRST_EXTRA = len(_STANDARD)
 
 
 class RequestIdFilter(logging.Filter):
@@ -48,22 +56,44 @@ class RequestIdFilter(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object a line: timestamp, level, logger, message, request_id, then extras."""
+    """One JSON object a line: timestamp, level, logger, message, request_id, then extras.
+
+    Every request writes an access line, so this is on the hot path: the timestamp's date
+    and time of day are formatted once a second, and only the attributes past a record's
+    own are looked at for fields.
+    """
+
+    _second: tuple[int | None, str] = (None, "")  # the last second formatted, and its text
+
+    def timestamp(self, created: float) -> str:
+        """``created`` (seconds since the epoch) as ISO 8601 in UTC, to the millisecond, as
+        ``datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")`` has it."""
+        fraction, whole = math.modf(created)
+        micros = round(fraction * 1e6)  # rounded to the microsecond first, as datetime does
+        if micros < 0:  # before the epoch: modf keeps the sign
+            whole, micros = whole - 1, micros + 1_000_000
+        if micros >= 1_000_000:
+            whole, micros = whole + 1, micros - 1_000_000
+        second, text = int(whole), self._second[1]
+        if self._second[0] != second:
+            text = datetime.fromtimestamp(second, UTC).replace(tzinfo=None).isoformat(timespec="seconds")
+            self._second = (second, text)
+        return f"{text}.{micros // 1000:03d}+00:00"
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "timestamp": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "timestamp": self.timestamp(record.created),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
             "request_id": getattr(record, "request_id", None),
         }
-        for key, value in record.__dict__.items():
+        for key, value in itertools.islice(record.__dict__.items(), _FIRST_EXTRA, None):
             if key not in _RESERVED and not key.startswith("_"):
                 entry[key] = value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return _ENCODER.encode(entry)
 
 
 def configure_logging(level: str, json_format: bool) -> None:

@@ -1,0 +1,60 @@
+"""The JSON formatter's shortcuts give exactly what the plain way gives."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from app.telemetry.logging import JsonFormatter
+
+
+@given(st.floats(min_value=-1e9, max_value=4e9, allow_nan=False))
+@example(1764534716.9999995)  # rounds up into the next second
+@example(1764534716.0000004)
+@example(-0.0000004)  # before the epoch: the fraction is negative
+@example(-1.5)
+@example(0.0)
+def test_the_timestamp_is_datetimes_isoformat_to_the_millisecond(created: float) -> None:
+    formatter = JsonFormatter()
+    expected = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+    assert formatter.timestamp(created) == expected
+    assert formatter.timestamp(created) == expected, "the cached second gives the same text"
+
+
+def _record(extra: dict[str, Any], **attributes: Any) -> logging.LogRecord:
+    record = logging.getLogger("app.access").makeRecord(
+        "app.access", logging.INFO, __file__, 1, "%s %s %d", ("POST", "/predict", 503), None, extra=extra
+    )
+    for name, value in attributes.items():  # what a filter sets, after the extras
+        setattr(record, name, value)
+    return record
+
+
+def test_every_field_passed_or_stamped_is_written_and_nothing_of_the_records_own() -> None:
+    extra = {"method": "POST", "status": 503, "duration_ms": 0.25, "timings_ms": {"total": 1.5}, "_private": 1}
+    record = _record(extra, request_id="rid-1", trace_id="t" * 32, span_id="s" * 16)
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry == {
+        "timestamp": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+        "level": "INFO",
+        "logger": "app.access",
+        "message": "POST /predict 503",
+        "request_id": "rid-1",
+        "method": "POST",
+        "status": 503,
+        "duration_ms": 0.25,
+        "timings_ms": {"total": 1.5},
+        "trace_id": "t" * 32,
+        "span_id": "s" * 16,
+    }
+    assert list(entry)[5:] == ["method", "status", "duration_ms", "timings_ms", "trace_id", "span_id"]
+
+
+def test_a_value_json_cannot_write_is_written_as_its_text() -> None:
+    entry = json.loads(JsonFormatter().format(_record({"path": datetime(2026, 11, 30, tzinfo=UTC)})))
+    assert entry["path"] == "2026-11-30 00:00:00+00:00" and entry["request_id"] is None
