@@ -251,3 +251,16 @@ async def test_what_the_edge_admits_is_not_asked_again_by_the_app(
         running.app.state.tracing = True  # the edge stands aside: the direct path asks
         assert [head.status for head, _ in await running.exchange(predict())] == [200]
         assert asked == [None]
+
+
+def test_a_uvicorn_without_the_hook_gets_its_own_protocol_back(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    app = create_app(make_settings())
+    assert issubclass(edge_protocol(app), HttpToolsProtocol) and edge_protocol(app) is not HttpToolsProtocol
+    monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
+    with caplog.at_level(logging.WARNING, logger="app.api.edge"):
+        assert edge_protocol(app) is HttpToolsProtocol
+    assert "refused by the middleware" in caplog.text
