@@ -7,10 +7,10 @@
 #  (ii)  serves it on the defaults, with the limit's serving batch as the normal lane's max batch;
 #  (iii) saturation: closed loop at SATURATION_CONCURRENCY (64) for DURATION (10) seconds;
 #  (iv)  open loop (Poisson arrivals) at 70% of that rate, 10% urgent, for STEADY_SECONDS (30);
-#  (v)   open loop at twice that rate, 10% urgent, every request with a deadline of DEADLINE_MS
-#        (1000), for OVERLOAD_SECONDS (60);
-#  (vi)  saturation again, closed loop as in (iii): the answered share in (v) is taken against the
-#        mean of the two, since the host's speed drifts while the run goes on;
+#  (v)   saturation again, closed loop as in (iii), then open loop at twice that rate, 10% urgent,
+#        every request with a deadline of DEADLINE_MS (1000), for OVERLOAD_SECONDS (60);
+#  (vi)  saturation again: the answered share in (v) is taken against the mean of the saturation
+#        just before and just after it, since the host's speed drifts while the run goes on;
 #  (vii) writes OUT_DIR/load.md (and the bench reports beside it).
 #
 # Only loopback traffic, bounded in count and time. Knobs (environment): PORT (8932), MODEL,
@@ -54,12 +54,16 @@ echo "saturation: $saturation requests/s"
 steady=$("$py" -c "print(round(0.7 * $saturation, 1))")
 bench "$out/steady.json" --rate "$steady" --duration "${STEADY_SECONDS:-30}" --warmup 3
 echo "70%: $(field "$out/steady.json" "r['throughput_rps']") requests/s"
-overload=$("$py" -c "print(round(2 * $saturation, 1))")
+# saturation again, just before the minute at twice the load: the host's speed drifts by a
+# tenth or more within minutes, and the 70% run took half a minute
+bench "$out/saturation_before.json" --concurrency "${SATURATION_CONCURRENCY:-64}" --duration "${DURATION:-10}" --warmup 3
+before=$(field "$out/saturation_before.json" "r['throughput_rps']")
+echo "saturation before twice the load: $before requests/s"
+overload=$("$py" -c "print(round(2 * $before, 1))")
 bench "$out/overload.json" --rate "$overload" --duration "${OVERLOAD_SECONDS:-60}" --warmup 3 \
   --deadline-ms "${DEADLINE_MS:-1000}" --timeout 30
 echo "200%: $(field "$out/overload.json" "r['throughput_rps']") requests/s answered"
-# saturation again: the host's speed drifts by a tenth or more within minutes, so the answered
-# share at twice the load is taken against the mean of the saturation before and after it
+# and just after it: the answered share at twice the load is taken against the mean of the two
 bench "$out/saturation_after.json" --concurrency "${SATURATION_CONCURRENCY:-64}" --duration "${DURATION:-10}" --warmup 3
 echo "saturation after: $(field "$out/saturation_after.json" "r['throughput_rps']") requests/s"
 
@@ -74,10 +78,11 @@ from app.settings import BatchingSettings
 
 out = Path(sys.argv[1])
 limit = json.loads((out / "limit.json").read_text())
-sat, steady, over, after = (
-    json.loads((out / f"{name}.json").read_text()) for name in ("saturation", "steady", "overload", "saturation_after")
+sat, steady, before, over, after = (
+    json.loads((out / f"{name}.json").read_text())
+    for name in ("saturation", "steady", "saturation_before", "overload", "saturation_after")
 )
-reference = (sat["throughput_rps"] + after["throughput_rps"]) / 2
+reference = (before["throughput_rps"] + after["throughput_rps"]) / 2
 # the largest batch the server runs (either lane's max batch), timed in process at that size
 # (or the nearest size measured above it, else the largest measured)
 urgent_max = os.environ.get("AI_SERVICE_BATCHING__URGENT__MAX_BATCH") or BatchingSettings().urgent.max_batch
@@ -143,9 +148,9 @@ lines = [
     f"### twice saturation: {over['rate_rps']} requests/s offered for {over['measured_s']:.0f} s, "
     f"deadline {over['deadline_ms']:.0f} ms, 10% urgent",
     "",
-    f"- answered: {answered} requests/s = **{answered / reference:.2f} of saturation** (the mean of "
-    f"{sat['throughput_rps']} before and {after['throughput_rps']} after; {answered / sat['throughput_rps']:.2f} "
-    f"of the one before), mean batch {over['mean_batch_size']}",
+    f"- answered: {answered} requests/s = **{answered / reference:.3f} of saturation** (the mean of "
+    f"{before['throughput_rps']} just before and {after['throughput_rps']} just after; "
+    f"{answered / sat['throughput_rps']:.3f} of the first, {sat['throughput_rps']}), mean batch {over['mean_batch_size']}",
     f"- answered later than their deadline (client clock): **{over['ok_past_deadline']}** of {over['ok']}",
     f"- refused: {errors}",
     f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
