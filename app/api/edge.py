@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import cast
 
 from fastapi import FastAPI
@@ -39,17 +40,24 @@ from app.telemetry.logging import caller_trace_var, request_id_var
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A refusal ready to write: the whole response, its status, and whether the connection
+    stays open after it."""
+
+    response: bytes
+    status: int
+    keep_alive: bool
+
+
 class Edge:
     """The refusals of one app, answered as bytes."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
 
-    def refusal(
-        self, scope: Scope, default_headers: list[tuple[bytes, bytes]], keep_alive: bool
-    ) -> tuple[bytes, bool] | None:
-        """The whole 503 response to this request and whether the connection stays open after
-        it, or None: the app serves the request."""
+    def refusal(self, scope: Scope, default_headers: list[tuple[bytes, bytes]], keep_alive: bool) -> Refusal | None:
+        """The refusal of this request, or None: the app serves it."""
         call = predict_call(scope)
         state = self.app.state
         if call is None or getattr(state, "tracing", True):
@@ -80,13 +88,18 @@ class Edge:
         for name, value in headers:
             response += [name, b": ", value, b"\r\n"]
         response += [b"\r\n", body]
-        token, caller_token = request_id_var.set(request_id), caller_trace_var.set(caller)
+        return Refusal(b"".join(response), refused.status, keep_alive)
+
+    def answered(self, scope: Scope, refusal: Refusal) -> None:
+        """The refusal's metrics and access line, once it is written."""
+        state, request = self.app.state, scope["state"]
+        token = request_id_var.set(request["request_id"])
+        caller_token = caller_trace_var.set(caller_trace(scope))
         try:
-            finish(state.metrics, scope, refused.status, started, state.settings.logging.access_log)
+            finish(state.metrics, scope, refusal.status, request["started"], state.settings.logging.access_log)
         finally:
             request_id_var.reset(token)
             caller_trace_var.reset(caller_token)
-        return b"".join(response), keep_alive
 
 
 def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
@@ -105,16 +118,22 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: object) -> None:
             if self.transport.is_closing():
                 return  # a request pipelined behind a closing answer is not served (RFC 9112, 9.6)
+            scope = cast(Scope, cycle.scope)
+            refusal = None
             if app is self.app:  # not uvicorn's own 503 past ``limit_concurrency``
-                answer = edge.refusal(cast(Scope, cycle.scope), self.server_state.default_headers, cycle.keep_alive)
-                if answer is not None:
-                    response, cycle.keep_alive = answer
-                    cycle.response_started = cycle.response_complete = True  # the body that follows is dropped
-                    self.transport.write(response)
-                    if not cycle.keep_alive:
-                        self.transport.close()
-                    cycle.on_response()
-                    return
-            super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+                try:
+                    refusal = edge.refusal(scope, self.server_state.default_headers, cycle.keep_alive)
+                except Exception:  # a bug here must not cost the request its answer: the app gives it
+                    log.exception("the edge failed on %s %s; the app serves it", scope["method"], scope["path"])
+            if refusal is None:
+                super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+                return
+            cycle.keep_alive = refusal.keep_alive
+            cycle.response_started = cycle.response_complete = True  # the body that follows is dropped
+            self.transport.write(refusal.response)
+            if not cycle.keep_alive:
+                self.transport.close()
+            cycle.on_response()
+            edge.answered(scope, refusal)
 
     return EdgeProtocol

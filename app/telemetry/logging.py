@@ -74,8 +74,9 @@ class JsonFormatter(logging.Formatter):
             whole, micros = whole - 1, micros + 1_000_000
         if micros >= 1_000_000:
             whole, micros = whole + 1, micros - 1_000_000
-        second, text = int(whole), self._second[1]
-        if self._second[0] != second:
+        second = int(whole)
+        cached, text = self._second  # one read: another thread may replace it
+        if cached != second:
             text = datetime.fromtimestamp(second, UTC).replace(tzinfo=None).isoformat(timespec="seconds")
             self._second = (second, text)
         return f"{text}.{micros // 1000:03d}+00:00"

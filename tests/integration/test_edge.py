@@ -264,3 +264,22 @@ def test_a_uvicorn_without_the_hook_gets_its_own_protocol_back(
     with caplog.at_level(logging.WARNING, logger="app.api.edge"):
         assert edge_protocol(app) is HttpToolsProtocol
     assert "refused by the middleware" in caplog.text
+
+
+async def test_a_failing_edge_leaves_the_request_to_the_app(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import app.api.edge
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("edge bug")
+
+    async with served(make_settings()) as running:
+        await running.exchange(predict())
+        monkeypatch.setattr(app.api.edge, "shed", broken)
+        with caplog.at_level(logging.ERROR, logger="app.api.edge"):
+            answers = await running.exchange(predict(), predict(X_Request_Timeout="1"))
+        assert [head.status for head, _ in answers] == [200, 503], "each request answered, by the app"
+        assert b'"code":"would_miss_deadline"' in answers[1][1]
+        assert running.reached == ["POST /predict"] * 3
+    assert caplog.text.count("the edge failed on POST /predict") == 2
