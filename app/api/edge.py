@@ -11,7 +11,7 @@ headers and envelope, the same metrics and access line as the middleware would g
 body that follows is read and dropped by the parser, and the connection stays open for the
 client's next request. Anything the edge does not refuse, or cannot judge from the headers
 alone, goes on to the app untouched (with its headers parsed once, for both). At twice the
-load this answered 3-4% more requests (docs/performance.md, eighth pass).
+load this answered 2-4% more requests (docs/performance.md, eighth pass).
 
 It stands aside while spans are exported (a refusal then gets its server span from the
 app's instrumentation) and when an API key is required (credentials are checked first).
