@@ -31,7 +31,7 @@ from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from app.api.errors import retry_after
-from app.api.middleware import caller_trace, finish, request_id_from
+from app.api.middleware import caller_trace, finish, identity_headers, request_id_from
 from app.api.routes.predict import predict_call
 from app.api.schemas import ErrorResponse
 from app.api.shedding import shed
@@ -42,12 +42,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Refusal:
-    """A refusal ready to write: the whole response, its status, and whether the connection
-    stays open after it."""
+    """A refusal ready to write: the whole response, its status, whether the connection stays
+    open after it, and the request's id and caller's trace (for its access line)."""
 
     response: bytes
     status: int
     keep_alive: bool
+    request_id: str
+    caller: tuple[str, str] | None
 
 
 class Edge:
@@ -77,26 +79,21 @@ class Edge:
             (b"retry-after", str(retry_after(refused)).encode()),
             (b"content-length", str(len(body)).encode()),
             (b"content-type", b"application/json"),
-            (b"x-request-id", request_id.encode()),
         ]
-        if caller is not None:
-            headers.append((b"x-trace-id", caller[0].encode()))
         keep_alive = keep_alive and not state.service.draining  # no keep-alive past the drain, as the middleware
-        if not keep_alive:
-            headers.append((b"connection", b"close"))
+        headers += identity_headers(request_id, caller[0] if caller else None, close=not keep_alive)
         response = [STATUS_LINE[refused.status]]
         for name, value in headers:
             response += [name, b": ", value, b"\r\n"]
         response += [b"\r\n", body]
-        return Refusal(b"".join(response), refused.status, keep_alive)
+        return Refusal(b"".join(response), refused.status, keep_alive, request_id, caller)
 
     def answered(self, scope: Scope, refusal: Refusal) -> None:
         """The refusal's metrics and access line, once it is written."""
-        state, request = self.app.state, scope["state"]
-        token = request_id_var.set(request["request_id"])
-        caller_token = caller_trace_var.set(caller_trace(scope))
+        state = self.app.state
+        token, caller_token = request_id_var.set(refusal.request_id), caller_trace_var.set(refusal.caller)
         try:
-            finish(state.metrics, scope, refusal.status, request["started"], state.settings.logging.access_log)
+            finish(state.metrics, scope, refusal.status, scope["state"]["started"], state.settings.logging.access_log)
         finally:
             request_id_var.reset(token)
             caller_trace_var.reset(caller_token)

@@ -78,6 +78,18 @@ def _draining(scope: Scope) -> bool:
     return bool(getattr(service, "draining", False))
 
 
+def identity_headers(request_id: str, trace_id: str | None, close: bool) -> list[tuple[bytes, bytes]]:
+    """What every answer carries besides its own headers (here, and from the edge): the request
+    id, the trace id when there is one, and ``connection: close`` when the connection ends with
+    it (past the drain, a reused connection would be cut)."""
+    headers = [(b"x-request-id", request_id.encode())]
+    if trace_id:
+        headers.append((b"x-trace-id", trace_id.encode()))
+    if close:
+        headers.append((b"connection", b"close"))
+    return headers
+
+
 def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_log: bool) -> None:
     """A request's metrics and its access line, once it is answered (here, and by the edge)."""
     seconds = time.perf_counter() - started
@@ -131,18 +143,14 @@ class RequestContextMiddleware:
         token = request_id_var.set(request_id)
         status = 0
         trace_id, caller_token = _trace_of(scope, request_id)
-        trace_header = [(b"x-trace-id", trace_id.encode())] if trace_id else []
         self.metrics.in_flight.inc()
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", [])
-                extra = [(b"x-request-id", request_id.encode()), *trace_header]
-                if _draining(scope):  # no keep-alive past the drain: a reused connection would be cut
-                    extra.append((b"connection", b"close"))
-                message["headers"] = [*message["headers"], *extra]
+                extra = identity_headers(request_id, trace_id, _draining(scope))
+                message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
         try:
