@@ -1,4 +1,5 @@
-"""The ``ai-backend`` command: ``serve``, ``export``, ``train-digits``, ``bench`` and ``sweep``."""
+"""The ``ai-backend`` command: ``serve``, and the tools ``export``, ``train-digits``, ``bench``,
+``sweep``, ``limit``, ``core`` and ``eval``."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ _DELEGATED = {
     "bench": ("app.bench.loadgen", "send bounded load to a running service on loopback"),
     "sweep": ("app.bench.sweep", "time a model in process at batch sizes 1..N and find the knee"),
     "limit": ("app.bench.limit", "measure the in-process images/s limit of a model on this machine"),
+    "core": ("app.bench.core", "measure the service's throughput in process, with no HTTP in front of it"),
     "eval": ("app.lifecycle.evaluate", "evaluate a model version on a held-out set and record it in its manifest"),
 }
 

@@ -6,7 +6,9 @@
 #  (iii) serves that repository (ai-backend serve) with the settings below;
 #  (iv)  finds saturation with closed-loop concurrency (ai-backend bench --client raw, JSON base64 bodies):
 #        throughput / limit, mean batch size, per-lane latency, and the CPU of server, client and others;
-#  (v)   profiles the server at the saturation point (py-spy + per-thread CPU from /proc).
+#  (v)   profiles the server at the saturation point (py-spy + per-thread CPU from /proc);
+#  (vi)  drives the same service in process with no HTTP in front (ai-backend core) at that concurrency,
+#        so the report tells what HTTP costs apart from what the machine and the service's core cost.
 # Writes OUT_DIR/ratio.json and OUT_DIR/ratio.md (and every intermediate report).
 #
 # Side by side: VARIANTS="label:ENV=V ENV2=V2;label2:ENV=V" runs each variant's server in turn, ROUNDS
@@ -123,6 +125,11 @@ else
   wait "$bench_pid"
   stop_server
 
+  # (vi) the same service, the same settings and images, no HTTP: what the layers in front cost
+  wait_quiet
+  "$py" -m app.bench.core --images "$out/images" --concurrency "$saturated" --seconds "$duration" \
+    --warmup "$warmup" --out "$out/core.json" >/dev/null 2>"$out/core.log"
+
   # the limit again: the machines drift (other tenants), so the ratio is taken against both ends' mean
   if [ -z "${LIMIT_JSON:-}" ]; then
     wait_quiet
@@ -136,7 +143,7 @@ else
   config=("best_batch=$best_batch" "serve_batch=$serve_batch" "cores=$(nproc)")
   for name in $(env | grep -o '^AI_SERVICE_[A-Z_]*' | sort); do config+=("$name=${!name}"); done
   "$py" -m app.bench.ratio report --limit "$out/limit.json" "${limit_after[@]}" --bench "${benches[@]}" \
-    --profile "$out/profile.json" \
+    --profile "$out/profile.json" --core "$out/core.json" \
     --profile-bench "$out/bench-profiled.json" --config "${config[@]}" --out-json "$out/ratio.json" --out-md "$out/ratio.md"
 
 fi

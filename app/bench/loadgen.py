@@ -412,7 +412,7 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
     return summarise(run, settings, args.deadline_ms)
 
 
-def _event_loop_run(work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+def event_loop_run(work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     """``asyncio.run``, on uvloop where it is installed (less CPU per request for the client too)."""
     try:
         import uvloop
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         images = load_images(Path(args.image), args.images)
     except OSError as exc:
         parser.error(str(exc))
-    report = _event_loop_run(bench(args, images))
+    report = event_loop_run(bench(args, images))
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

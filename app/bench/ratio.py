@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.bench.threads import group_name, thread_cpu
+from app.bench.threads import group_name, thread_cpu, threads_text
 
 # (stage, substrings of a frame "function (file)"); a sample goes to the deepest frame that matches
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -190,11 +190,14 @@ def build_report(
     profile: dict[str, Any] | None,
     config: dict[str, str],
     limit_after: dict[str, Any] | None = None,
+    core: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ratio at saturation and everything needed to read it.
 
     With ``limit_after`` (the limit measured again after the service), the ratio is taken
-    against the mean of the two: these machines drift while a run goes on.
+    against the mean of the two: these machines drift while a run goes on. With ``core``
+    (``ai-backend core``: the same service driven in process, no HTTP), the report gives what
+    the HTTP layer keeps of it.
     """
     best = saturation(benches)
     ends = [limit] if limit_after is None else [limit, limit_after]
@@ -240,6 +243,10 @@ def build_report(
         report["every_core_images_per_s"] = round(statistics.mean(every), 1)
         report["every_core_runs_images_per_s"] = every
         report["saturation"]["every_core_ratio"] = round(float(best["throughput_rps"]) / statistics.mean(every), 4)
+    if core is not None:
+        report["core"] = core
+        report["core_ratio"] = round(float(core["throughput_rps"]) / images_per_s, 4)
+        report["saturation"]["http_ratio"] = round(float(best["throughput_rps"]) / float(core["throughput_rps"]), 4)
     if server_ms:
         # the serving layer's cost in CPU, whatever else ran on the machine meanwhile
         report["saturation"]["cpu_ratio"] = round(limit_ms / float(server_ms), 4)
@@ -268,6 +275,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"- every core at once with no serving layer: {report['every_core_images_per_s']:.1f} images/s "
             f"({report['every_core_images_per_s'] / report['limit_images_per_s']:.2f} of the limit); "
             f"**service / every core: {sat['every_core_ratio']:.2f}**"
+        )
+    if "core" in report:
+        core = report["core"]
+        lines.append(
+            f"- the same service with no HTTP in front (in process, {core['concurrency']} clients, base64 text "
+            f"straight to it): {core['throughput_rps']:.1f} requests/s ({report['core_ratio']:.2f} of the limit), "
+            f"{core['cpu']['ms_per_request'] or 0:.3f} ms CPU per request ({threads_text(core)}); "
+            f"**service / no HTTP: {sat['http_ratio']:.2f}**"
         )
     if "cpu_ratio" in sat:
         lines.append(
@@ -440,7 +455,8 @@ def _report(args: argparse.Namespace) -> int:
         profile["throughput_rps"] = json.loads(args.profile_bench.read_text())["throughput_rps"]
     config = dict(item.split("=", 1) for item in args.config)
     after = json.loads(args.limit_after.read_text()) if args.limit_after else None
-    report = build_report(limit, benches, profile, config, after)
+    core = json.loads(args.core.read_text()) if args.core else None
+    report = build_report(limit, benches, profile, config, after, core)
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
     args.out_json.write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
@@ -465,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--limit-after", type=Path, help="the limit measured again after the service")
     rep.add_argument("--bench", type=Path, nargs="+", required=True, help="ai-backend bench JSON reports")
     rep.add_argument("--profile", type=Path, help="a profile summary from `profile`")
+    rep.add_argument("--core", type=Path, help="ai-backend core's JSON report: the service with no HTTP")
     rep.add_argument("--profile-bench", type=Path, help="the bench report of the profiled run")
     rep.add_argument("--config", nargs="*", default=[], help="KEY=VALUE pairs recorded with the report")
     rep.add_argument("--out-json", type=Path, required=True)

@@ -23,6 +23,11 @@ def group_name(thread: str) -> str:
     return re.sub(r"[_-]\d+$", "", thread) or "unnamed"
 
 
+def threads_text(report: dict[str, Any]) -> str:
+    """An ``ai-backend core`` report's CPU per request by thread group: ``device 2.48, preprocess 1.85``."""
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in report["cpu"]["threads_ms_per_request"].items())
+
+
 def _each_thread(pid: int, filename: str) -> Iterator[tuple[int, str, str]]:
     """Each thread of ``pid`` still there: its id, its name (``comm``) and its ``filename`` in /proc."""
     tasks = Path(f"/proc/{pid}/task")

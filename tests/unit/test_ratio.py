@@ -147,3 +147,25 @@ def test_the_every_core_ceiling_gives_a_second_ratio_when_the_limit_measured_it(
     assert report["saturation"]["every_core_ratio"] == 0.9 and report["saturation"]["ratio"] == 0.765
     assert "0.85 of the limit); **service / every core: 0.90**" in ratio.markdown(report)
     assert "every_core_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
+
+
+def test_the_service_with_no_http_gives_what_the_http_layer_keeps(tmp_path: Path) -> None:
+    core = {
+        "concurrency": 64,
+        "throughput_rps": 340.0,
+        "mean_batch_size": 16.0,
+        "errors": {},
+        "cpu": {"cores": 1.9, "ms_per_request": 5.1, "threads_ms_per_request": {"device": 2.6, "event loop": 0.25}},
+    }
+    report = ratio.build_report(LIMIT, [bench(64, 306.0)], None, {}, core=core)
+    assert report["core_ratio"] == 0.85 and report["saturation"]["http_ratio"] == 0.9
+    text = ratio.markdown(report)
+    assert "340.0 requests/s (0.85 of the limit), 5.100 ms CPU per request (device 2.60, event loop 0.25)" in text
+    assert "**service / no HTTP: 0.90**" in text
+    assert "http_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
+    # and through the command, from ai-backend core's JSON report
+    for name, content in {"limit.json": LIMIT, "b.json": bench(64, 306.0), "core.json": core}.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    args = ["report", "--limit", str(tmp_path / "limit.json"), "--bench", str(tmp_path / "b.json")]
+    assert ratio.main([*args, "--core", str(tmp_path / "core.json"), "--out-json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["saturation"]["http_ratio"] == 0.9
