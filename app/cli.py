@@ -1,5 +1,5 @@
 """The ``ai-backend`` command: ``serve``, and the tools ``export``, ``train-digits``, ``bench``,
-``sweep``, ``limit``, ``core`` and ``eval``."""
+``sweep``, ``limit``, ``core``, ``floor`` and ``eval``."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ _DELEGATED = {
     "sweep": ("app.bench.sweep", "time a model in process at batch sizes 1..N and find the knee"),
     "limit": ("app.bench.limit", "measure the in-process images/s limit of a model on this machine"),
     "core": ("app.bench.core", "measure the service's throughput in process, with no HTTP in front of it"),
+    "floor": ("app.bench.floor", "serve predictions behind the least HTTP possible (a benchmark reference)"),
     "eval": ("app.lifecycle.evaluate", "evaluate a model version on a held-out set and record it in its manifest"),
 }
 

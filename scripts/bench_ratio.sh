@@ -8,7 +8,9 @@
 #        throughput / limit, mean batch size, per-lane latency, and the CPU of server, client and others;
 #  (v)   profiles the server at the saturation point (py-spy + per-thread CPU from /proc);
 #  (vi)  drives the same service in process with no HTTP in front (ai-backend core) at that concurrency,
-#        so the report tells what HTTP costs apart from what the machine and the service's core cost.
+#  (vii) and serves it behind the least HTTP possible (ai-backend floor: httptools, json.loads, no ids,
+#        metrics or logs), so the report tells what HTTP itself costs, what the serving layers on top
+#        of it cost, and what the machine and the service's core cost.
 # Writes OUT_DIR/ratio.json and OUT_DIR/ratio.md (and every intermediate report).
 #
 # Side by side: VARIANTS="label:ENV=V ENV2=V2;label2:ENV=V" runs each variant's server in turn, ROUNDS
@@ -77,14 +79,15 @@ export AI_SERVICE_MODEL__NAMES="[\"$model\"]"
 export AI_SERVICE_MODEL__DEFAULT="$model"
 export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$serve_batch}"
 
-# start_server LOG [ENV=VALUE ...]: serve on $port from $SERVER_TREE (default: this checkout)
+# start_server LOG [ENV=VALUE ...]: serve on $port from $SERVER_TREE (default: this checkout), with
+# $SERVER_COMMAND (default serve; floor: the least HTTP possible)
 start_server() {
   local log=$1 tree=$root
   shift
   for assignment in "$@"; do
     case $assignment in SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;; esac
   done
-  (cd "$tree" && exec env "$@" "$py" -m app.cli serve --port "$port" >"$log" 2>&1) &
+  (cd "$tree" && exec env "$@" "$py" -m app.cli "${SERVER_COMMAND:-serve}" --port "$port" >"$log" 2>&1) &
   server_pid=$!
   wait_ready "$log"
 }
@@ -129,6 +132,10 @@ else
   wait_quiet
   "$py" -m app.bench.core --images "$out/images" --concurrency "$saturated" --seconds "$duration" \
     --warmup "$warmup" --out "$out/core.json" >/dev/null 2>"$out/core.log"
+  # (vii) the same service behind the least HTTP possible
+  SERVER_COMMAND=floor start_server "$out/floor.log"
+  bench "$saturated" "$out/floor.json"
+  stop_server
 
   # the limit again: the machines drift (other tenants), so the ratio is taken against both ends' mean
   if [ -z "${LIMIT_JSON:-}" ]; then
@@ -143,7 +150,7 @@ else
   config=("best_batch=$best_batch" "serve_batch=$serve_batch" "cores=$(nproc)")
   for name in $(env | grep -o '^AI_SERVICE_[A-Z_]*' | sort); do config+=("$name=${!name}"); done
   "$py" -m app.bench.ratio report --limit "$out/limit.json" "${limit_after[@]}" --bench "${benches[@]}" \
-    --profile "$out/profile.json" --core "$out/core.json" \
+    --profile "$out/profile.json" --core "$out/core.json" --floor "$out/floor.json" \
     --profile-bench "$out/bench-profiled.json" --config "${config[@]}" --out-json "$out/ratio.json" --out-md "$out/ratio.md"
 
 fi

@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -412,7 +412,10 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
     return summarise(run, settings, args.deadline_ms)
 
 
-def event_loop_run(work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+T = TypeVar("T")
+
+
+def event_loop_run(work: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run``, on uvloop where it is installed (less CPU per request for the client too)."""
     try:
         import uvloop

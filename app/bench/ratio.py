@@ -191,13 +191,16 @@ def build_report(
     config: dict[str, str],
     limit_after: dict[str, Any] | None = None,
     core: dict[str, Any] | None = None,
+    floor: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ratio at saturation and everything needed to read it.
 
     With ``limit_after`` (the limit measured again after the service), the ratio is taken
     against the mean of the two: these machines drift while a run goes on. With ``core``
     (``ai-backend core``: the same service driven in process, no HTTP), the report gives what
-    the HTTP layer keeps of it.
+    the HTTP layer keeps of it; with ``floor`` (an ``ai-backend bench`` report against
+    ``ai-backend floor``: the same service behind the least HTTP possible), what HTTP itself
+    keeps and what the serving layers on top of it keep.
     """
     best = saturation(benches)
     ends = [limit] if limit_after is None else [limit, limit_after]
@@ -247,6 +250,12 @@ def build_report(
         report["core"] = core
         report["core_ratio"] = round(float(core["throughput_rps"]) / images_per_s, 4)
         report["saturation"]["http_ratio"] = round(float(best["throughput_rps"]) / float(core["throughput_rps"]), 4)
+    if floor is not None:
+        report["floor"] = {"throughput_rps": floor["throughput_rps"], "cpu": floor.get("cpu", {})}
+        report["floor_ratio"] = round(float(floor["throughput_rps"]) / images_per_s, 4)
+        report["saturation"]["floor_http_ratio"] = round(
+            float(best["throughput_rps"]) / float(floor["throughput_rps"]), 4
+        )
     if server_ms:
         # the serving layer's cost in CPU, whatever else ran on the machine meanwhile
         report["saturation"]["cpu_ratio"] = round(limit_ms / float(server_ms), 4)
@@ -283,6 +292,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"straight to it): {core['throughput_rps']:.1f} requests/s ({report['core_ratio']:.2f} of the limit), "
             f"{core['cpu']['ms_per_request'] or 0:.3f} ms CPU per request ({threads_text(core)}); "
             f"**service / no HTTP: {sat['http_ratio']:.2f}**"
+        )
+    if "floor" in report:
+        floor_ms = report["floor"]["cpu"].get("server_ms_per_request")
+        lines.append(
+            f"- the same service behind the least HTTP possible (`ai-backend floor`: httptools, json.loads; no ids, "
+            f"metrics or logs): {report['floor']['throughput_rps']:.1f} requests/s ({report['floor_ratio']:.2f} "
+            f"of the limit)"
+            + (f", {floor_ms:.3f} ms CPU per request" if floor_ms else "")
+            + f"; **service / least HTTP: {sat['floor_http_ratio']:.2f}**"
         )
     if "cpu_ratio" in sat:
         lines.append(
@@ -456,7 +474,8 @@ def _report(args: argparse.Namespace) -> int:
     config = dict(item.split("=", 1) for item in args.config)
     after = json.loads(args.limit_after.read_text()) if args.limit_after else None
     core = json.loads(args.core.read_text()) if args.core else None
-    report = build_report(limit, benches, profile, config, after, core)
+    floor = json.loads(args.floor.read_text()) if args.floor else None
+    report = build_report(limit, benches, profile, config, after, core, floor)
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
     args.out_json.write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
@@ -482,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--bench", type=Path, nargs="+", required=True, help="ai-backend bench JSON reports")
     rep.add_argument("--profile", type=Path, help="a profile summary from `profile`")
     rep.add_argument("--core", type=Path, help="ai-backend core's JSON report: the service with no HTTP")
+    rep.add_argument("--floor", type=Path, help="ai-backend bench's JSON report against ai-backend floor")
     rep.add_argument("--profile-bench", type=Path, help="the bench report of the profiled run")
     rep.add_argument("--config", nargs="*", default=[], help="KEY=VALUE pairs recorded with the report")
     rep.add_argument("--out-json", type=Path, required=True)

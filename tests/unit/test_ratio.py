@@ -169,3 +169,13 @@ def test_the_service_with_no_http_gives_what_the_http_layer_keeps(tmp_path: Path
     args = ["report", "--limit", str(tmp_path / "limit.json"), "--bench", str(tmp_path / "b.json")]
     assert ratio.main([*args, "--core", str(tmp_path / "core.json"), "--out-json", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["saturation"]["http_ratio"] == 0.9
+
+
+def test_the_least_http_possible_gives_what_http_and_the_layers_on_it_keep() -> None:
+    floor = bench(64, 360.0, 4.8)
+    report = ratio.build_report(LIMIT, [bench(64, 306.0)], None, {}, floor=floor)
+    assert report["floor_ratio"] == 0.9 and report["saturation"]["floor_http_ratio"] == 0.85
+    assert report["floor"] == {"throughput_rps": 360.0, "cpu": floor["cpu"]}
+    text = ratio.markdown(report)
+    assert "360.0 requests/s (0.90 of the limit), 4.800 ms CPU per request; **service / least HTTP: 0.85**" in text
+    assert "floor_http_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]

@@ -1,0 +1,55 @@
+"""``ai-backend floor``: the service behind the least HTTP possible, a reference for the ratio's ladder."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from app.bench.floor import FloorProtocol
+from app.service import InferenceService
+from tests.conftest import SettingsFactory
+from tests.support import REPO_ROOT, b64, sample_png
+
+
+@pytest.fixture
+async def floor(make_settings: SettingsFactory) -> AsyncIterator[str]:
+    service = InferenceService(make_settings(batching={"normal": {"window_ms": 5.0, "max_batch": 4}}))
+    await service.start()
+    tasks: set[asyncio.Task[None]] = set()
+    server = await asyncio.get_running_loop().create_server(lambda: FloorProtocol(service, tasks), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await service.close(1.0)
+
+
+async def test_a_prediction_comes_back_with_its_label_and_batch_and_the_connection_serves_on(floor: str) -> None:
+    async with httpx.AsyncClient(base_url=floor, timeout=30) as client:
+        assert (await client.get("/readyz")).status_code == 200
+        answers = await asyncio.gather(
+            *(client.post("/predict", json={"image_base64": b64(sample_png(d))}) for d in (3, 7, 3, 7))
+        )
+        assert [a.status_code for a in answers] == [200] * 4
+        assert [a.json()["label"] for a in answers] == ["3", "7", "3", "7"]
+        assert all(1 <= a.json()["batch_size"] <= 4 and a.json()["lane"] == "normal" for a in answers)
+
+
+async def test_a_body_it_cannot_serve_closes_its_connection_and_the_next_one_is_served(floor: str) -> None:
+    async with httpx.AsyncClient(base_url=floor, timeout=30) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/predict", content=b"{not json", headers={"content-type": "application/json"})
+        answer = await client.post("/predict", json={"image_base64": b64(sample_png(5))})
+        assert answer.status_code == 200 and answer.json()["label"] == "5"
+
+
+def test_only_a_loopback_address_is_accepted() -> None:
+    command = [sys.executable, "-m", "app.cli", "floor", "--host", "0.0.0.0"]
+    result = subprocess.run(command, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "loopback" in result.stderr
