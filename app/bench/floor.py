@@ -19,6 +19,7 @@ import json
 import logging
 import signal
 import sys
+from typing import cast
 
 import httptools
 
@@ -43,8 +44,7 @@ class FloorProtocol(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not asyncio's class
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.task is not None:

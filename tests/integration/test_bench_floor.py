@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +16,7 @@ import pytest
 from app.bench.floor import FloorProtocol
 from app.service import InferenceService
 from tests.conftest import SettingsFactory
-from tests.support import REPO_ROOT, b64, sample_png
+from tests.support import REPO_ROOT, b64, free_port, sample_png, server_environment
 
 
 @pytest.fixture
@@ -53,3 +56,30 @@ def test_only_a_loopback_address_is_accepted() -> None:
     command = [sys.executable, "-m", "app.cli", "floor", "--host", "0.0.0.0"]
     result = subprocess.run(command, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "loopback" in result.stderr
+
+
+def test_the_command_serves_on_its_event_loop_and_stops_on_sigterm(tmp_path: Path) -> None:
+    env = server_environment({"AI_SERVICE_MODEL__WARMUP": "false"})
+    port = free_port()
+    command = [sys.executable, "-m", "app.cli", "floor", "--port", str(port)]
+    with (tmp_path / "floor.log").open("wb") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            deadline = time.monotonic() + 90
+            while True:  # the port opens once the service is ready
+                assert process.poll() is None, (tmp_path / "floor.log").read_text()
+                try:
+                    client.get("/readyz")
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, "never listened"
+                    time.sleep(0.05)
+            answer = client.post("/predict", json={"image_base64": b64(sample_png(8))})
+            assert answer.status_code == 200 and answer.json()["label"] == "8"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
