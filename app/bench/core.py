@@ -103,7 +103,10 @@ async def drive(
     finally:
         for client in clients:
             client.cancel()
-        await asyncio.gather(*clients, return_exceptions=True)
+        ended = await asyncio.gather(*clients, return_exceptions=True)
+    # a client that died of anything but a refusal is a bug, not a slower service
+    if failure := next((e for e in ended if isinstance(e, Exception)), None):
+        raise RuntimeError("a client of the service failed") from failure
     answered = tally.answered
     return {
         "concurrency": concurrency,

@@ -251,7 +251,7 @@ def build_report(
         report["core_ratio"] = round(float(core["throughput_rps"]) / images_per_s, 4)
         report["saturation"]["http_ratio"] = round(float(best["throughput_rps"]) / float(core["throughput_rps"]), 4)
     if floor is not None:
-        report["floor"] = {"throughput_rps": floor["throughput_rps"], "cpu": floor.get("cpu", {})}
+        report["floor"] = {k: floor[k] for k in ("throughput_rps", "cpu", "errors") if k in floor}
         report["floor_ratio"] = round(float(floor["throughput_rps"]) / images_per_s, 4)
         report["saturation"]["floor_http_ratio"] = round(
             float(best["throughput_rps"]) / float(floor["throughput_rps"]), 4
@@ -294,12 +294,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"**service / no HTTP: {sat['http_ratio']:.2f}**"
         )
     if "floor" in report:
-        floor_ms = report["floor"]["cpu"].get("server_ms_per_request")
+        floor_ms = report["floor"].get("cpu", {}).get("server_ms_per_request")
         lines.append(
             f"- the same service behind the least HTTP possible (`ai-backend floor`: httptools, json.loads; no ids, "
             f"metrics or logs): {report['floor']['throughput_rps']:.1f} requests/s ({report['floor_ratio']:.2f} "
             f"of the limit)"
             + (f", {floor_ms:.3f} ms CPU per request" if floor_ms else "")
+            + (f", errors {report['floor']['errors']}" if report["floor"].get("errors") else "")
             + f"; **service / least HTTP: {sat['floor_http_ratio']:.2f}**"
         )
     if "cpu_ratio" in sat:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,26 @@ def test_out_of_bounds_arguments_are_refused(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         core.main(["--images", str(SAMPLES_DIR), *bad])
     assert exit_info.value.code == 2
+
+
+class _BrokenService:
+    """A service whose predictions fail with a bug (not a ``ServiceError``)."""
+
+    def served(self, name: str | None) -> object:
+        return object()
+
+    def reserve(self, served: object, lane: object, timeout_s: float) -> _BrokenService:
+        return self
+
+    def release(self) -> None:
+        pass
+
+    async def predict(self, *args: object) -> object:
+        raise KeyError("a bug")
+
+
+async def test_a_client_failing_with_a_bug_fails_the_measurement_instead_of_slowing_it() -> None:
+    service: Any = _BrokenService()
+    with pytest.raises(RuntimeError, match="a client of the service failed") as failure:
+        await core.drive(service, ["aGk="], concurrency=2, seconds=0.05, warmup_s=0.0)
+    assert isinstance(failure.value.__cause__, KeyError)

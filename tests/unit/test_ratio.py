@@ -175,7 +175,9 @@ def test_the_least_http_possible_gives_what_http_and_the_layers_on_it_keep() -> 
     floor = bench(64, 360.0, 4.8)
     report = ratio.build_report(LIMIT, [bench(64, 306.0)], None, {}, floor=floor)
     assert report["floor_ratio"] == 0.9 and report["saturation"]["floor_http_ratio"] == 0.85
-    assert report["floor"] == {"throughput_rps": 360.0, "cpu": floor["cpu"]}
+    assert report["floor"] == {"throughput_rps": 360.0, "cpu": floor["cpu"], "errors": {}}
     text = ratio.markdown(report)
     assert "360.0 requests/s (0.90 of the limit), 4.800 ms CPU per request; **service / least HTTP: 0.85**" in text
     assert "floor_http_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
+    failed = ratio.build_report(LIMIT, [bench(64, 306.0)], None, {}, floor={**floor, "errors": {"transport": 3}})
+    assert "errors {'transport': 3}; **service / least HTTP" in ratio.markdown(failed)
