@@ -38,8 +38,10 @@ class FloorProtocol(asyncio.Protocol):
     def __init__(self, service: InferenceService, tasks: set[asyncio.Task[None]]) -> None:
         self.service = service
         self.tasks = tasks
+        self.max_body = service.settings.server.max_body_bytes
         self.parser = httptools.HttpRequestParser(self)
         self.body: list[bytes] = []
+        self.body_bytes = 0
         self.transport: asyncio.Transport | None = None
         self.task: asyncio.Task[None] | None = None
 
@@ -57,17 +59,22 @@ class FloorProtocol(asyncio.Protocol):
             self._close()
 
     def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
+        if self.body_bytes > self.max_body:  # the service's own limit, before any more is kept
+            self._close()
+            return
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        body, self.body = b"".join(self.body), []
+        body, self.body, self.body_bytes = b"".join(self.body), [], 0
+        if self.transport is None or self.transport.is_closing():
+            return
         if self.task is not None:  # pipelined behind a prediction: not what this reference serves
             self._close()
             return
         if self.parser.get_method() != b"POST":  # /readyz and the like: ready or not
             self._write(200 if self.service.ready else 503, b'{"status": "ok"}')
             return
-        assert self.transport is not None
         self.transport.pause_reading()  # one request at a time per connection
         self.task = asyncio.get_running_loop().create_task(self._predict(body))
         self.tasks.add(self.task)
@@ -89,8 +96,12 @@ class FloorProtocol(asyncio.Protocol):
             self._close()
             return
         top = outcome.predictions[0]
-        answer = {"label": top.label, "probability": top.probability, "lane": "normal"}
-        answer["batch_size"] = outcome.batch_size
+        answer = {
+            "label": top.label,
+            "probability": top.probability,
+            "lane": "normal",
+            "batch_size": outcome.batch_size,
+        }
         self._write(200, json.dumps(answer).encode())
         self.task = None
         if self.transport is not None and not self.transport.is_closing():

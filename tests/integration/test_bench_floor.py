@@ -83,3 +83,22 @@ def test_the_command_serves_on_its_event_loop_and_stops_on_sigterm(tmp_path: Pat
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def test_a_body_past_the_services_limit_is_not_kept(make_settings: SettingsFactory) -> None:
+    service = InferenceService(make_settings(server={"max_image_bytes": 1024}))
+    protocol = FloorProtocol(service, set())
+    closed: list[bool] = []
+
+    class Transport:
+        def is_closing(self) -> bool:
+            return bool(closed)
+
+        def close(self) -> None:
+            closed.append(True)
+
+    protocol.connection_made(Transport())  # type: ignore[arg-type]
+    head = b"POST /predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 9000\r\n\r\n"
+    protocol.data_received(head + b"x" * 8000)
+    limit = service.settings.server.max_body_bytes  # the JSON body of the largest image allowed
+    assert closed and protocol.body_bytes > limit and sum(map(len, protocol.body)) <= limit
