@@ -48,12 +48,14 @@ async def read_limited(request: Request, limit: int, code: str = "body_too_large
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}", code=code)
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
+        size += len(chunk)
+        if size > limit:
             raise PayloadTooLarge(f"body is over the limit of {limit} bytes", code=code)
-    return bytes(body)
+        chunks.append(chunk)
+    return b"".join(chunks)  # one copy at most (none for a body that came in one piece)
 
 
 async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes: int) -> ImageBody:
