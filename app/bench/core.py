@@ -33,11 +33,10 @@ from app.batching.policy import Lane
 from app.bench.loadgen import event_loop_run, load_images
 from app.bench.threads import group_name, thread_cpu, threads_text
 from app.errors import ServiceError
-from app.service import InferenceService
+from app.service import InferenceService, Outcome
 from app.settings import Settings, load_settings
 
 READY_TIMEOUT_S = 300.0
-DEADLINE_S = 30.0
 
 
 @dataclass
@@ -50,6 +49,18 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)
 
 
+async def predict_plain(service: InferenceService, payload: str, request_id: str) -> Outcome:
+    """One plain (normal lane, top 1) prediction of the default model, under the deadline a
+    request without ``X-Request-Timeout`` gets: the same steps as the route, with no HTTP."""
+    timeout_s = service.settings.server.default_timeout_ms / 1000
+    served = service.served(None)
+    seat = service.reserve(served, Lane.NORMAL, timeout_s)
+    try:
+        return await service.predict(served, payload, 1, Lane.NORMAL, timeout_s, request_id, seat)
+    finally:
+        seat.release()
+
+
 async def _client(service: InferenceService, payloads: Sequence[str], first: int, step: int, tally: Tally) -> None:
     """One caller in a closed loop: the next image as soon as the last one is answered."""
     index = first
@@ -57,12 +68,7 @@ async def _client(service: InferenceService, payloads: Sequence[str], first: int
         payload = payloads[index % len(payloads)]
         index += step
         try:
-            served = service.served(None)
-            seat = service.reserve(served, Lane.NORMAL, DEADLINE_S)
-            try:
-                outcome = await service.predict(served, payload, 1, Lane.NORMAL, DEADLINE_S, "core", seat)
-            finally:
-                seat.release()
+            outcome = await predict_plain(service, payload, "core")
         except ServiceError as exc:
             if tally.counting:
                 tally.errors[exc.code] += 1

@@ -23,13 +23,12 @@ from typing import cast
 
 import httptools
 
-from app.batching.policy import Lane
+from app.bench.core import predict_plain
 from app.bench.loadgen import event_loop_run, is_loopback
 from app.service import InferenceService
 from app.settings import load_settings
 
 log = logging.getLogger(__name__)
-DEADLINE_S = 30.0
 
 
 class FloorProtocol(asyncio.Protocol):
@@ -82,13 +81,7 @@ class FloorProtocol(asyncio.Protocol):
 
     async def _predict(self, body: bytes) -> None:
         try:
-            payload = json.loads(body)["image_base64"]
-            served = self.service.served(None)
-            seat = self.service.reserve(served, Lane.NORMAL, DEADLINE_S)
-            try:
-                outcome = await self.service.predict(served, payload, 1, Lane.NORMAL, DEADLINE_S, "", seat)
-            finally:
-                seat.release()
+            outcome = await predict_plain(self.service, json.loads(body)["image_base64"], "")
         except asyncio.CancelledError:
             raise
         except Exception:

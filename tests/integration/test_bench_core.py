@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -72,6 +73,8 @@ def test_out_of_bounds_arguments_are_refused(bad: list[str]) -> None:
 
 class _BrokenService:
     """A service whose predictions fail with a bug (not a ``ServiceError``)."""
+
+    settings = SimpleNamespace(server=SimpleNamespace(default_timeout_ms=30_000))
 
     def served(self, name: str | None) -> object:
         return object()
