@@ -1,0 +1,68 @@
+"""A JSON body's ``image_base64``: strict standard base64, decoded by pybase64."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.errors import BadRequest
+from app.inference.preprocess import base64_bytes
+
+_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def _strict(text: str) -> bytes | None:
+    """What the standard library's strict mode makes of ``text`` (None: refused)."""
+    try:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+@given(st.binary(max_size=3000))
+def test_what_base64_encodes_comes_back(data: bytes) -> None:
+    assert base64_bytes(base64.b64encode(data).decode("ascii")) == data
+
+
+# mostly the alphabet, with the characters that make base64 invalid mixed in
+_NEAR_BASE64 = st.text(st.sampled_from(_ALPHABET + "=" * 8 + "\n \r-_.é"), max_size=40)
+
+
+@given(_NEAR_BASE64)
+def test_it_never_takes_what_strict_binascii_refuses(text: str) -> None:
+    expected = _strict(text)
+    try:
+        decoded = base64_bytes(text)
+    except BadRequest as exc:
+        assert exc.code == "invalid_base64"
+        # refused: binascii refused it too, or it is padding after a whole group, which only
+        # binascii takes
+        assert expected is None or text.rstrip("=") != text and len(text.rstrip("=")) % 4 == 0
+    else:
+        assert decoded == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "QQ",  # padding missing
+        "QQ=",  # padding short
+        "QUJD=",  # padding after a whole group
+        "QQ==QQ==",  # data after padding
+        "=QUJD",
+        "QUJD\n",  # line breaks
+        "QU JD",
+        "QUJ-",  # the URL-safe alphabet
+        "QUJ_",
+        "QUJé",  # outside ASCII
+    ],
+)
+def test_anything_but_strict_standard_base64_is_a_400(text: str) -> None:
+    with pytest.raises(BadRequest) as raised:
+        base64_bytes(text)
+    assert raised.value.code == "invalid_base64"
+    assert raised.value.status == 400
