@@ -72,7 +72,8 @@ class FloorProtocol(asyncio.Protocol):
             self._close()
             return
         if self.parser.get_method() != b"POST":  # /readyz and the like: ready or not
-            self._write(200 if self.service.ready else 503, b'{"status": "ok"}')
+            ready = self.service.ready  # the body says what the status says, as /readyz does
+            self._write(200 if ready else 503, b'{"status": "ready"}' if ready else b'{"status": "not_ready"}')
             return
         self.transport.pause_reading()  # one request at a time per connection
         self.task = asyncio.get_running_loop().create_task(self._predict(body))

@@ -35,7 +35,8 @@ async def floor(make_settings: SettingsFactory) -> AsyncIterator[str]:
 
 async def test_a_prediction_comes_back_with_its_label_and_batch_and_the_connection_serves_on(floor: str) -> None:
     async with httpx.AsyncClient(base_url=floor, timeout=30) as client:
-        assert (await client.get("/readyz")).status_code == 200
+        ready = await client.get("/readyz")
+        assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
         answers = await asyncio.gather(
             *(client.post("/predict", json={"image_base64": b64(sample_png(d))}) for d in (3, 7, 3, 7))
         )
