@@ -5,17 +5,27 @@ signal so the process dies by it. A deploy wants the opposite order: readiness t
 and new predictions get 503 ``draining`` while queued and running requests finish (within
 the grace period), and only then does the listener close and the process exit 0.
 A second SIGTERM, or SIGINT, stops at once.
+
+When uvicorn then shuts down, it closes every connection that is not in the middle of an
+answer, and with it any request that had just arrived: its bytes unread in the socket, or
+its headers half parsed. The client sees the connection close with no answer, though it sent
+its request before the close. ``ClosingProtocol`` keeps such a connection open until that
+request is answered (``503 draining`` by then) with ``Connection: close``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import signal
+import struct
+import termios
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +67,100 @@ class DrainingServer(uvicorn.Server):
             log.exception("drain failed; shutting down anyway")
         finally:
             self.should_exit = True
+
+
+# At shutdown, a connection answered less than QUIET_S ago may have its client's next request
+# on the way (a client in a loop sends it as soon as the answer is in): it is closed once it
+# has been quiet that long, and a request that comes meanwhile is answered first.
+QUIET_S = 0.5
+# How long a connection closing at shutdown waits for the rest of a request that had begun to
+# arrive. One already in the socket is answered at once (503 draining); this bounds a client
+# that stops halfway, so that it cannot hold the process's exit.
+LAST_REQUEST_S = 2.0
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes that arrived on ``transport``'s socket and have not been read yet (0 if unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        count: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):  # closed under us, or not a socket
+        return 0
+    return count
+
+
+class ClosingProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, whose shutdown answers the request that had just arrived.
+
+    uvicorn's own closes a connection at once unless an answer is under way, and a request
+    sent a moment before dies with it. Here a connection stays open a little longer when its
+    next request has begun to arrive (headers partly parsed, or bytes unread in the socket),
+    or may be on its way (the connection was answered less than ``QUIET_S`` ago). Such a
+    request is read and answered with ``Connection: close``, which closes the connection;
+    a connection that stays quiet is closed once ``QUIET_S`` has passed, and one whose request
+    stops halfway after ``LAST_REQUEST_S``. A connection quiet for longer, with nothing
+    pending, closes at once, as before. It overrides ``shutdown``, which uvicorn calls on every
+    connection as it stops, and the parser's callbacks.
+    """
+
+    _receiving = False  # between a request's first byte and its end
+    _closing = False  # shut down, answering what had begun to arrive before closing
+    _bounded = False  # the wait is already LAST_REQUEST_S, the most a request gets
+    _answered_at = float("-inf")  # the loop's clock when the last answer was sent
+    _linger: asyncio.TimerHandle | None = None
+
+    def shutdown(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            super().shutdown()  # an answer is under way: it closes the connection when sent
+            return
+        pending = self._receiving or unread_bytes(self.transport) > 0
+        quiet_for = self.loop.time() - self._answered_at
+        if not pending and quiet_for >= QUIET_S:
+            super().shutdown()  # nothing pending: closed now
+            return
+        self._closing = True
+        if self.cycle is not None:
+            self.cycle.keep_alive = False
+        self._bounded = pending
+        self._linger = self.loop.call_later(LAST_REQUEST_S if pending else QUIET_S - quiet_for, self._linger_done)
+
+    def _linger_done(self) -> None:
+        self._linger = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # an answer is under way: it closes the connection when sent
+        if self._receiving and not self._bounded:  # a request began while the connection was quiet
+            self._bounded = True
+            self._linger = self.loop.call_later(LAST_REQUEST_S, self._linger_done)
+            return
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._receiving = True
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self._closing and self.cycle is not None:
+            self.cycle.keep_alive = False  # the answer says Connection: close and closes it
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._receiving = False
+        self._close_if_answered()
+
+    def on_response_complete(self) -> None:
+        self._answered_at = self.loop.time()
+        super().on_response_complete()
+        self._close_if_answered()
+
+    def _close_if_answered(self) -> None:
+        # answered before its body had all arrived (a refusal at the edge): closed once it has
+        if self._closing and not self._receiving and (self.cycle is None or self.cycle.response_complete):
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+        super().connection_lost(exc)

@@ -35,6 +35,7 @@ from app.api.middleware import caller_trace, finish, identity_headers, request_i
 from app.api.routes.predict import predict_call
 from app.api.schemas import ErrorResponse
 from app.api.shedding import shed
+from app.server import ClosingProtocol
 from app.telemetry.logging import caller_trace_var, request_id_var
 
 log = logging.getLogger(__name__)
@@ -103,15 +104,16 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol, answering ``app``'s refusals itself.
 
     It hooks the protocol where a parsed request's ASGI task would start, which is not
-    uvicorn's public API: a uvicorn without that hook gets its own protocol back, and the
-    middleware refuses as it does under any other server.
+    uvicorn's public API: a uvicorn without that hook gets the protocol without the edge
+    (``ClosingProtocol``, uvicorn's own but for its shutdown), and the middleware refuses as it
+    does under any other server.
     """
     if not callable(getattr(HttpToolsProtocol, "_start_asgi_task", None)):
         log.warning("this uvicorn has no hook for the edge: overload is refused by the middleware")
-        return HttpToolsProtocol
+        return ClosingProtocol
     edge = Edge(app)
 
-    class EdgeProtocol(HttpToolsProtocol):
+    class EdgeProtocol(ClosingProtocol):
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: object) -> None:
             if self.transport.is_closing():
                 return  # a request pipelined behind a closing answer is not served (RFC 9112, 9.6)

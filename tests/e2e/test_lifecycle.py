@@ -445,11 +445,17 @@ def _sigterm_under_load(server: Server, *, honour_retry_after: bool) -> LoadRun:
         so_far: list[list[Outcome]] = [[] for _ in range(WORKERS)]
         futures = [pool.submit(worker, i, so_far[i]) for i in range(WORKERS)]
         try:
-            # every worker answered (the first batch also loads the lazy head), then about a second more
-            _wait_for(lambda: all(any(o.status == 200 for o in w) for w in so_far), "every worker to get a 200")
+            # every worker answered (the first batch also loads the lazy head), then about a second more;
+            # a worker that stops first (a transport error, a failed check) ends the wait with its story
+            _wait_for(
+                lambda: any(f.done() for f in futures) or all(any(o.status == 200 for o in w) for w in so_far),
+                "every worker to get a 200",
+            )
             time.sleep(1.0)
-            ended = [f.result() for f in futures if f.done()]
-            assert not ended, f"workers stopped before SIGTERM: {[o[-1] for o in ended if o]}"
+            ended = {i: f for i, f in enumerate(futures) if f.done()}
+            assert not ended, "workers stopped before SIGTERM: " + "; ".join(
+                f"worker {i}: {f.exception()!r} after {so_far[i][-3:]}" for i, f in ended.items()
+            )
             sigterm_sent = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             sigterm_returned = time.monotonic()

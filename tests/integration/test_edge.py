@@ -24,6 +24,7 @@ from app.api.edge import edge_protocol
 from app.api.shedding import shed
 from app.bench.rawhttp import ResponseHead, build_request, read_response
 from app.main import create_app
+from app.server import ClosingProtocol
 from app.service import InferenceService
 from app.settings import Settings
 from app.telemetry.logging import RequestIdFilter
@@ -39,6 +40,7 @@ class Served:
     app: FastAPI
     port: int
     reached: list[str] = field(default_factory=list)
+    server: uvicorn.Server | None = None
 
     @property
     def service(self) -> InferenceService:
@@ -71,9 +73,16 @@ async def served(settings: Settings) -> AsyncIterator[Served]:
         await app(scope, receive, send)
 
     config = uvicorn.Config(
-        counting, host="127.0.0.1", port=port, log_config=None, access_log=False, http=edge_protocol(app)
+        counting,
+        host="127.0.0.1",
+        port=port,
+        log_config=None,
+        access_log=False,
+        http=edge_protocol(app),
+        timeout_graceful_shutdown=10,  # as ``ai-backend serve`` (grace + 1): an open connection cannot hang a test
+        timeout_keep_alive=60,  # longer than any test waits: only the server's own rules close an idle connection
     )
-    server = uvicorn.Server(config)
+    server = result.server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     try:
         async with asyncio.timeout(60):
@@ -253,16 +262,16 @@ async def test_what_the_edge_admits_is_not_asked_again_by_the_app(
         assert asked == [None]
 
 
-def test_a_uvicorn_without_the_hook_gets_its_own_protocol_back(
+def test_a_uvicorn_without_the_hook_gets_the_protocol_without_the_edge(
     make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     app = create_app(make_settings())
-    assert issubclass(edge_protocol(app), HttpToolsProtocol) and edge_protocol(app) is not HttpToolsProtocol
+    assert issubclass(edge_protocol(app), ClosingProtocol) and edge_protocol(app) is not ClosingProtocol
     monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
     with caplog.at_level(logging.WARNING, logger="app.api.edge"):
-        assert edge_protocol(app) is HttpToolsProtocol
+        assert edge_protocol(app) is ClosingProtocol
     assert "refused by the middleware" in caplog.text
 
 

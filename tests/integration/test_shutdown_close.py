@@ -1,0 +1,181 @@
+"""Connections closed at shutdown: a request that had just arrived is answered, not dropped.
+
+The real uvicorn server on a loopback port with the protocol ``ai-backend serve`` uses. Each
+test calls ``shutdown`` on the server's connections as uvicorn does when it stops, at a
+moment the test chooses: with a request's bytes unread in the socket, halfway through a
+request's headers, just after an answer, or with nothing pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app import server as server_module
+from app.bench.rawhttp import read_response
+from app.server import unread_bytes
+from tests.conftest import SettingsFactory
+from tests.integration.test_edge import Served, predict, served
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def kept_alive(running: Served) -> Stream:
+    """A connection that has had one prediction answered and stays open."""
+    reader, writer = await running.connect()
+    writer.write(predict())
+    head, _ = await read_response(reader)
+    assert head.status == 200 and head.keep_alive
+    return reader, writer
+
+
+def server_side(running: Served, stream: Stream) -> HttpToolsProtocol:
+    """The server's protocol for the client's connection ``stream``."""
+    port = stream[1].get_extra_info("sockname")[1]
+    assert running.server is not None
+    (found,) = [c for c in running.server.server_state.connections if c.client and c.client[1] == port]
+    assert isinstance(found, HttpToolsProtocol)
+    return found
+
+
+def arrived_unread(protocol: HttpToolsProtocol) -> None:
+    """Until the request just written sits in the server's socket. It does not yield to the
+    event loop, so the server cannot read it meanwhile."""
+    deadline = time.monotonic() + 5
+    while not unread_bytes(protocol.transport):
+        assert time.monotonic() < deadline, "the request never reached the server's socket"
+        time.sleep(0.001)
+
+
+async def read_by_server(protocol: HttpToolsProtocol) -> None:
+    """Until the server has read everything sent so far."""
+    async with asyncio.timeout(5):
+        while unread_bytes(protocol.transport):  # noqa: ASYNC110 (the socket has no event for it)
+            await asyncio.sleep(0.001)
+
+
+async def half_sent(running: Served) -> tuple[Stream, bytes]:
+    """A kept-alive connection on which part of a prediction's request line and headers has
+    been sent and read by the server; and the rest of that request."""
+    stream = await kept_alive(running)
+    request = predict()
+    stream[1].write(request[:40])
+    await read_by_server(server_side(running, stream))
+    return stream, request[40:]
+
+
+def shut_down(running: Served) -> None:
+    """What uvicorn does to its connections when it stops (after closing its listeners)."""
+    assert running.server is not None
+    for connection in list(running.server.server_state.connections):
+        connection.shutdown()
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    async with asyncio.timeout(10):
+        return await reader.read() == b""
+
+
+@pytest.fixture
+def quiet_s(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Sets how long a connection answered a moment ago is kept open at shutdown."""
+    return lambda seconds: monkeypatch.setattr(server_module, "QUIET_S", seconds)
+
+
+async def test_a_request_unread_when_shutdown_begins_is_answered_then_the_connection_closes(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    quiet_s(0.0)  # only what already arrived keeps a connection open
+    async with served(make_settings()) as running:
+        pending, idle = await kept_alive(running), await kept_alive(running)
+        await running.service.drain(1.0)
+        pending[1].write(predict(X_Request_ID="sent-before-the-close"))
+        arrived_unread(server_side(running, pending))
+        idle_protocol = server_side(running, idle)
+        shut_down(running)
+        assert idle_protocol.transport.is_closing(), "a connection with nothing pending closes at once"
+        head, body = await read_response(pending[0])
+        assert head.status == 503 and b'"code":"draining"' in body
+        assert head.headers["x-request-id"] == "sent-before-the-close"
+        assert head.headers["connection"] == "close" and int(head.headers["retry-after"]) >= 1
+        assert await closed(pending[0])
+        assert await closed(idle[0])
+        for _, writer in (pending, idle):
+            writer.close()
+
+
+async def test_a_request_sent_just_after_an_answer_is_answered_though_shutdown_came_first(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    """A client in a loop sends its next request the moment it has its answer; shutdown may
+    reach the connection before that request does."""
+    quiet_s(60.0)
+    async with served(make_settings()) as running:
+        reader, writer = await kept_alive(running)
+        await running.service.drain(1.0)
+        protocol = server_side(running, (reader, writer))
+        shut_down(running)
+        assert not protocol.transport.is_closing(), "answered a moment ago: kept open for the next request"
+        writer.write(predict())
+        head, body = await read_response(reader)
+        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
+        assert await closed(reader)
+        writer.close()
+
+
+async def test_a_connection_answered_a_moment_ago_that_stays_quiet_is_closed(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    quiet_s(0.05)
+    async with served(make_settings()) as running:
+        reader, writer = await kept_alive(running)
+        shut_down(running)
+        assert await closed(reader)
+        writer.close()
+
+
+async def test_without_a_drain_the_request_is_served_and_the_answer_closes_the_connection(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    """SIGINT, or a start-up failure, shuts uvicorn down with no drain: the request is computed."""
+    quiet_s(0.0)
+    async with served(make_settings()) as running:
+        reader, writer = await kept_alive(running)
+        writer.write(predict())
+        arrived_unread(server_side(running, (reader, writer)))
+        shut_down(running)
+        head, _ = await read_response(reader)
+        assert head.status == 200 and head.headers["connection"] == "close"
+        assert await closed(reader)
+        writer.close()
+
+
+async def test_a_request_half_received_when_shutdown_begins_is_answered(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    quiet_s(0.0)
+    async with served(make_settings()) as running:
+        (reader, writer), rest = await half_sent(running)
+        await running.service.drain(1.0)
+        shut_down(running)
+        writer.write(rest)
+        head, body = await read_response(reader)
+        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
+        assert await closed(reader)
+        writer.close()
+
+
+async def test_a_request_whose_rest_never_comes_is_closed_after_a_bound(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, quiet_s: Callable[[float], None]
+) -> None:
+    quiet_s(0.0)
+    monkeypatch.setattr(server_module, "LAST_REQUEST_S", 0.05)
+    async with served(make_settings()) as running:
+        (reader, writer), _ = await half_sent(running)
+        shut_down(running)
+        assert await closed(reader), "closed without an answer once the bound passed"
+        writer.close()
