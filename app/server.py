@@ -69,9 +69,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-# At shutdown, a connection answered less than QUIET_S ago may have its client's next request
-# on the way (a client in a loop sends it as soon as the answer is in): it is closed once it
-# has been quiet that long, and a request that comes meanwhile is answered first.
+# At shutdown, a connection opened or answered less than QUIET_S ago may have its client's
+# next request on the way (a client sends it as soon as it has connected, or, in a loop, as
+# soon as it has its answer): it is closed once it has been quiet that long, and a request
+# that comes meanwhile is answered first.
 QUIET_S = 0.5
 # How long a connection closing at shutdown waits for the rest of a request that had begun to
 # arrive. One already in the socket is answered at once (503 draining); this bounds a client
@@ -97,7 +98,7 @@ class ClosingProtocol(HttpToolsProtocol):
     uvicorn's own closes a connection at once unless an answer is under way, and a request
     sent a moment before dies with it. Here a connection stays open a little longer when its
     next request has begun to arrive (headers partly parsed, or bytes unread in the socket),
-    or may be on its way (the connection was answered less than ``QUIET_S`` ago). Such a
+    or may be on its way (the connection was opened or answered less than ``QUIET_S`` ago). Such a
     request is read and answered with ``Connection: close``, which closes the connection;
     a connection that stays quiet is closed once ``QUIET_S`` has passed, and one whose request
     stops halfway after ``LAST_REQUEST_S``. A connection quiet for longer, with nothing
@@ -108,7 +109,7 @@ class ClosingProtocol(HttpToolsProtocol):
     _receiving = False  # between a request's first byte and its end
     _closing = False  # shut down, answering what had begun to arrive before closing
     _bounded = False  # the wait is already LAST_REQUEST_S, the most a request gets
-    _answered_at = float("-inf")  # the loop's clock when the last answer was sent
+    _active_at = float("-inf")  # the loop's clock when the connection was opened or last answered
     _linger: asyncio.TimerHandle | None = None
 
     def shutdown(self) -> None:
@@ -116,7 +117,7 @@ class ClosingProtocol(HttpToolsProtocol):
             super().shutdown()  # an answer is under way: it closes the connection when sent
             return
         pending = self._receiving or unread_bytes(self.transport) > 0
-        quiet_for = self.loop.time() - self._answered_at
+        quiet_for = self.loop.time() - self._active_at
         if not pending and quiet_for >= QUIET_S:
             super().shutdown()  # nothing pending: closed now
             return
@@ -136,6 +137,10 @@ class ClosingProtocol(HttpToolsProtocol):
             return
         self.transport.close()
 
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._active_at = self.loop.time()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._receiving = True
@@ -151,7 +156,7 @@ class ClosingProtocol(HttpToolsProtocol):
         self._close_if_answered()
 
     def on_response_complete(self) -> None:
-        self._answered_at = self.loop.time()
+        self._active_at = self.loop.time()
         super().on_response_complete()
         self._close_if_answered()
 

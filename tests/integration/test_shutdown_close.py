@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -33,13 +34,20 @@ async def kept_alive(running: Served) -> Stream:
     return reader, writer
 
 
-def server_side(running: Served, stream: Stream) -> HttpToolsProtocol:
-    """The server's protocol for the client's connection ``stream``."""
+def accepted(running: Served, stream: Stream) -> HttpToolsProtocol | None:
+    """The server's protocol for the client's connection ``stream``, once the server has accepted it."""
     port = stream[1].get_extra_info("sockname")[1]
     assert running.server is not None
-    (found,) = [c for c in running.server.server_state.connections if c.client and c.client[1] == port]
-    assert isinstance(found, HttpToolsProtocol)
-    return found
+    found = [c for c in running.server.server_state.connections if c.client and c.client[1] == port]
+    assert len(found) <= 1 and all(isinstance(c, HttpToolsProtocol) for c in found)
+    return cast(HttpToolsProtocol, found[0]) if found else None
+
+
+def server_side(running: Served, stream: Stream) -> HttpToolsProtocol:
+    """The server's protocol for the client's connection ``stream``, which it has served."""
+    protocol = accepted(running, stream)
+    assert protocol is not None
+    return protocol
 
 
 def arrived_unread(protocol: HttpToolsProtocol) -> None:
@@ -125,6 +133,25 @@ async def test_a_request_sent_just_after_an_answer_is_answered_though_shutdown_c
         assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
         assert await closed(reader)
         writer.close()
+
+
+async def test_a_connection_opened_just_before_shutdown_gets_its_first_request_answered(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    quiet_s(60.0)
+    async with served(make_settings()) as running:
+        await running.service.drain(1.0)
+        stream = await running.connect()
+        async with asyncio.timeout(5):
+            while not (protocol := accepted(running, stream)):  # noqa: ASYNC110 (uvicorn has no event for it)
+                await asyncio.sleep(0.001)
+        shut_down(running)
+        assert not protocol.transport.is_closing(), "opened a moment ago: kept open for its first request"
+        stream[1].write(predict())
+        head, body = await read_response(stream[0])
+        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
+        assert await closed(stream[0])
+        stream[1].close()
 
 
 async def test_a_connection_answered_a_moment_ago_that_stays_quiet_is_closed(
