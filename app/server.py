@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import os
 import signal
+import socket
 import struct
 import termios
 from collections.abc import Awaitable, Callable
@@ -57,6 +59,12 @@ class DrainingServer(uvicorn.Server):
         log.info("SIGTERM: draining before shutdown")
         self._loop.call_soon_threadsafe(self._start_drain)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        taken = await accept_waiting(self)
+        if taken:
+            log.info("took %d connection(s) waiting in the listener's backlog before closing it", taken)
+        await super().shutdown(sockets)  # closes the listeners before it first yields
+
     def _start_drain(self) -> None:
         self._draining = asyncio.ensure_future(self._drain_then_exit())
 
@@ -90,6 +98,58 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
     except (OSError, ValueError):  # closed under us, or not a socket
         return 0
     return count
+
+
+SWEEPS = 4  # of the listeners' backlogs at shutdown: clients that keep connecting cannot hold it
+
+
+def _accept_now(listener: socket.socket) -> list[socket.socket]:
+    """The connections the kernel has completed on ``listener`` and nobody has accepted yet."""
+    taken: list[socket.socket] = []
+    with socket.socket(fileno=os.dup(listener.fileno())) as sock:  # the same listener, not its owner
+        sock.setblocking(False)
+        while True:
+            try:
+                connection, _ = sock.accept()
+            except OSError:  # none left (EAGAIN), or no descriptor for one more
+                return taken
+            connection.setblocking(False)
+            taken.append(connection)
+
+
+async def accept_waiting(server: uvicorn.Server) -> int:
+    """Accept what waits in ``server``'s listeners' backlogs, as uvicorn would have, and say how many.
+
+    Closing a listener resets every connection the kernel completed that was not accepted
+    yet; its client, who connected in time, gets a reset instead of an answer. Taken first,
+    such a connection is shut down with the others: open for its first request (see
+    ``ClosingProtocol``), which is answered. Not under TLS (a handshake could hold the exit).
+    """
+    config = server.config
+    if config.ssl is not None:
+        return 0
+    loop = asyncio.get_running_loop()
+
+    def protocol() -> asyncio.Protocol:
+        made: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
+            config=config, server_state=server.server_state, app_state=server.lifespan.state, _loop=loop
+        )
+        return made
+
+    listeners = [listener for listening in getattr(server, "servers", []) for listener in listening.sockets or ()]
+    taken = 0
+    for _ in range(SWEEPS):  # each await below lets more arrive: swept again, a bounded number of times
+        waiting = [connection for listener in listeners for connection in _accept_now(listener)]
+        if not waiting:
+            break
+        for connection in waiting:
+            try:
+                await loop.connect_accepted_socket(protocol, connection)
+            except OSError:  # reset by its client meanwhile
+                connection.close()
+                continue
+            taken += 1
+    return taken
 
 
 class ClosingProtocol(HttpToolsProtocol):

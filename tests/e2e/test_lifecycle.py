@@ -507,9 +507,9 @@ CLOSE_INSTANT_S = 1.0
 def test_sigterm_under_steady_load_drains_and_only_refuses(servers: dict[str, Server]) -> None:
     """Clients that honour Retry-After: the drain resets nothing, and each ends refused once the
     listener closes. One whose wait after a 503 ends right at that instant can be reset instead
-    (see the next test: connections in the kernel's backlog, or whose request uvicorn has not
-    read yet, are closed with it); a reset at any other moment fails. Seen on a loaded CI host,
-    where the drain took about as long as the one-second Retry-After."""
+    (see the next test); a reset at any other moment fails. Seen on a loaded CI host, where the
+    drain took about as long as the one-second Retry-After, before the server took its
+    listener's backlog and answered the requests on their way at shutdown."""
     server = _ready_alone(servers, "steady")
     run = _sigterm_under_load(server, honour_retry_after=True)
     _check_drained_cleanly(run)
@@ -529,13 +529,14 @@ def test_sigterm_under_steady_load_drains_and_only_refuses(servers: dict[str, Se
 def test_sigterm_under_load_from_clients_ignoring_retry_after(servers: dict[str, Server]) -> None:
     """Clients that ignore Retry-After and send again at once, right up to the listener closing.
 
-    Their last request may be reset rather than refused: when the listener closes, the kernel
-    resets connections it had accepted that the server never took from the backlog, and
-    uvicorn closes every connection whose request it has not parsed yet (bytes still in the
-    socket buffer), which resets it too. No server can answer a client that keeps sending
-    through that instant; what must hold anyway is: exit 0, no hang, no timeout, only 200 or
-    a coded 503 as answers, and a transport error only as a worker's last request, sent
-    after SIGTERM.
+    The server takes what waits in its listener's backlog before closing it, and answers the
+    request on its way on each connection (``app.server``), so a worker normally ends with a
+    503 ``draining`` and then a refused connection. A reset remains possible at the very
+    instant the listener closes (a handshake completed between the server's last look at its
+    backlog and the close) or for a request that comes after its connection was quiet for half
+    a second. No server can answer a client that keeps sending through that instant; what must
+    hold anyway is: exit 0, no hang, no timeout, only 200 or a coded 503 as answers, and a
+    transport error only as a worker's last request, sent after SIGTERM.
     """
     server = _ready_alone(servers, "steady_impolite")
     run = _sigterm_under_load(server, honour_retry_after=False)

@@ -9,6 +9,7 @@ request's headers, just after an answer, or with nothing pending.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 from typing import cast
@@ -18,7 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app import server as server_module
 from app.bench.rawhttp import read_response
-from app.server import unread_bytes
+from app.server import accept_waiting, unread_bytes
 from tests.conftest import SettingsFactory
 from tests.integration.test_edge import Served, predict, served
 
@@ -34,9 +35,10 @@ async def kept_alive(running: Served) -> Stream:
     return reader, writer
 
 
-def accepted(running: Served, stream: Stream) -> HttpToolsProtocol | None:
+def accepted(running: Served, stream: Stream | tuple[None, socket.socket]) -> HttpToolsProtocol | None:
     """The server's protocol for the client's connection ``stream``, once the server has accepted it."""
-    port = stream[1].get_extra_info("sockname")[1]
+    client = stream[1]
+    port = client.getsockname()[1] if isinstance(client, socket.socket) else client.get_extra_info("sockname")[1]
     assert running.server is not None
     found = [c for c in running.server.server_state.connections if c.client and c.client[1] == port]
     assert len(found) <= 1 and all(isinstance(c, HttpToolsProtocol) for c in found)
@@ -152,6 +154,34 @@ async def test_a_connection_opened_just_before_shutdown_gets_its_first_request_a
         assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
         assert await closed(stream[0])
         stream[1].close()
+
+
+async def test_a_connection_waiting_in_the_listeners_backlog_is_taken_and_answered_before_the_listener_closes(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    """uvicorn's shutdown closes its listeners, which resets the connections the kernel had
+    completed and the server had not accepted yet; ``ai-backend serve`` takes them first."""
+    quiet_s(60.0)
+    async with served(make_settings()) as running:
+        assert running.server is not None
+        await running.service.drain(1.0)
+        client = socket.create_connection(("127.0.0.1", running.port))  # completed by the kernel alone
+        try:
+            assert accepted(running, (None, client)) is None, "the server has not run since: not accepted yet"
+            assert await accept_waiting(running.server) == 1
+            for listening in running.server.servers:  # what uvicorn's shutdown does next
+                listening.close()
+            shut_down(running)
+            client.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=client)
+        except BaseException:
+            client.close()
+            raise
+        writer.write(predict())
+        head, body = await read_response(reader)
+        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
+        assert await closed(reader)
+        writer.close()
 
 
 async def test_a_connection_answered_a_moment_ago_that_stays_quiet_is_closed(
