@@ -10,7 +10,9 @@ When uvicorn then shuts down, it closes every connection that is not in the midd
 answer, and with it any request that had just arrived: its bytes unread in the socket, or
 its headers half parsed. The client sees the connection close with no answer, though it sent
 its request before the close. ``ClosingProtocol`` keeps such a connection open until that
-request is answered (``503 draining`` by then) with ``Connection: close``.
+request is answered (``503 draining`` by then) with ``Connection: close``. And closing the
+listener resets the connections the kernel completed that were not accepted yet:
+``DrainingServer`` takes them first (``accept_waiting``), so that they are answered too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 log = logging.getLogger(__name__)
 
 Drain = Callable[[], Awaitable[None]]
+
+# At shutdown, a connection opened or answered less than QUIET_S ago may have its client's
+# next request on the way (a client sends it as soon as it has connected, or, in a loop, as
+# soon as it has its answer): it is closed once it has been quiet that long, and a request
+# that comes meanwhile is answered first.
+QUIET_S = 0.5
+# How long a connection closing at shutdown waits for the rest of a request that had begun to
+# arrive. One already in the socket is answered at once (503 draining); this bounds a client
+# that stops halfway, so that it cannot hold the process's exit.
+LAST_REQUEST_S = 2.0
+SWEEPS = 4  # of the listeners' backlogs at shutdown: clients that keep connecting cannot hold it
 
 
 class DrainingServer(uvicorn.Server):
@@ -77,17 +90,6 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-# At shutdown, a connection opened or answered less than QUIET_S ago may have its client's
-# next request on the way (a client sends it as soon as it has connected, or, in a loop, as
-# soon as it has its answer): it is closed once it has been quiet that long, and a request
-# that comes meanwhile is answered first.
-QUIET_S = 0.5
-# How long a connection closing at shutdown waits for the rest of a request that had begun to
-# arrive. One already in the socket is answered at once (503 draining); this bounds a client
-# that stops halfway, so that it cannot hold the process's exit.
-LAST_REQUEST_S = 2.0
-
-
 def unread_bytes(transport: asyncio.BaseTransport) -> int:
     """Bytes that arrived on ``transport``'s socket and have not been read yet (0 if unknown)."""
     sock = transport.get_extra_info("socket")
@@ -100,9 +102,6 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
     return count
 
 
-SWEEPS = 4  # of the listeners' backlogs at shutdown: clients that keep connecting cannot hold it
-
-
 def _accept_now(listener: socket.socket) -> list[socket.socket]:
     """The connections the kernel has completed on ``listener`` and nobody has accepted yet."""
     taken: list[socket.socket] = []
@@ -111,6 +110,8 @@ def _accept_now(listener: socket.socket) -> list[socket.socket]:
         while True:
             try:
                 connection, _ = sock.accept()
+            except ConnectionAbortedError:  # reset by its client before it was taken: the next one
+                continue
             except OSError:  # none left (EAGAIN), or no descriptor for one more
                 return taken
             connection.setblocking(False)
@@ -158,12 +159,12 @@ class ClosingProtocol(HttpToolsProtocol):
     uvicorn's own closes a connection at once unless an answer is under way, and a request
     sent a moment before dies with it. Here a connection stays open a little longer when its
     next request has begun to arrive (headers partly parsed, or bytes unread in the socket),
-    or may be on its way (the connection was opened or answered less than ``QUIET_S`` ago). Such a
-    request is read and answered with ``Connection: close``, which closes the connection;
-    a connection that stays quiet is closed once ``QUIET_S`` has passed, and one whose request
-    stops halfway after ``LAST_REQUEST_S``. A connection quiet for longer, with nothing
-    pending, closes at once, as before. It overrides ``shutdown``, which uvicorn calls on every
-    connection as it stops, and the parser's callbacks.
+    or may be on its way (the connection was opened or answered less than ``QUIET_S`` ago).
+    Such a request is read and answered with ``Connection: close``, which closes the
+    connection; a connection that stays quiet is closed once ``QUIET_S`` has passed, and one
+    whose request stops halfway after ``LAST_REQUEST_S``. A connection quiet for longer, with
+    nothing pending, closes at once, as before. It overrides ``shutdown``, which uvicorn calls
+    on every connection as it stops, and the parser's callbacks.
     """
 
     _receiving = False  # between a request's first byte and its end
