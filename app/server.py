@@ -12,12 +12,13 @@ its headers half parsed. The client sees the connection close with no answer, th
 its request before the close. ``ClosingProtocol`` keeps such a connection open until that
 request is answered (``503 draining`` by then) with ``Connection: close``. And closing the
 listener resets the connections the kernel completed that were not accepted yet:
-``DrainingServer`` takes them first (``accept_waiting``), so that they are answered too.
+``DrainingServer`` takes them first (``close_listeners``), so that they are answered too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import fcntl
 import logging
 import os
@@ -55,6 +56,7 @@ class DrainingServer(uvicorn.Server):
         self._drain = drain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
+        self._sigterm = False
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -64,19 +66,25 @@ class DrainingServer(uvicorn.Server):
         if sig != signal.SIGTERM or self._loop is None:
             super().handle_exit(sig, frame)
             return
+        # A signal handler runs in whatever context the main thread was in, a request's among
+        # them: its log lines and the drain belong to no request and to no request's trace.
+        contextvars.Context().run(self._on_sigterm, self._loop)
+
+    def _on_sigterm(self, loop: asyncio.AbstractEventLoop) -> None:
         # not recorded in _captured_signals: uvicorn would re-raise it and the exit code would be 143
-        if self._draining is not None or self.should_exit:
+        if self._sigterm or self.should_exit:
             log.warning("second SIGTERM: stopping without waiting for the drain")
             self.should_exit = True
             return
+        self._sigterm = True
         log.info("SIGTERM: draining before shutdown")
-        self._loop.call_soon_threadsafe(self._start_drain)
+        loop.call_soon_threadsafe(self._start_drain)  # in this context: a new one
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        taken = await accept_waiting(self)
+        taken = await close_listeners(self)
         if taken:
             log.info("took %d connection(s) waiting in the listener's backlog before closing it", taken)
-        await super().shutdown(sockets)  # closes the listeners before it first yields
+        await super().shutdown(sockets)  # its own closing of the listeners finds them closed
 
     def _start_drain(self) -> None:
         self._draining = asyncio.ensure_future(self._drain_then_exit())
@@ -118,17 +126,19 @@ def _accept_now(listener: socket.socket) -> list[socket.socket]:
             taken.append(connection)
 
 
-async def accept_waiting(server: uvicorn.Server) -> int:
-    """Accept what waits in ``server``'s listeners' backlogs, as uvicorn would have, and say how many.
+async def close_listeners(server: uvicorn.Server) -> int:
+    """Close ``server``'s listeners, having accepted what waited in their backlogs, as uvicorn
+    would have; and say how many that was.
 
     Closing a listener resets every connection the kernel completed that was not accepted
     yet; its client, who connected in time, gets a reset instead of an answer. Taken first,
     such a connection is shut down with the others: open for its first request (see
-    ``ClosingProtocol``), which is answered. Not under TLS (a handshake could hold the exit).
+    ``ClosingProtocol``), which is answered. The listeners close right after the last look at
+    their backlogs, so only a handshake completed in between is reset. Under TLS nothing is
+    taken (a handshake could hold the exit).
     """
     config = server.config
-    if config.ssl is not None:
-        return 0
+    servers: list[asyncio.AbstractServer] = getattr(server, "servers", [])
     loop = asyncio.get_running_loop()
 
     def protocol() -> asyncio.Protocol:
@@ -137,9 +147,9 @@ async def accept_waiting(server: uvicorn.Server) -> int:
         )
         return made
 
-    listeners = [listener for listening in getattr(server, "servers", []) for listener in listening.sockets or ()]
+    listeners = [listener for listening in servers for listener in getattr(listening, "sockets", None) or ()]
     taken = 0
-    for _ in range(SWEEPS):  # each await below lets more arrive: swept again, a bounded number of times
+    for _ in range(SWEEPS if config.ssl is None else 0):  # each await lets more arrive: swept again, boundedly
         waiting = [connection for listener in listeners for connection in _accept_now(listener)]
         if not waiting:
             break
@@ -150,6 +160,8 @@ async def accept_waiting(server: uvicorn.Server) -> int:
                 connection.close()
                 continue
             taken += 1
+    for listening in servers:
+        listening.close()
     return taken
 
 

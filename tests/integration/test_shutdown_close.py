@@ -19,7 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app import server as server_module
 from app.bench.rawhttp import read_response
-from app.server import accept_waiting, unread_bytes
+from app.server import close_listeners, unread_bytes
 from tests.conftest import SettingsFactory
 from tests.integration.test_edge import Served, predict, served
 
@@ -168,9 +168,10 @@ async def test_a_connection_waiting_in_the_listeners_backlog_is_taken_and_answer
         client = socket.create_connection(("127.0.0.1", running.port))  # completed by the kernel alone
         try:
             assert accepted(running, (None, client)) is None, "the server has not run since: not accepted yet"
-            assert await accept_waiting(running.server) == 1
-            for listening in running.server.servers:  # what uvicorn's shutdown does next
-                listening.close()
+            assert await close_listeners(running.server) == 1
+            assert not any(listening.is_serving() for listening in running.server.servers)
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", running.port)).close()
             shut_down(running)
             client.setblocking(False)
             reader, writer = await asyncio.open_connection(sock=client)
