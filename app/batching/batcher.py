@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -264,10 +265,15 @@ class DualWindowBatcher(Generic[P, R]):
         return self._queues[lane].waiting
 
     def start(self) -> None:
+        """Start dispatching. The dispatcher and its batches run in a context of their own: started
+        while a request is served (a version loaded through the admin API), they would otherwise
+        carry that request's id and trace for as long as they run."""
         if self._task is not None:
             raise RuntimeError("batcher already started")
         self._accepting = True
-        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name=f"{self._name}-dispatch")
+        self._task = asyncio.get_running_loop().create_task(
+            self._dispatch(), name=f"{self._name}-dispatch", context=contextvars.Context()
+        )
 
     async def submit(self, payload: P, lane: Lane, timeout_s: float, admitted: bool = False) -> Completed[R]:
         """Queue ``payload`` and wait for its answer.

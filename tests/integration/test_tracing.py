@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from app.main import create_app
 from tests.conftest import SettingsFactory
+from tests.integration.test_lifecycle_api import AUTH, ROOT, TOKEN, add_version
 from tests.support import sample_png, state_per_request
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -142,3 +145,30 @@ async def test_a_global_tracer_provider_adds_no_spans_of_its_own(
     servers = [s.name for s in ours.get_finished_spans() if s.kind.name == "SERVER"]
     assert servers == ([] if exporter == "none" else ["POST /predict", "GET /v1/models"])
     assert global_exporter.get_finished_spans() == ()
+
+
+async def test_batches_of_a_version_loaded_through_the_admin_api_join_no_admin_trace(
+    make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    """The version's batcher starts while the admin request is served; its batches must not run
+    in that request's context, or each would be a child of the admin request in its trace."""
+    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
+    settings = make_settings(
+        model={"repository": tmp_path, "load_versions": "latest", "default_versions": {"digits": "1"}},
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0},
+        telemetry={"exporter": "console"},  # replaced by the in-memory exporter
+    )
+    async with traced_app(settings) as (client, exporter, provider):
+        add_version(tmp_path, "2")
+        loaded = await client.post("/admin/models/digits/versions/2/load", headers={**AUTH, "X-Request-ID": "load"})
+        assert loaded.status_code == 200, loaded.text
+        headers = {"Content-Type": "image/png", "X-Model-Version": "2", "X-Request-ID": "predict"}
+        answered = await client.post("/predict", content=sample_png(3), headers=headers)
+        assert answered.status_code == 200 and answered.json()["version"] == "2"
+        provider.force_flush()  # type: ignore[attr-defined]
+    spans = exporter.get_finished_spans()
+    servers = {s.attributes["request.id"]: s for s in spans if s.kind.name == "SERVER"}
+    (batch,) = [s for s in spans if s.name == "batch"]
+    assert batch.parent is None, "a batch is a trace of its own, linked to its requests"
+    assert batch.context.trace_id != servers["load"].context.trace_id
+    assert [link.context.span_id for link in batch.links] == [servers["predict"].context.span_id]
