@@ -141,7 +141,7 @@ async def close_listeners(server: uvicorn.Server) -> int:
     servers: list[asyncio.AbstractServer] = getattr(server, "servers", [])
     loop = asyncio.get_running_loop()
 
-    def protocol() -> asyncio.Protocol:
+    def protocol() -> asyncio.Protocol:  # uvicorn's own factory is local to its ``startup``: the same one
         made: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
             config=config, server_state=server.server_state, app_state=server.lifespan.state, _loop=loop
         )

@@ -90,6 +90,17 @@ async def closed(reader: asyncio.StreamReader) -> bool:
         return await reader.read() == b""
 
 
+async def refused_draining_then_closed(stream: Stream, request: bytes | None = None) -> None:
+    """Send ``request`` (a prediction by default) on ``stream``: it is answered 503 ``draining``
+    with ``Connection: close``, and the server closes the connection after it."""
+    reader, writer = stream
+    writer.write(predict() if request is None else request)
+    head, body = await read_response(reader)
+    assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
+    assert await closed(reader)
+    writer.close()
+
+
 @pytest.fixture
 def quiet_s(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """Sets how long a connection answered a moment ago is kept open at shutdown."""
@@ -130,11 +141,7 @@ async def test_a_request_sent_just_after_an_answer_is_answered_though_shutdown_c
         protocol = server_side(running, (reader, writer))
         shut_down(running)
         assert not protocol.transport.is_closing(), "answered a moment ago: kept open for the next request"
-        writer.write(predict())
-        head, body = await read_response(reader)
-        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
-        assert await closed(reader)
-        writer.close()
+        await refused_draining_then_closed((reader, writer))
 
 
 async def test_a_connection_opened_just_before_shutdown_gets_its_first_request_answered(
@@ -149,11 +156,7 @@ async def test_a_connection_opened_just_before_shutdown_gets_its_first_request_a
                 await asyncio.sleep(0.001)
         shut_down(running)
         assert not protocol.transport.is_closing(), "opened a moment ago: kept open for its first request"
-        stream[1].write(predict())
-        head, body = await read_response(stream[0])
-        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
-        assert await closed(stream[0])
-        stream[1].close()
+        await refused_draining_then_closed(stream)
 
 
 async def test_a_connection_waiting_in_the_listeners_backlog_is_taken_and_answered_before_the_listener_closes(
@@ -174,15 +177,11 @@ async def test_a_connection_waiting_in_the_listeners_backlog_is_taken_and_answer
                 socket.create_connection(("127.0.0.1", running.port)).close()
             shut_down(running)
             client.setblocking(False)
-            reader, writer = await asyncio.open_connection(sock=client)
+            stream = await asyncio.open_connection(sock=client)
         except BaseException:
             client.close()
             raise
-        writer.write(predict())
-        head, body = await read_response(reader)
-        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
-        assert await closed(reader)
-        writer.close()
+        await refused_draining_then_closed(stream)
 
 
 async def test_a_connection_answered_a_moment_ago_that_stays_quiet_is_closed(
@@ -217,14 +216,10 @@ async def test_a_request_half_received_when_shutdown_begins_is_answered(
 ) -> None:
     quiet_s(0.0)
     async with served(make_settings()) as running:
-        (reader, writer), rest = await half_sent(running)
+        stream, rest = await half_sent(running)
         await running.service.drain(1.0)
         shut_down(running)
-        writer.write(rest)
-        head, body = await read_response(reader)
-        assert head.status == 503 and b'"code":"draining"' in body and head.headers["connection"] == "close"
-        assert await closed(reader)
-        writer.close()
+        await refused_draining_then_closed(stream, rest)
 
 
 async def test_a_request_whose_rest_never_comes_is_closed_after_a_bound(
