@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from opentelemetry import trace
@@ -21,6 +22,7 @@ from opentelemetry.trace import Link, Status, StatusCode
 
 from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.deadline import within
 from app.errors import DeadlineExceeded, Draining, NotFound, NotReady
 from app.inference import preprocess
 from app.inference.device import (
@@ -30,6 +32,7 @@ from app.inference.device import (
     dtype_name,
     memory,
     plan_threads,
+    release_memory,
     resolve_device,
     resolve_dtype,
     size_primitive_cache,
@@ -72,10 +75,15 @@ class ServedModel:
 
     name: str
     version: str
-    model: LayeredModel
     runner: ModelRunner
     batcher: DualWindowBatcher[Job, Answer]
     load_s: float
+
+    @property
+    def model(self) -> LayeredModel:
+        """The model that serves now: the runner's, which its CPU fallback replaces (no other
+        reference may keep a failed device's model, and its memory, alive)."""
+        return cast(LayeredModel, self.runner.model)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -274,8 +282,7 @@ class InferenceService:
         """Free what unloaded versions held: the collector (frozen once warm) must look at them
         again, and on CUDA the freed blocks go back to the driver."""
         await asyncio.to_thread(self._tuning.collect_unloaded)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(self.device)
 
     async def _load(self, name: str, version: str) -> ServedModel:
         folder = self.repository.folder(name, version)
@@ -318,8 +325,10 @@ class InferenceService:
         def on_pressure(size: int) -> None:  # called on the device thread
             loop.call_soon_threadsafe(batchers[0].lower_ceiling, size)
 
+        manifest = model.manifest  # not the model: the fallback lets it go
+
         def cpu_fallback() -> LayeredModel:  # called on the device thread
-            fallback = LayeredModel.load(folder, model.manifest, torch.device("cpu"), torch.float32)
+            fallback = LayeredModel.load(folder, manifest, torch.device("cpu"), torch.float32)
             fallback.load_all_heads()
             fallback.self_check()
             self.metrics.model_info.labels(name, version, "cpu", "float32").set(1)
@@ -333,11 +342,12 @@ class InferenceService:
             fallback=cpu_fallback if self.settings.model.cpu_fallback else None,
             fallback_after=self.settings.model.fallback_after_failures,
         )
-        traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype))
+        observer = self.metrics.observer(name, version)
+        traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype), observer)
         batcher: DualWindowBatcher[Job, Answer] = DualWindowBatcher(
             traced,
             self._policy,
-            observer=self.metrics.observer(name, version),
+            observer=observer,
             name=name,
             max_in_flight=self.threads.workers,
             urgent_in_flight=self.threads.urgent,
@@ -345,7 +355,7 @@ class InferenceService:
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
-        return ServedModel(name, version, model, runner, batcher, load_s)
+        return ServedModel(name, version, runner, batcher, load_s)
 
     def set_policy(self, batching: BatchingSettings) -> None:
         """Every batcher takes the new policy from its next batch."""
@@ -406,7 +416,10 @@ class InferenceService:
             with self.tracer.start_as_current_span("preprocess", attributes=ids):
                 spec = served.model.manifest.input
                 decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
-                tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
+                # answered at its deadline, not when a decode thread is free (a decode that
+                # has not started is called off; one that has is not, and its image is dropped)
+                async with within(deadline, "while its image waited to be decoded"):
+                    tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
             self._backlog.record(decode_s)
         finally:
             seat.release()
@@ -416,6 +429,8 @@ class InferenceService:
         try:
             done = await served.batcher.submit(job, lane, deadline - time.monotonic(), admitted=True)
         except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                job.gone = True  # its client went: if its batch formed already, the device leaves it out
             queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             queue_span.end()
             raise
@@ -433,8 +448,7 @@ class InferenceService:
                 "batch.trace_id": format(batch.trace_id, "032x"),  # Jaeger: search the batch's trace
             },
         ).end()
-        if done.output.top is None:
-            served.batcher.observer.on_dropped(lane, "deadline")
+        if done.output.top is None:  # counted where it was left out
             raise DeadlineExceeded("the request's deadline passed while its batch waited for the device")
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(done.output.top, served.labels, top_k)
@@ -450,7 +464,15 @@ class InferenceService:
         )
 
     async def memory(self) -> Memory:
-        return await asyncio.to_thread(memory, self.device)
+        """Of the device the models run on: the host's once every one fell back to the CPU. A
+        device that cannot say (its context lost) has none free."""
+        served = self.all_served()
+        device = torch.device("cpu") if served and all(s.runner.degraded for s in served) else self.device
+        try:
+            return await asyncio.to_thread(memory, device)
+        except RuntimeError as exc:
+            log.warning("could not read %s memory: %s", device, str(exc).splitlines()[0])
+            return Memory(0, 0)
 
     async def drain(self, grace_s: float | None) -> None:
         """Stop taking work (readiness and predictions turn 503 at once) and let queued and
@@ -467,8 +489,8 @@ class InferenceService:
         # joined, bounded: threads left inside torch at interpreter exit can abort the process
         await asyncio.to_thread(self._pool.close, cancel_waiting=True)
         await asyncio.to_thread(self._device_thread.close)
-        self._tuning.restore()
         if self.device.type == "cuda":
-            self.groups.clear()
-            torch.cuda.empty_cache()
+            self.groups.clear()  # the models sit in reference cycles: collected, then released
+            await self.release_unloaded()
+        self._tuning.restore()
         self.state = State.STOPPED

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from app.inference.loader import LayeredModel
@@ -21,3 +23,36 @@ class Faulty:
         if self.always or len(images) >= self.fail_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return self.inner.probabilities(images, head)
+
+
+@torch.library.custom_op("tests_faults::out_of_memory_at", mutates_args=())
+def _out_of_memory_at(x: torch.Tensor, fail_at: int) -> torch.Tensor:
+    """An operator inside a graph that runs out of memory, as CUDA's allocator would."""
+    if x.shape[0] >= fail_at:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected in the graph)")
+    return x.clone()
+
+
+class _Gate(torch.nn.Module):
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tests_faults.out_of_memory_at(x, self.fail_at)  # type: ignore[no-any-return]
+
+
+def out_of_memory_in_graph(model: LayeredModel, fail_at: int) -> LayeredModel:
+    """The model with a TorchScript graph in front of its backbone that runs out of memory for
+    batches of ``fail_at`` or more: TorchScript re-raises that as a plain ``RuntimeError``."""
+    gate, backbone = torch.jit.script(_Gate(fail_at)), model.backbone
+    return dataclasses.replace(model, backbone=lambda x: backbone(gate(x)))
+
+
+class DeviceLost(Faulty):
+    """A device whose context is gone (an illegal address, a launch failure): every batch fails
+    with the error CUDA gives, whatever its size."""
+
+    def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+        self.sizes.append(len(images))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")

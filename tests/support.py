@@ -128,6 +128,7 @@ class RunningApp:
     app: FastAPI
     client: httpx.AsyncClient
     fatal: list[str] = field(default_factory=list)
+    asgi: ASGIApp | None = None  # the app as the server calls it (lifespan state in each scope)
 
     @property
     def service(self) -> InferenceService:
@@ -187,7 +188,7 @@ async def running_app(
     async with LifespanManager(state_per_request(app), startup_timeout=30, shutdown_timeout=30) as manager:
         transport = httpx.ASGITransport(app=manager.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=30) as client:
-            running = RunningApp(app, client, fatal)
+            running = RunningApp(app, client, fatal, manager.app)
             if wait:
                 await running.wait_started()
             yield running

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
+from app.api.disconnect import ClientClosed
 from app.api.schemas import PredictRequest
 from app.errors import BadRequest, PayloadTooLarge, SchemaError, UnsupportedMediaType
 from app.inference.preprocess import ACCEPTED_FORMATS, base64_bytes
@@ -50,11 +52,14 @@ async def read_limited(request: Request, limit: int, code: str = "body_too_large
         raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}", code=code)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes", code=code)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"body is over the limit of {limit} bytes", code=code)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientClosed("the client disconnected while sending its body") from None
     return b"".join(chunks)  # one copy at most (none for a body that came in one piece)
 
 

@@ -55,6 +55,7 @@ class _Pending(Generic[P, R]):
     future: asyncio.Future[Completed[R]]
     timer: Timer | None = None
     queued: bool = True
+    batched: bool = False  # taken into a batch (from then on, the runner reports it left out)
 
 
 @dataclass(eq=False)
@@ -80,6 +81,7 @@ class _Queue(Generic[P, R]):
         while self.items and len(taken) < count:
             item = self.items.popleft()
             if item.queued and not item.future.done():
+                item.batched = True
                 taken.append(item)
             self.drop(item)
         return taken
@@ -308,7 +310,7 @@ class DualWindowBatcher(Generic[P, R]):
     def _settled(self, item: _Pending[P, R]) -> None:
         if item.timer is not None:
             item.timer.cancel()
-        if item.queued:  # it left before being batched: cancelled by its caller, or expired
+        if not item.batched:  # it left before being batched: cancelled by its caller, or expired
             reason = "cancelled" if item.future.cancelled() else "deadline"
             self._observer.on_dropped(item.lane, reason)
         self._queues[item.lane].drop(item)

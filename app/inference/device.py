@@ -8,6 +8,7 @@ model instances: with one, a single core does the forward passes while the other
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 
 from app.inference.workers import WorkerThreads
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -133,6 +136,17 @@ def memory(device: torch.device) -> Memory:
         key, _, rest = line.partition(":")
         fields[key] = int(rest.split()[0]) * 1024
     return Memory(fields.get("MemAvailable", 0), fields.get("MemTotal", 0))
+
+
+def release_memory(device: torch.device) -> None:
+    """Blocking: cached device memory back to the driver (a no-op on the CPU). A lost CUDA
+    context fails this too, and that must not stop a fallback or a shutdown."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.empty_cache()
+    except RuntimeError as exc:
+        log.warning("could not release device memory: %s", str(exc).splitlines()[0])
 
 
 class DeviceThread(WorkerThreads):

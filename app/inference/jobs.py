@@ -15,17 +15,19 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
 from app.batching import Lane
+from app.batching.observer import BatchObserver, NullObserver
 from app.inference.postprocess import TopK
 from app.inference.runner import ModelRunner
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Job:
     image: torch.Tensor
     lane: Lane
     request_id: str
     span_context: SpanContext | None
     deadline: float = float("inf")  # time.monotonic(); checked again just before compute
+    gone: bool = False  # set on the event loop when its client went; read on the device thread
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,18 @@ class Answer:
 class TracedRunner:
     """The batcher's runner: one ``batch`` span around the model runner."""
 
-    def __init__(self, runner: ModelRunner, tracer: trace.Tracer, model: str, version: str, dtype: str) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tracer: trace.Tracer,
+        model: str,
+        version: str,
+        dtype: str,
+        observer: BatchObserver | None = None,
+    ) -> None:
         self.runner = runner
         self._tracer = tracer
+        self._observer = observer or NullObserver()  # counts the jobs left out at the device
         self._attributes = {"model.name": model, "model.version": version, "model.dtype": dtype}
 
     async def __call__(self, jobs: Sequence[Job]) -> list[Answer]:
@@ -58,7 +69,13 @@ class TracedRunner:
         # the context manager records an exception and marks the span as failed
         with self._tracer.start_as_current_span("batch", links=links, attributes=attributes) as span:
             tops = await self.runner(
-                [job.image for job in jobs], [job.deadline for job in jobs], urgent=lane is Lane.URGENT
+                [job.image for job in jobs],
+                [job.deadline for job in jobs],
+                urgent=lane is Lane.URGENT,
+                gone=lambda i: jobs[i].gone,
             )
             context = span.get_span_context()
-            return [Answer(top, context) for top in tops]
+        for job, top in zip(jobs, tops, strict=True):
+            if top is None:  # left out at the device: its client went, or its deadline passed
+                self._observer.on_dropped(job.lane, "cancelled" if job.gone else "deadline")
+        return [Answer(top, context) for top in tops]

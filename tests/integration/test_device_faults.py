@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 
+import pytest
+import torch
+
+from app.inference.device import Memory
 from app.inference.loader import LayeredModel
 from tests.conftest import SettingsFactory
-from tests.faults import Faulty
+from tests.faults import DeviceLost, Faulty
 from tests.support import MODEL_NAME, running_app, sample_png, top_label
 
 
@@ -47,20 +52,74 @@ async def test_a_failing_device_is_503_then_the_cpu_fallback_serves_degraded(mak
         report = health.json()
         assert report["status"] == "degraded"
         assert report["models"][0]["device"] == "cpu"
-        assert isinstance(served.runner.model, LayeredModel) and served.runner.model is not served.model
+        assert isinstance(served.runner.model, LayeredModel) and served.model is served.runner.model
         assert (await running.client.get("/readyz")).status_code == 200
 
 
 async def test_without_a_fallback_the_device_failure_stays_503(make_settings: SettingsFactory) -> None:
     async with running_app(make_settings()) as running:
         served = running.service.models[MODEL_NAME]
-        served.runner.model = Faulty(served.model, always=True)  # type: ignore[assignment]
+        healthy = served.model
+        served.runner.model = Faulty(healthy, always=True)  # type: ignore[assignment]
         for _ in range(3):
             response = await running.predict_png(sample_png(1))
             assert response.status_code == 503 and response.json()["code"] == "device_unavailable"
         health = await running.client.get("/healthz")
         assert health.status_code == 503
         assert health.json()["status"] == "failing" and health.json()["models"][0]["device_failures"] == 3
-        served.runner.model = served.model  # the device recovers
+        served.runner.model = healthy  # the device recovers
         assert (await running.predict_png(sample_png(1))).status_code == 200
         assert (await running.client.get("/healthz")).json()["status"] == "ok"
+
+
+async def test_a_lost_device_falls_back_and_lets_the_failed_model_go(make_settings: SettingsFactory) -> None:
+    settings = make_settings(model={"cpu_fallback": True, "fallback_after_failures": 2})
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        failed = weakref.ref(served.model)
+        served.runner.model = DeviceLost(served.model)  # type: ignore[assignment]
+        first = await running.predict_png(sample_png(3))
+        assert first.status_code == 503 and first.json()["code"] == "device_unavailable"
+        second = await running.predict_png(sample_png(3))
+        assert second.status_code == 200 and top_label(second.json()) == "3"
+        assert (await running.client.get("/healthz")).json()["status"] == "degraded"
+        # nothing keeps the failed model (on a GPU: its weights, in device memory) alive
+        assert failed() is None
+
+
+async def test_healthz_reads_the_host_memory_once_every_model_fell_back(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[str] = []
+
+    def memory(device: torch.device) -> Memory:
+        read.append(device.type)
+        if device.type == "cuda":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")  # the context is lost
+        return Memory(8 << 30, 16 << 30)
+
+    settings = make_settings(model={"cpu_fallback": True, "fallback_after_failures": 1})
+    async with running_app(settings) as running:
+        monkeypatch.setattr("app.service.memory", memory)
+        service = running.service
+        monkeypatch.setattr(service, "device", torch.device("cuda"))  # as served from a GPU
+        health = await running.client.get("/healthz")
+        assert health.status_code == 503, "a device that cannot say its memory has none free"
+        assert health.json()["status"] == "failing" and health.json()["memory"]["ok"] is False
+        served = service.models[MODEL_NAME]
+        served.runner.model = DeviceLost(served.model)  # type: ignore[assignment]
+        assert (await running.predict_png(sample_png(5))).status_code == 200  # the fallback answers it
+        health = await running.client.get("/healthz")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert read == ["cuda", "cpu"]
+
+
+async def test_shutdown_frees_the_models_before_it_releases_the_device_cache(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alive_at_release: list[bool] = []
+    async with running_app(make_settings()) as running:
+        model = weakref.ref(running.service.models[MODEL_NAME].model)
+        monkeypatch.setattr("app.service.release_memory", lambda device: alive_at_release.append(model() is not None))
+        monkeypatch.setattr(running.service, "device", torch.device("cuda"))
+    assert alive_at_release == [False], "the cache was emptied while the models still held their blocks"

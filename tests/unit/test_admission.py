@@ -18,6 +18,7 @@ class Recorder:
     def __init__(self) -> None:
         self.rejected: list[tuple[Lane, str]] = []
         self.batches: list[tuple[Lane, int, int]] = []
+        self.dropped: list[tuple[Lane, str]] = []
 
     def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
         self.batches.append((lane, size, capacity))
@@ -26,7 +27,7 @@ class Recorder:
         self.rejected.append((lane, reason))
 
     def on_dropped(self, lane: Lane, reason: str) -> None:
-        pass
+        self.dropped.append((lane, reason))
 
 
 def make(
@@ -178,4 +179,24 @@ async def test_each_lane_predicts_with_its_own_batches_run_time() -> None:
     assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
     assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(0.025 + 0.18)
     assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(0.002 + 0.01)
+    await batcher.close(0)
+
+
+async def test_a_request_cancelled_as_a_batch_ends_is_counted_once() -> None:
+    # the batch's end wakes the dispatcher, and the cancelled request's future is done before its
+    # own done callback (which counts it) has run: the dispatcher drops it from the queue first
+    batcher, _, runner, recorder = make(max_batch=1)
+    runner.gate = asyncio.Event()
+    first = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 10.0))
+    await settle()
+    second = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 10.0))
+    await settle()
+    assert runner.batches == [[1]] and batcher.depth(Lane.NORMAL) == 1
+    (running,) = batcher._in_flight
+    running.add_done_callback(lambda _: second.cancel())  # its client goes in the turn the batch ends
+    runner.gate.set()
+    await first
+    await settle()
+    assert second.cancelled() and runner.batches == [[1]] and batcher.depth(Lane.NORMAL) == 0
+    assert recorder.dropped == [(Lane.NORMAL, "cancelled")]
     await batcher.close(0)

@@ -6,6 +6,8 @@ at chosen batch sizes, which is what the CUDA caching allocator raises.
 
 from __future__ import annotations
 
+import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -13,10 +15,10 @@ import torch
 
 from app.errors import DeviceUnavailable
 from app.inference.device import DeviceThread
-from app.inference.loader import LayeredModel
+from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.manifest import Manifest
-from app.inference.runner import ModelRunner
-from tests.faults import Faulty
+from app.inference.runner import Fault, ModelRunner, device_fault
+from tests.faults import DeviceLost, Faulty, out_of_memory_in_graph
 
 DIGITS = Path(__file__).resolve().parents[2] / "models" / "digits" / "1"
 
@@ -138,3 +140,92 @@ def test_several_device_workers_run_calls_at_once() -> None:
         assert workers.workers == 2
     finally:
         workers.close()
+
+
+def test_out_of_memory_inside_a_torchscript_graph_is_split_too(model: LayeredModel, device: DeviceThread) -> None:
+    # TorchScript re-raises the allocator's OutOfMemoryError as a plain RuntimeError: only its
+    # text says what it was, and the split must still happen
+    pressure: list[int] = []
+    runner = ModelRunner(out_of_memory_in_graph(model, fail_at=3), device, top_k=3, on_pressure=pressure.append)
+    batch = images(model, 4)
+    answers = runner.run_sync(batch)
+    expected = ModelRunner(model, device, top_k=3).run_sync(batch)
+    assert [a.indices for a in answers] == [e.indices for e in expected]
+    assert pressure == [4] and runner.failures == 0
+
+
+def test_a_lost_device_is_a_failure_at_once_and_the_fallback_takes_over(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    lost = DeviceLost(model)
+    runner = ModelRunner(lost, device, top_k=3, fallback=lambda: model, fallback_after=2)
+    with pytest.raises(DeviceUnavailable):
+        runner.run_sync(images(model, 4))
+    assert lost.sizes == [4], "a CUDA error is not split: the context is gone, not the memory"
+    assert runner.failures == 1
+    answers = runner.run_sync(images(model, 4))
+    assert runner.degraded and runner.model is model and all(a is not None for a in answers)
+
+
+def test_a_fallback_that_cannot_load_leaves_503s_and_is_not_tried_again(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    loads: list[int] = []
+
+    def broken() -> LayeredModel:
+        loads.append(1)
+        raise ModelLoadError("the CPU copy is corrupt")
+
+    runner = ModelRunner(Faulty(model, always=True), device, top_k=3, fallback=broken, fallback_after=1)
+    for _ in range(3):
+        with pytest.raises(DeviceUnavailable):  # not the load's error: that would be a 500
+            runner.run_sync(images(model, 1))
+    assert loads == [1], "a failed fallback is not loaded again for every batch"
+    assert not runner.degraded
+
+
+def test_a_failed_attempt_lets_go_of_its_tensors_before_the_halves_run(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    failed: list[weakref.ref[torch.Tensor]] = []
+    alive_at_retry: list[bool] = []
+
+    class Remembering(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            alive_at_retry.extend(ref() is not None for ref in failed)
+            if len(images) >= self.fail_at:
+                failed.append(weakref.ref(images))  # the stacked batch the failed attempt made
+            return super().probabilities(images, head)
+
+    ModelRunner(Remembering(model, fail_at=4), device, top_k=3).run_sync(images(model, 4))
+    assert alive_at_retry == [False, False], "the failed batch was still referenced while its halves ran"
+
+
+def test_the_requests_gone_during_a_failed_attempt_are_left_out_of_the_retries(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    gone = [False] * 4
+    deadlines = [time.monotonic() + 60] * 4
+
+    class Slow(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            if len(images) >= self.fail_at:  # while the attempt fails, one expires, one's client goes
+                deadlines[0] = time.monotonic() - 1
+                gone[3] = True
+            return super().probabilities(images, head)
+
+    slow = Slow(model, fail_at=4)
+    answers = ModelRunner(slow, device, top_k=2).run_sync(images(model, 4), deadlines, lambda i: gone[i])
+    assert answers[0] is None and answers[3] is None and answers[1] is not None and answers[2] is not None
+    assert slow.sizes == [4, 1, 1], "each retry computed only its live requests"
+
+
+def test_device_faults_are_told_from_other_errors() -> None:
+    assert device_fault(torch.cuda.OutOfMemoryError("CUDA out of memory.")) is Fault.MEMORY
+    scripted = "The following operation failed in the TorchScript interpreter.\nCUDA out of memory. Tried to allocate"
+    assert device_fault(RuntimeError(scripted)) is Fault.MEMORY
+    assert device_fault(RuntimeError("CUDA error: unspecified launch failure")) is Fault.DEVICE
+    if hasattr(torch, "AcceleratorError"):
+        assert device_fault(torch.AcceleratorError("device-side assert triggered")) is Fault.DEVICE
+    assert device_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert device_fault(ValueError("out of memory")) is None

@@ -28,6 +28,7 @@ from app.api.errors import error_responses
 from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
+from app.deadline import within
 from app.errors import SchemaError
 from app.service import InferenceService, Outcome
 
@@ -81,9 +82,11 @@ async def _predict(name: str | None, request: Request) -> Response:
     served = service.served(name, headers.version)  # 404 / 503 before reading the body
     state = request.scope["state"]
     # admitted before the body is read (a refusal stays cheap), holding a seat from then on
-    seat = service.reserve(served, headers.lane, headers.timeout_s - (time.perf_counter() - state["started"]))
+    remaining = headers.timeout_s - (time.perf_counter() - state["started"])
+    seat = service.reserve(served, headers.lane, remaining)
     try:
-        body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
+        async with within(time.monotonic() + remaining, "while its body was arriving"):
+            body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
         top_k = body.top_k or query_top_k or server.default_top_k
         if top_k > min(server.max_top_k, len(served.labels)):
             raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")

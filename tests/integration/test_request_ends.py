@@ -1,0 +1,166 @@
+"""A request ends at its deadline or when its client goes, at every stage before its answer:
+while its body arrives, and after its batch formed while the batch waits for the device.
+It is answered once, gives its seat back, is never computed, and is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.types import Message
+
+from app.batching import Lane
+from tests.conftest import SettingsFactory
+from tests.faults import Faulty
+from tests.integration.test_metrics import scrape, value
+from tests.support import MODEL_NAME, RunningApp, running_app, sample_png
+
+PNG = sample_png(7)
+
+
+class Connection:
+    """One request to the app driven by hand: what its client sends, and what it gets."""
+
+    def __init__(self, running: RunningApp, headers: dict[str, str]) -> None:
+        assert running.asgi is not None
+        self.inbox: asyncio.Queue[Message] = asyncio.Queue()
+        self.sent: list[Message] = []
+        self.answered = asyncio.Event()
+        raw = [(b"host", b"testserver"), *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/predict",
+            "raw_path": b"/predict",
+            "query_string": b"",
+            "root_path": "",
+            "headers": raw,
+            "client": ("127.0.0.1", 50000),
+            "server": ("testserver", 80),
+        }
+        self.task = asyncio.ensure_future(running.asgi(scope, self.inbox.get, self._send))
+
+    async def _send(self, message: Message) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            self.answered.set()
+
+    def body(self, chunk: bytes, more: bool) -> None:
+        self.inbox.put_nowait({"type": "http.request", "body": chunk, "more_body": more})
+
+    def disconnect(self) -> None:
+        self.inbox.put_nowait({"type": "http.disconnect"})
+
+    async def answer(self) -> tuple[int, dict[str, Any]]:
+        await asyncio.wait_for(self.answered.wait(), 30)  # a bound against a hang, not a timing
+        status = next(m["status"] for m in self.sent if m["type"] == "http.response.start")
+        body = b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+        return status, json.loads(body)
+
+
+def png_request(running: RunningApp, **headers: str) -> Connection:
+    return Connection(running, {"content-type": "image/png", "content-length": str(len(PNG)), **headers})
+
+
+@asynccontextmanager
+async def device_held(running: RunningApp) -> AsyncIterator[None]:
+    """Every device thread busy (as with a model loading, or another model's batches)."""
+    gate = threading.Event()
+    for _ in range(running.service.threads.workers + running.service.threads.urgent):
+        running.service._device_thread.submit(gate.wait)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+async def batch_formed(running: RunningApp, count: int = 1) -> None:
+    batcher = running.service.models[MODEL_NAME].batcher
+    async with asyncio.timeout(30):
+        while batcher.batches < count:  # noqa: ASYNC110 (no event says a batch left)
+            await asyncio.sleep(0.005)
+
+
+async def batches_done(running: RunningApp) -> None:
+    batcher = running.service.models[MODEL_NAME].batcher
+    async with asyncio.timeout(30):
+        while batcher._in_flight:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+async def test_a_stalled_body_is_answered_at_its_deadline_and_its_seat_given_back(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(batching={"normal": {"window_ms": 5.0, "max_batch": 2, "max_queue": 2}})
+    async with running_app(settings) as running:
+        # two uploads that stop after their first bytes: as many as the lane has seats
+        stalled = [png_request(running, **{"x-request-timeout": "200"}) for _ in range(2)]
+        for connection in stalled:
+            connection.body(PNG[:10], more=True)
+        for connection in stalled:
+            status, body = await connection.answer()  # the rest of the body never comes
+            assert (status, body["code"]) == (503, "deadline_exceeded")
+            assert "body was arriving" in body["message"]
+        ok = await running.predict_png(PNG)
+        assert ok.status_code == 200, "the stalled requests gave their seats back"
+        for connection in stalled:
+            connection.disconnect()
+            await asyncio.wait_for(connection.task, 30)
+
+
+async def test_a_client_gone_while_its_body_arrives_is_a_499_not_a_500(make_settings: SettingsFactory) -> None:
+    async with running_app(make_settings()) as running:
+        connection = png_request(running)
+        connection.body(PNG[:10], more=True)
+        connection.disconnect()
+        status, body = await connection.answer()
+        assert (status, body["code"]) == (499, "client_closed_request")
+        samples = await scrape(running)
+        assert value(samples, "ai_backend_requests_total", status="499", code="client_closed_request") == 1
+        assert value(samples, "ai_backend_requests_total", status="500", code="internal_error") == 0
+        assert (await running.predict_png(PNG)).status_code == 200
+
+
+async def test_a_client_gone_after_its_batch_formed_is_not_computed(make_settings: SettingsFactory) -> None:
+    settings = make_settings(server={"default_timeout_ms": 60_000})
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        spy = Faulty(served.model)  # fails nothing: records the batches that reach the model
+        served.runner.model = spy  # type: ignore[assignment]
+        async with device_held(running):
+            connection = png_request(running)
+            connection.body(PNG, more=False)
+            await batch_formed(running)  # its batch waits for a device thread
+            connection.disconnect()
+            status, body = await connection.answer()
+            assert (status, body["code"]) == (499, "client_closed_request")
+        await batches_done(running)
+        assert spy.sizes == [], "the batch reached the device with nobody left to answer"
+        samples = await scrape(running)
+        assert value(samples, "ai_backend_cancellations_total", reason="cancelled") == 1
+
+
+async def test_a_deadline_passed_while_the_batch_waits_for_the_device_is_counted(
+    make_settings: SettingsFactory,
+) -> None:
+    async with running_app(make_settings()) as running:
+        served = running.service.models[MODEL_NAME]
+        spy = Faulty(served.model)
+        served.runner.model = spy  # type: ignore[assignment]
+        async with device_held(running):
+            late = asyncio.ensure_future(running.predict_png(PNG, headers={"X-Request-Timeout": "300"}))
+            await batch_formed(running)
+            answer = await late  # answered at its deadline, by the batcher's timer
+            assert answer.status_code == 503 and answer.json()["code"] == "deadline_exceeded"
+        await batches_done(running)
+        assert spy.sizes == []
+        samples = await scrape(running)
+        assert value(samples, "ai_backend_cancellations_total", reason="deadline") == 1
+        assert served.batcher.depth(Lane.NORMAL) == 0
