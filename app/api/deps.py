@@ -68,16 +68,17 @@ def parse_predict_headers(
     if lane is None:
         raise BadRequest("X-Urgency must be 'high' or 'normal'", code="invalid_header")
     timeout_s = _timeout_s(timeout, server.default_timeout_ms, server.max_timeout_ms)
-    return lane, timeout_s, version.strip() if version is not None else None
+    if version is not None and not (version := version.strip()):
+        raise BadRequest("X-Model-Version must name a version (or be left out)", code="invalid_header")
+    return lane, timeout_s, version
 
 
 def _timeout_s(header: str | None, default_ms: int, max_ms: int) -> float:
     if header is None:
         return default_ms / 1000.0
-    try:
-        millis = int(header.strip())
-    except ValueError:
-        millis = 0
+    digits = header.strip()
+    # plain decimal digits: int() would also take "+5", "1_000" and non-ASCII digits
+    millis = int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 12 else 0
     if not 1 <= millis <= max_ms:
         raise BadRequest(
             f"X-Request-Timeout must be an integer from 1 to {max_ms} (milliseconds)", code="invalid_header"

@@ -39,7 +39,17 @@ def test_absent_headers_give_the_normal_lane_and_the_default_timeout() -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [(b"x-urgency", b"urgent"), (b"x-request-timeout", b"0"), (b"x-request-timeout", b"soon")],
+    [
+        (b"x-urgency", b"urgent"),
+        (b"x-request-timeout", b"0"),
+        (b"x-request-timeout", b"soon"),
+        (b"x-request-timeout", b"-5"),
+        (b"x-request-timeout", b"+5"),  # int() takes these three: not plain milliseconds
+        (b"x-request-timeout", b"1_000"),
+        (b"x-request-timeout", b"2.5"),
+        (b"x-request-timeout", b"9" * 40),
+        (b"x-model-version", b"  "),  # named, but empty
+    ],
 )
 def test_a_bad_header_is_a_400_and_nothing_is_kept(name: bytes, value: bytes) -> None:
     request = scope((name, value))
