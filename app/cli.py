@@ -16,15 +16,12 @@ EXIT_BAD_SETTINGS = 2
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from app.settings import SettingsError, load_settings
+    from app.settings import SettingsError, config_path, file_stamp, read_settings
 
-    overrides: dict[str, object] = {}
+    server_overrides: dict[str, object] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    stamp = file_stamp(config_path())  # before the read: an edit from now on is a change to pick up
     try:
-        settings = load_settings()
-        server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        if server_overrides:
-            overrides = {"server": settings.server.model_dump() | server_overrides}
-            settings = load_settings(**overrides)
+        settings = read_settings(server_overrides)
     except SettingsError as exc:
         print(f"ai-backend: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
@@ -47,7 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_fatal=on_fatal)
+    app = create_app(settings, on_fatal=on_fatal, config_stamp=stamp, server_overrides=server_overrides)
     config = uvicorn.Config(
         app,
         host=settings.server.host,

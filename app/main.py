@@ -20,6 +20,7 @@ from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.sdk.trace.export import SpanExporter
 from pydantic import SecretStr
 
+from app.api.auth import admin_gate
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.openapi import install_openapi
@@ -28,7 +29,7 @@ from app.api.routes import metrics as metrics_route
 from app.lifecycle.manager import LifecycleManager
 from app.policy import PolicyManager
 from app.service import InferenceService
-from app.settings import Settings, load_settings
+from app.settings import FileStamp, Settings, load_settings
 from app.telemetry.metrics import Metrics
 from app.telemetry.tracing import build_tracer_provider
 
@@ -73,10 +74,14 @@ def create_app(
     settings: Settings | None = None,
     on_fatal: FatalHandler | None = None,
     span_exporter: SpanExporter | None = None,
+    config_stamp: FileStamp = None,
+    server_overrides: dict[str, object] | None = None,
 ) -> FastAPI:
     """Build the ASGI app for ``settings`` (read from the environment and config/ when omitted).
 
     ``span_exporter`` replaces the configured one (tests pass an in-memory exporter).
+    ``config_stamp`` is the config file's when ``settings`` were read, ``server_overrides`` the
+    command line's over it (both for the reloads, ``app.policy``).
     """
     settings = settings or load_settings()
     fatal = on_fatal or _log_fatal
@@ -101,22 +106,19 @@ def create_app(
         app.state.admin_token = await asyncio.to_thread(_secret, admin.token, admin.token_file, "admin.token")
         app.state.api_key = await asyncio.to_thread(_secret, server.api_key, server.api_key_file, "server.api_key")
         app.state.lifecycle = LifecycleManager(service)
-        policy = PolicyManager(settings, service.set_policy)
+        policy = PolicyManager(settings, service.set_policy, config_stamp, server_overrides)
         app.state.policy = policy
         starting = asyncio.create_task(start(), name="model-start")
         app.state.starting = starting
-        background = [starting]
-        if settings.admin.config_watch_s > 0:
-            background.append(asyncio.create_task(policy.watch(settings.admin.config_watch_s), name="config-watch"))
-        with _on_sighup(lambda: asyncio.ensure_future(asyncio.to_thread(policy.reload))):
+        watching = asyncio.create_task(policy.watch(settings.admin.config_watch_s), name="config-watch")
+        background = [starting, watching]
+        with _on_sighup(policy.wake):
             try:
                 yield
             finally:
                 for task in background:
                     task.cancel()
-                for task in background:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                await asyncio.gather(*background, return_exceptions=True)  # nothing of theirs stops the close
                 await service.close(settings.server.shutdown_grace_s)
                 await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take
 
@@ -137,7 +139,10 @@ def create_app(
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(
-        RequestContextMiddleware, metrics=metrics, access_log=settings.logging.access_log, direct=predict.direct
+        RequestContextMiddleware,
+        metrics=metrics,
+        access_log=settings.logging.access_log,
+        direct=lambda scope: predict.direct(scope) or admin_gate(scope),  # the admin token before any body
     )
     for router in (predict.router, models.router, health.router, metrics_route.router):
         app.include_router(router)

@@ -1,30 +1,35 @@
 """The batching policy while serving: changed through the admin API or the config file.
 
-A change is validated as a whole, exactly as at start-up; an invalid one is refused with
-the reason and the old policy stays. A valid one applies to every batcher from its next
-batch. The config file is polled for changes (and re-read on SIGHUP); only the batching
-group applies live, and a change to anything else is logged as needing a restart.
+A change is validated as a whole, against the live settings, exactly as at start-up; an
+invalid one is refused with the reason and the old policy stays. A valid one applies to
+every batcher from its next batch. Changes are applied one at a time, on the event loop.
+
+The config file is polled for changes (and re-read on SIGHUP); only the batching group
+applies live, and a change to anything else is logged as needing a restart. Which wins,
+the file or the admin API: the file when its batching changes (an edit), or when asked to
+(SIGHUP, ``POST /admin/policy/reload``); an admin change stays until then, whatever else in
+the file is edited.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from app.errors import SchemaError
 from app.settings import (
-    CONFIG_FILE_ENV,
-    DEFAULT_CONFIG_FILE,
     BatchingSettings,
+    FileStamp,
     Settings,
     SettingsError,
-    load_settings,
+    config_path,
+    file_stamp,
+    read_settings,
 )
 
 log = logging.getLogger(__name__)
@@ -42,65 +47,102 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 
 
 class PolicyManager:
-    """Holds the live batching settings and applies validated changes."""
+    """Holds the live batching settings and applies validated changes.
 
-    def __init__(self, settings: Settings, apply: Apply) -> None:
-        self._settings = settings
+    ``stamp`` is the config file's as it was when ``settings`` were read (an edit made while
+    the service started is picked up); ``server`` the fields the command line set over the
+    file (``serve --host/--port``), kept over it at every reload.
+    """
+
+    def __init__(
+        self, settings: Settings, apply: Apply, stamp: FileStamp = None, server: dict[str, object] | None = None
+    ) -> None:
+        self._settings = settings  # live
+        self._read = settings  # as the environment and the file said when last read
         self._apply = apply
+        self._server = server or {}
         self.current = settings.batching
-        self.config_file = Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
-        self._mtime = self._stat()
+        self.config_file = config_path()
+        self._stamp = stamp if stamp is not None else file_stamp(self.config_file)
+        self._lock = asyncio.Lock()  # one reload at a time: an older read never lands last
+        self._wake = asyncio.Event()
 
     def update(self, patch: dict[str, Any]) -> BatchingSettings:
         """Merge ``patch`` into the live policy; ``SchemaError`` (422) names what is wrong."""
         try:
-            batching = BatchingSettings.model_validate(_merge(self.current.model_dump(), patch))
-            # the rules that span groups (a window shorter than the default deadline) hold too
-            Settings.model_validate(self._settings.model_dump() | {"batching": batching.model_dump()})
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'batching'}: {e['msg']}" for e in exc.errors())
-            raise SchemaError(f"policy refused, the old one stays: {problems}") from exc
+            batching = self._checked(_merge(self.current.model_dump(), patch))
+        except SettingsError as exc:
+            raise SchemaError(f"policy refused, the old one stays: {exc}") from exc
         self._set(batching, "admin API")
         return batching
 
-    def reload(self, strict: bool = False) -> bool:
-        """Re-read settings (environment and config file); apply a batching change. Blocking.
+    async def reload(self, strict: bool = False, forced: bool = True) -> bool:
+        """Re-read the environment and the config file (in a thread) and apply their batching
+        (here): when it changed since the last read, or, ``forced``, whenever it differs from
+        the live policy (an admin change is undone). True when the policy changed.
 
         An invalid file is logged and ignored, or with ``strict`` raised as ``SchemaError``.
         """
+        async with self._lock:
+            stamp = await asyncio.to_thread(file_stamp, self.config_file)
+            try:
+                fresh = await asyncio.to_thread(read_settings, self._server)
+                # against the live settings: only batching applies, the rest waits for a restart
+                batching = self._checked(fresh.batching.model_dump())
+            except SettingsError as exc:
+                self._stamp = stamp  # tried: the watcher waits for the next edit
+                log.error("config reload refused, the old policy stays: %s", exc)
+                if strict:
+                    raise SchemaError(f"config reload refused, the old policy stays: {exc}") from exc
+                return False
+            self._stamp = stamp
+            others = {
+                k for k in Settings.model_fields if k != "batching" and getattr(fresh, k) != getattr(self._read, k)
+            }
+            if others:
+                log.warning("config changes to %s need a restart; only batching applies live", sorted(others))
+            edited = fresh.batching != self._read.batching
+            self._read = fresh
+            if not (edited or forced) or batching == self.current:
+                return False
+            self._set(batching, str(self.config_file))
+            return True
+
+    def _checked(self, batching: dict[str, Any]) -> BatchingSettings:
+        """The policy, valid on its own and with the live settings (a window shorter than the
+        default deadline); ``SettingsError`` says why not."""
         try:
-            fresh = load_settings()
-        except SettingsError as exc:
-            log.error("config reload refused, the old policy stays: %s", exc)
-            if strict:
-                raise SchemaError(f"config reload refused, the old policy stays: {exc}") from exc
-            return False
-        others = {
-            k for k in Settings.model_fields if k != "batching" and getattr(fresh, k) != getattr(self._settings, k)
-        }
-        if others:
-            log.warning("config changes to %s need a restart; only batching applies live", sorted(others))
-        if fresh.batching == self.current:
-            return False
-        self._set(fresh.batching, str(self.config_file))
-        return True
+            valid = BatchingSettings.model_validate(batching)
+            Settings.model_validate(self._settings.model_dump() | {"batching": valid.model_dump()})
+        except ValidationError as exc:
+            raise SettingsError(
+                "; ".join(f"{'.'.join(map(str, e['loc'])) or 'batching'}: {e['msg']}" for e in exc.errors())
+            ) from exc
+        return valid
 
     def _set(self, batching: BatchingSettings, source: str) -> None:
         self._apply(batching)
         self.current = batching
         log.info("batching policy changed by %s: %s", source, batching.model_dump())
 
-    def _stat(self) -> float | None:
-        try:
-            return self.config_file.stat().st_mtime
-        except OSError:
-            return None
+    def wake(self) -> None:
+        """Re-read the config file now, as asked (SIGHUP): ``watch`` does it."""
+        self._wake.set()
 
     async def watch(self, interval_s: float) -> None:
-        """Poll the config file's modification time; reload when it changes. Runs until cancelled."""
+        """Reload when woken (``wake``), and when the config file changes, polled every
+        ``interval_s`` (0: only when woken). Runs until cancelled; a failed reload is logged and
+        never ends it."""
         while True:
-            await asyncio.sleep(interval_s)
-            mtime = await asyncio.to_thread(self._stat)
-            if mtime != self._mtime:
-                self._mtime = mtime
-                await asyncio.to_thread(self.reload)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval_s or None)
+            forced = self._wake.is_set()
+            self._wake.clear()
+            stamp = await asyncio.to_thread(file_stamp, self.config_file)
+            if not forced and stamp == self._stamp:
+                continue
+            try:
+                await self.reload(forced=forced)
+            except Exception:
+                self._stamp = stamp  # not again until the file changes
+                log.exception("config reload failed; the old policy stays")

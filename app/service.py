@@ -222,6 +222,7 @@ class InferenceService:
             await self._warm_pool()
             self._tuning.freeze()
             for served in self.all_served():
+                served.batcher.set_policy(self._policy)  # a change made while later versions loaded
                 served.batcher.start()
             self.state = State.READY
         except BaseException as exc:

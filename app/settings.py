@@ -55,7 +55,8 @@ class ServerSettings(_Group):
     max_timeout_ms: int = Field(default=120_000, ge=1, description="largest X-Request-Timeout accepted")
     preprocess_workers: int = Field(default=0, ge=0, le=64, description="threads decoding images; 0: half the cores")
     api_key: SecretStr | None = Field(
-        default=None, description="if set, prediction routes need Authorization: Bearer <key> (off by default)"
+        default=None,
+        description="if set (16+ characters), prediction routes need Authorization: Bearer <key> (off by default)",
     )
     api_key_file: Path | None = Field(default=None, description="file holding the prediction API key")
     shutdown_grace_s: Positive = Field(default=30.0, description="how long queued work may drain at shutdown")
@@ -83,6 +84,14 @@ class ServerSettings(_Group):
         "to the OS (blocks up to 32 MiB come from a heap; resident memory stays at its high-water mark); "
         "0 keeps glibc's defaults, under which device threads fault their activations in again every batch",
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and len(key.get_secret_value()) < 16:
+            # an empty one (an unset variable in a compose file) must not pass for protection
+            raise ValueError("server.api_key must be at least 16 characters")
+        return key
 
     @property
     def max_body_bytes(self) -> int:
@@ -174,7 +183,9 @@ class ModelSettings(_Group):
 class LaneSettings(_Group):
     """One lane of the batcher."""
 
-    window_ms: Positive = Field(description="a batch goes when its oldest request has waited this long")
+    window_ms: float = Field(
+        ge=0.001, le=60_000, description="a batch goes when its oldest request has waited this long"
+    )
     max_batch: int = Field(ge=1, le=4096, description="a batch goes as soon as it holds this many")
     max_queue: int = Field(ge=1, le=1_000_000, description="requests waiting beyond this are refused (503 queue_full)")
 
@@ -291,7 +302,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        config_file = Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
+        config_file = config_path()
         if CONFIG_FILE_ENV in os.environ and not config_file.is_file():
             raise SettingsError(f"{CONFIG_FILE_ENV}={config_file}: no such file")
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file))
@@ -306,8 +317,36 @@ def env_name(location: tuple[int | str, ...]) -> str:
     return ENV_PREFIX + "__".join(str(part).upper() for part in location)
 
 
+def config_path() -> Path:
+    """The config file: ``AI_SERVICE_CONFIG_FILE``, or ``config/default.toml``."""
+    return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
+
+
+FileStamp = tuple[int, int, int] | None
+"""A file's identity and version as ``stat`` tells them (inode, size, mtime in ns); None: absent."""
+
+
+def file_stamp(path: Path) -> FileStamp:
+    """Blocking. Changes when the file is edited in place or replaced (an editor's rename)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def read_settings(server: dict[str, object] | None = None) -> Settings:
+    """The settings from the environment and the config file, with the ``server`` fields given
+    on the command line (``serve --host/--port``) over them. Blocking."""
+    settings = load_settings()
+    if server:
+        settings = load_settings(server=settings.server.model_dump() | server)
+    return settings
+
+
 def load_settings(**overrides: object) -> Settings:
-    """Build ``Settings``, turning a validation failure into one readable ``SettingsError``."""
+    """Build ``Settings``, turning a validation failure, or a config file that cannot be read as
+    TOML (a syntax error, an editor's write half done), into one readable ``SettingsError``."""
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
@@ -318,3 +357,7 @@ def load_settings(**overrides: object) -> Settings:
             where = f"{dotted} ({env_name(location)})" if location else dotted
             lines.append(f"  {where}: {error['msg']}")
         raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
+    except SettingsError:
+        raise
+    except (ValueError, OSError) as exc:  # tomllib.TOMLDecodeError, UnicodeDecodeError, a read error
+        raise SettingsError(f"config file {config_path()} cannot be read: {exc}") from exc

@@ -176,15 +176,16 @@ def state_per_request(app: ASGIApp) -> ASGIApp:
 
 @contextlib.asynccontextmanager
 async def running_app(
-    settings: Settings, *, wait: bool = True, on_fatal: Callable[[str], None] | None = None
+    settings: Settings, *, wait: bool = True, on_fatal: Callable[[str], None] | None = None, **create: Any
 ) -> AsyncIterator[RunningApp]:
     """``create_app(settings)`` under ``LifespanManager``, with an ``httpx`` client on it.
 
     ``wait``: return only once the start task finished (the service is ready, or failed).
-    Fatal start-up messages are collected in ``RunningApp.fatal`` unless ``on_fatal`` is given.
+    Fatal start-up messages are collected in ``RunningApp.fatal`` unless ``on_fatal`` is given;
+    ``create`` goes to ``create_app``.
     """
     fatal: list[str] = []
-    app = create_app(settings, on_fatal=on_fatal or fatal.append)
+    app = create_app(settings, on_fatal=on_fatal or fatal.append, **create)
     async with LifespanManager(state_per_request(app), startup_timeout=30, shutdown_timeout=30) as manager:
         transport = httpx.ASGITransport(app=manager.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=30) as client:

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
 from typing import Annotated
 
 from fastapi import Header, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import Forbidden, Unauthorized
+from app.api.errors import service_error_response
+from app.errors import Forbidden, PayloadTooLarge, ServiceError, Unauthorized
+
+ADMIN_PREFIX = "/admin"
+MAX_ADMIN_BODY_BYTES = 64 << 10  # a policy or a canary split: a few hundred bytes
 
 
 def check_bearer(authorization: str | None, expected: bytes, what: str) -> None:
     """401 without a bearer token, 403 with the wrong one (compared in constant time)."""
     if authorization is None or not authorization.lower().startswith("bearer "):
         raise Unauthorized(f"{what} is required as Authorization: Bearer <token>")
-    if not hmac.compare_digest(authorization[7:].strip().encode(), expected):
+    # only spaces and tabs around the token (str.strip would take a latin-1 no-break space too)
+    if not hmac.compare_digest(authorization[7:].strip(" \t").encode(), expected):
         raise Forbidden(f"wrong {what}")
 
 
@@ -30,3 +37,32 @@ def check_api_key(request: Request) -> None:
     expected: bytes | None = request.app.state.api_key
     if expected is not None:
         check_bearer(request.headers.get("authorization"), expected, "an API key")
+
+
+def admin_gate(scope: Scope) -> ASGIApp | None:
+    """Before the router: a request for the admin API without the right token, or with a body
+    over ``MAX_ADMIN_BODY_BYTES``, is answered here (None: it goes on). FastAPI would read and
+    parse a route's body before its dependencies run, the token check among them."""
+    if not scope["path"].startswith(ADMIN_PREFIX):
+        return None
+    state = scope["app"].state
+    expected: bytes | None = getattr(state, "admin_token", None)
+    if not state.settings.admin.enabled or expected is None:  # not mounted (404), or not started
+        return None
+    headers = dict(scope["headers"])
+    authorization = headers.get(b"authorization")
+    try:
+        check_bearer(None if authorization is None else authorization.decode("latin-1"), expected, "an admin token")
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > MAX_ADMIN_BODY_BYTES:
+            raise PayloadTooLarge(
+                f"an admin request's body is limited to {MAX_ADMIN_BODY_BYTES} bytes", code="body_too_large"
+            )
+    except ServiceError as exc:
+        return functools.partial(_refuse, exc)
+    return None
+
+
+async def _refuse(exc: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:
+    response = await service_error_response(Request(scope, receive, send), exc)
+    await response(scope, receive, send)

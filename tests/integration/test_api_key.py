@@ -29,5 +29,13 @@ async def test_an_api_key_guards_prediction_but_not_probes(make_settings: Settin
         assert named.status_code == 401
         right = await running.predict_png(sample_png(1), headers={"Authorization": f"Bearer {KEY}"})
         assert right.status_code == 200
+        padded = await running.predict_png(sample_png(1), headers={"Authorization": f"Bearer \t{KEY} "})
+        assert padded.status_code == 200, "spaces and tabs around the token are the header's, not the token's"
+        # a latin-1 no-break space is not white space to the scheme: with str.strip(), "Bearer \xa0"
+        # matched an empty key, and a key ending in one matched its stripped form
+        nbsp = await running.predict_png(
+            sample_png(1), headers={"Authorization": f"Bearer {KEY}\xa0".encode("latin-1")}
+        )
+        assert nbsp.status_code == 403
         for probe in ("/livez", "/readyz", "/healthz", "/metrics", "/v1/models"):
             assert (await running.client.get(probe)).status_code == 200, probe

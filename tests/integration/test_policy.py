@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
 
-from app.settings import SettingsError, load_settings
+from app.policy import PolicyManager
+from app.settings import SettingsError, file_stamp, load_settings
 from tests.conftest import SettingsFactory
 from tests.support import MODEL_NAME, running_app, sample_png
 
@@ -62,6 +65,7 @@ async def test_a_policy_change_applies_from_the_next_batch(make_settings: Settin
     "patch",
     [
         {"normal": {"window_ms": 0}},
+        {"urgent": {"window_ms": 5e-324}},  # valid as "above 0", but 0.0 s to the batcher
         {"normal": {"max_batch": 0}},
         {"normal": {"max_batch": 100, "max_queue": 10}},
         {"urgent": {"window_ms": 50_000}},
@@ -108,22 +112,27 @@ max_queue = 64
 """
 
 
-async def test_editing_the_config_file_changes_the_policy_without_restart(
-    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def watched_config(make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A config file (normal lane: 20 s window, batches of 8) the service reads and watches,
+    with the admin API on; and the test's settings."""
     config = tmp_path / "service.toml"
     config.write_text(CONFIG.format(window=20000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     settings = make_settings(
         admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
     )
+    return config, settings
+
+
+async def test_editing_the_config_file_changes_the_policy_without_restart(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, settings = watched_config(make_settings, tmp_path, monkeypatch)
     async with running_app(settings) as running:
         batcher = running.service.models[MODEL_NAME].batcher
         config.write_text(CONFIG.format(window=20000.0, batch=3))
         os.utime(config, (1, 1))  # a different mtime, whatever the file system's resolution
-        async with asyncio.timeout(10):
-            while batcher.policy.normal.max_batch != 3:  # noqa: ASYNC110 - the watcher has no event to wait on
-                await asyncio.sleep(0.02)
+        await policy_becomes(running, 3)
         responses = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(3)))
         assert [r.json()["batch_size"] for r in responses] == [3, 3, 3]
 
@@ -149,3 +158,208 @@ async def test_sighup_rereads_the_config_file(
         async with asyncio.timeout(10):
             while batcher.policy.normal.max_batch != 5:  # noqa: ASYNC110 - the reload has no event to wait on
                 await asyncio.sleep(0.02)
+
+
+TRUNCATED = "[batching.normal]\nwindow_ms = 20000.0\nmax_batch = "  # an editor's write half done
+
+
+async def policy_becomes(running, max_batch: int) -> None:  # type: ignore[no-untyped-def]
+    batcher = running.service.models[MODEL_NAME].batcher
+    async with asyncio.timeout(10):
+        while batcher.policy.normal.max_batch != max_batch:  # noqa: ASYNC110 - the watcher has no event
+            await asyncio.sleep(0.02)
+
+
+async def watcher_read(running, config: Path) -> None:  # type: ignore[no-untyped-def]
+    """Until the watcher has read the file as it is now (and applied or refused it)."""
+    async with asyncio.timeout(10):
+        while running.app.state.policy._stamp != file_stamp(config):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+async def test_a_file_that_is_not_toml_is_refused_and_the_watcher_goes_on(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, settings = watched_config(make_settings, tmp_path, monkeypatch)
+    async with running_app(settings) as running:
+        config.write_text(TRUNCATED)
+        os.utime(config, (1, 1))
+        await watcher_read(running, config)  # and refused it
+        watcher = next(t for t in asyncio.all_tasks() if t.get_name() == "config-watch")
+        assert not watcher.done()
+        reload = await running.client.post("/admin/policy/reload", headers=AUTH)
+        assert reload.status_code == 422 and "cannot be read" in reload.json()["message"]
+        config.write_text(CONFIG.format(window=20000.0, batch=3))  # the editor finishes
+        os.utime(config, (2, 2))
+        await policy_becomes(running, 3)
+    # and the shutdown ran to its end (an exception out of a dead watcher stopped it before)
+    assert running.service.state.value == "stopped"
+
+
+async def test_a_reload_checks_the_batching_against_the_live_settings(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "service.toml"
+    config.write_text("[server]\ndefault_timeout_ms = 1000\n" + CONFIG.format(window=5.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    settings = make_settings(
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0}, server={"default_timeout_ms": 1000}
+    )
+    async with running_app(settings) as running:
+        # a longer default deadline (for the next start) and a window that only it would allow
+        config.write_text("[server]\ndefault_timeout_ms = 5000\n" + CONFIG.format(window=3000.0, batch=8))
+        reload = await running.client.post("/admin/policy/reload", headers=AUTH)
+        assert reload.status_code == 422 and "default_timeout_ms" in reload.json()["message"]
+        assert running.service.models[MODEL_NAME].batcher.policy.normal.window_s < 1.0
+
+
+async def test_an_admin_change_stays_until_the_files_batching_changes_or_a_reload_is_asked(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, settings = watched_config(make_settings, tmp_path, monkeypatch)
+    async with running_app(settings) as running:
+        config.write_text(CONFIG.format(window=20000.0, batch=8) + "\n[logging]\nlevel = 'DEBUG'\n")
+        os.utime(config, (1, 1))
+        await watcher_read(running, config)  # the first read of the file: its batching is applied
+        assert running.service.models[MODEL_NAME].batcher.policy.normal.window_s == 20.0
+        assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 2}})).is_success
+        config.write_text(CONFIG.format(window=20000.0, batch=8) + "\n[logging]\nlevel = 'INFO'\n")
+        os.utime(config, (2, 2))
+        await watcher_read(running, config)
+        assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 2, "an edit elsewhere kept it"
+        config.write_text(CONFIG.format(window=20000.0, batch=4))
+        os.utime(config, (3, 3))
+        await policy_becomes(running, 4)  # an edit of the batching itself wins
+        assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 2}})).is_success
+        reload = await running.client.post("/admin/policy/reload", headers=AUTH)  # asked for: the file wins
+        assert reload.json()["normal"]["max_batch"] == 4
+
+
+async def test_an_edit_while_the_service_starts_is_picked_up(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "service.toml"
+    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    os.utime(config, (1, 1))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    stamp = file_stamp(config)  # what `ai-backend serve` takes as it reads its settings
+    settings = make_settings(
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
+    )
+    config.write_text(CONFIG.format(window=20000.0, batch=3))  # edited while torch imports, models load
+    os.utime(config, (2, 2))
+    async with running_app(settings, config_stamp=stamp) as running:
+        await policy_becomes(running, 3)
+
+
+async def test_reloads_run_one_at_a_time_on_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "service.toml"
+    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    applied: list[tuple[int, int]] = []
+    manager = PolicyManager(load_settings(), lambda b: applied.append((b.normal.max_batch, threading.get_ident())))
+    real = load_settings
+    first_read = threading.Event()
+
+    def slow_first(**overrides: object):  # type: ignore[no-untyped-def]
+        settings = real(**overrides)  # the file as it is now
+        if not first_read.is_set():
+            first_read.set()
+            threading.Event().wait(0.3)  # a poll that read the old file just before the next edit
+        return settings
+
+    monkeypatch.setattr("app.settings.load_settings", slow_first)
+    config.write_text(CONFIG.format(window=20000.0, batch=4))
+    older = asyncio.ensure_future(manager.reload(forced=False))
+    await asyncio.to_thread(first_read.wait, 10)
+    config.write_text(CONFIG.format(window=20000.0, batch=5))
+    newer = asyncio.ensure_future(manager.reload())  # SIGHUP after the second edit
+    await asyncio.gather(older, newer)
+    assert manager.current.normal.max_batch == 5, "the older read landed last"
+    assert [size for size, _ in applied] == [4, 5]
+    assert {thread for _, thread in applied} == {threading.get_ident()}, "applied on the event loop's thread"
+
+
+async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = tmp_path / "service.toml"
+    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    overrides: dict[str, object] = {"port": 8123}
+    live = load_settings(server=load_settings().server.model_dump() | overrides)  # as `serve --port 8123`
+    manager = PolicyManager(live, lambda b: None, server=overrides)
+    with caplog.at_level(logging.WARNING, logger="app.policy"):
+        await manager.reload()
+    assert not [r for r in caplog.records if "need a restart" in r.getMessage()]
+    config.write_text("[server]\nmax_top_k = 7\n" + CONFIG.format(window=20000.0, batch=8))
+    with caplog.at_level(logging.WARNING, logger="app.policy"):
+        await manager.reload()
+    assert [r.getMessage() for r in caplog.records if "need a restart" in r.getMessage()] == [
+        "config changes to ['server'] need a restart; only batching applies live"
+    ]
+
+
+async def test_a_policy_change_while_versions_load_reaches_every_version(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.service import InferenceService
+    from tests.lifecycle_support import copy_version
+    from tests.support import copy_repository
+
+    root = copy_repository(tmp_path)
+    copy_version(root, "2")
+    gate, first_loaded = asyncio.Event(), asyncio.Event()
+    real_load = InferenceService._load
+
+    async def slow_load(self: InferenceService, name: str, version: str):  # type: ignore[no-untyped-def]
+        served = await real_load(self, name, version)
+        if version == "1":  # the next version takes its time
+            first_loaded.set()
+            await gate.wait()
+        return served
+
+    monkeypatch.setattr(InferenceService, "_load", slow_load)
+    settings = admin_settings(make_settings, model={"repository": root, "load_versions": "all"})
+    async with running_app(settings, wait=False) as running:
+        await asyncio.wait_for(first_loaded.wait(), 30)
+        changed = await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 2}})
+        assert changed.status_code == 200
+        gate.set()
+        await running.wait_started()
+        assert {s.version: s.batcher.policy.normal.max_batch for s in running.service.all_served()} == {"1": 2, "2": 2}
+
+
+async def test_the_admin_token_is_checked_before_any_body_is_read(make_settings: SettingsFactory) -> None:
+    async with running_app(admin_settings(make_settings)) as running:
+        malformed = await running.client.put(
+            "/admin/policy", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
+        assert malformed.status_code == 401, "refused for its token, not parsed first"
+        pulled = 0
+
+        async def huge():  # type: ignore[no-untyped-def]
+            nonlocal pulled
+            for _ in range(64):
+                pulled += 1
+                yield b" " * (1 << 20)
+
+        unread = await running.client.put("/admin/policy", content=huge(), headers={"Content-Type": "application/json"})
+        assert unread.status_code == 401 and pulled < 64
+        big = await running.client.put(
+            "/admin/policy", headers={**AUTH, "Content-Type": "application/json"}, content=b" " * (1 << 20)
+        )
+        assert big.status_code == 413 and big.json()["code"] == "body_too_large"
+        assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 4}})).is_success
+
+
+def test_a_config_file_that_is_not_toml_stops_serve_with_exit_code_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    config = tmp_path / "service.toml"
+    config.write_text(TRUNCATED)
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    assert main(["serve"]) == 2
+    assert "cannot be read" in capsys.readouterr().err

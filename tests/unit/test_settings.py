@@ -44,7 +44,20 @@ def test_a_missing_config_file_named_explicitly_is_an_error(monkeypatch: pytest.
 @pytest.mark.parametrize(
     ("variable", "value", "named", "rule"),
     [
-        ("AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "0", "AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "greater than 0"),
+        (
+            "AI_SERVICE_BATCHING__NORMAL__WINDOW_MS",
+            "0",
+            "AI_SERVICE_BATCHING__NORMAL__WINDOW_MS",
+            "greater than or equal to 0.001",
+        ),
+        (
+            "AI_SERVICE_BATCHING__URGENT__WINDOW_MS",
+            "5e-324",
+            "AI_SERVICE_BATCHING__URGENT__WINDOW_MS",
+            "greater than or equal",
+        ),
+        ("AI_SERVICE_SERVER__API_KEY", "", "AI_SERVICE_SERVER__API_KEY", "at least 16 characters"),
+        ("AI_SERVICE_SERVER__API_KEY", "short-key", "AI_SERVICE_SERVER__API_KEY", "at least 16 characters"),
         (
             "AI_SERVICE_BATCHING__URGENT__MAX_BATCH",
             "0",

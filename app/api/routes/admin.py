@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
@@ -45,6 +44,7 @@ async def put_policy(
 
 @router.post("/policy/reload", response_model=BatchingSettings, responses=_ERRORS, summary="Re-read the config file")
 async def reload_policy(request: Request) -> BatchingSettings:
+    """Applies the file's batching now, undoing admin changes; an invalid file is refused (422)."""
     manager = _policy(request)
-    await asyncio.to_thread(manager.reload, True)
+    await manager.reload(strict=True)
     return manager.current
