@@ -32,8 +32,8 @@ class Job:
 
 @dataclass(frozen=True)
 class Answer:
-    """One image's top classes (``None``: its deadline passed before compute), and the span of
-    the batch that computed it (for a link back)."""
+    """One image's top classes (``None``: left out at the device, its deadline passed or its
+    client gone), and the span of the batch that computed it (for a link back)."""
 
     top: TopK | None
     batch_span: SpanContext
