@@ -43,7 +43,8 @@ def admin_gate(scope: Scope) -> ASGIApp | None:
     """Before the router: a request for the admin API without the right token, or with a body
     over ``MAX_ADMIN_BODY_BYTES``, is answered here (None: it goes on). FastAPI would read and
     parse a route's body before its dependencies run, the token check among them."""
-    if not scope["path"].startswith(ADMIN_PREFIX):
+    path = scope["path"]
+    if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
         return None
     state = scope["app"].state
     expected: bytes | None = getattr(state, "admin_token", None)

@@ -91,6 +91,12 @@ async def test_without_admin_enabled_there_is_no_admin_api(make_settings: Settin
         assert (await running.client.get("/admin/policy", headers=AUTH)).status_code == 404
 
 
+async def test_the_admin_token_guards_the_admin_api_only(make_settings: SettingsFactory) -> None:
+    async with running_app(admin_settings(make_settings)) as running:
+        assert (await running.client.get("/administrator")).status_code == 404, "not under /admin/"
+        assert (await running.client.get("/admin")).status_code == 401
+
+
 def test_admin_enabled_without_a_token_stops_start_up() -> None:
     with pytest.raises(SettingsError, match="admin.enabled needs admin.token"):
         load_settings(admin={"enabled": True})
