@@ -167,8 +167,10 @@ class DualWindowBatcher(Generic[P, R]):
             admission_headroom=self._policy.admission_headroom,
         )
 
-    def _calm(self) -> None:
-        if self._ceiling is None:
+    def _calm(self, size: int) -> None:
+        # only a batch full at the cap shows that the cap fits: small ones prove nothing, and a
+        # larger one was formed before the cap (the batch that failed, once its halves ran)
+        if self._ceiling is None or size != self._ceiling:
             return
         self._calm_batches += 1
         if self._calm_batches >= self.recovery_batches:
@@ -394,7 +396,7 @@ class DualWindowBatcher(Generic[P, R]):
             run_s = self._clock.now() - started
             self.observe_batch(plan.lane, run_s)
             self._report(plan, batch, started, run_s, ok=True)
-            self._calm()
+            self._calm(len(batch))
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
                     item.future.set_result(

@@ -112,6 +112,28 @@ async def test_memory_pressure_caps_batches_until_enough_calm_batches() -> None:
     await batcher.close(0)
 
 
+async def test_only_batches_full_at_the_ceiling_raise_it_again() -> None:
+    batcher, clock, runner, recorder = make(max_batch=8)
+    batcher.recovery_batches = 2
+    runner.gate = asyncio.Event()
+    failing = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(8)]
+    await settle()
+    batcher.lower_ceiling(8)  # this batch of 8 ran out of memory; its halves then succeed
+    runner.gate.set()
+    await asyncio.gather(*failing)
+    runner.gate = None
+    for _ in range(3):  # light traffic: batches of one, which prove nothing about the cap of 4
+        single = asyncio.ensure_future(batcher.submit(0, Lane.NORMAL, 10.0))
+        await clock.advance(25 * MS)
+        await single
+    assert batcher.ceiling == 4, "neither the failed batch nor small ones count as calm"
+    full = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(8)]
+    await settle()
+    await asyncio.gather(*full)
+    assert batcher.ceiling is None, "two batches full at the cap: it doubles back to the policy's 8"
+    await batcher.close(0)
+
+
 async def test_reserved_seats_count_against_the_queue_bound_until_released() -> None:
     from app.errors import QueueFull
 
