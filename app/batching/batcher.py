@@ -407,7 +407,7 @@ class DualWindowBatcher(Generic[P, R]):
         self._fail(batch, error)
 
     def _report(self, plan: BatchPlan, batch: Sequence[_Pending[P, R]], started: float, run_s: float, ok: bool) -> None:
-        waits = [started - item.enqueued_at for item in batch]
+        waits = [(item.lane, started - item.enqueued_at) for item in batch]
         capacity = self._effective_policy().lane(plan.lane).max_batch
         self._observer.on_batch(plan.lane, len(batch), capacity, waits, run_s, ok)
 

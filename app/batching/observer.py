@@ -12,8 +12,10 @@ class BatchObserver(Protocol):
     """Called on the event loop; implementations must be cheap and must not raise."""
 
     def on_batch(
-        self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool
-    ) -> None: ...
+        self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
+    ) -> None:
+        """A batch formed by ``lane`` ran; ``waits_s`` has each request's own lane (a normal
+        request may ride an urgent batch) and its wait in the queue."""
 
     def on_rejected(self, lane: Lane, reason: str) -> None: ...
 
@@ -23,7 +25,9 @@ class BatchObserver(Protocol):
 class NullObserver:
     """Listens to nothing."""
 
-    def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
+    def on_batch(
+        self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
+    ) -> None:
         return None
 
     def on_rejected(self, lane: Lane, reason: str) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -80,8 +82,10 @@ class WorkerThreads:
         return future
 
     async def run(self, fn: Callable[[], T], urgent: bool = False) -> T:
-        """Run ``fn`` on a worker and await its result without blocking the event loop."""
-        return await asyncio.wrap_future(self.submit(fn, urgent))
+        """Run ``fn`` on a worker, in the caller's context (what it logs carries the request's
+        id, and the batch's trace), and await its result without blocking the event loop."""
+        context = contextvars.copy_context()
+        return await asyncio.wrap_future(self.submit(functools.partial(context.run, fn), urgent))
 
     def _next(self, kind: tuple[int, ...]) -> Call | None:
         for priority in kind:

@@ -135,11 +135,12 @@ class BatchMetrics:
         self._model = model
         self._version = version
 
-    def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
+    def on_batch(
+        self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
+    ) -> None:
         m = self._metrics
-        wait = m.queue_wait.labels(lane.value)
-        for seconds in waits_s:
-            wait.observe(seconds)
+        for own, seconds in waits_s:  # under the request's own lane, whichever batch it rode
+            m.queue_wait.labels(own.value).observe(seconds)
         m.batch_size.labels(lane.value).observe(size)
         m.batch_fill.labels(lane.value).observe(min(1.0, size / capacity))
         m.inference.labels(self._model, self._version, batch_bucket(size)).observe(run_s)

@@ -83,9 +83,17 @@ class BoundedSpanProcessor(SpanProcessor):
             error: object = exc
         else:
             error = "exporter reported failure"
-        if result is not SpanExportResult.SUCCESS and time.monotonic() - self._last_error_log > 60:
+        if result is SpanExportResult.SUCCESS:
+            return
+        self._lost(len(batch))  # the collector refused them, or could not be reached
+        if time.monotonic() - self._last_error_log > 60:
             self._last_error_log = time.monotonic()
             log.warning("span export failed (%s); %d spans dropped so far", error, self.dropped)
+
+    def _lost(self, count: int) -> None:
+        with self._lock:
+            self.dropped += count
+        self._on_drop(count)
 
     def _work(self) -> None:
         while not self._stopping:
@@ -109,7 +117,12 @@ class BoundedSpanProcessor(SpanProcessor):
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=1.0)
-        self.force_flush(2_000)
+        if not self.force_flush(2_000):
+            with self._lock:
+                left = len(self._queue)
+                self._queue.clear()
+            self._lost(left)
+            log.warning("span export ran out of time at shutdown: %d spans dropped", left)
         self._exporter.shutdown()
 
 

@@ -19,9 +19,13 @@ class Recorder:
         self.rejected: list[tuple[Lane, str]] = []
         self.batches: list[tuple[Lane, int, int]] = []
         self.dropped: list[tuple[Lane, str]] = []
+        self.waits: list[tuple[Lane, float]] = []
 
-    def on_batch(self, lane: Lane, size: int, capacity: int, waits_s: Sequence[float], run_s: float, ok: bool) -> None:
+    def on_batch(
+        self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
+    ) -> None:
         self.batches.append((lane, size, capacity))
+        self.waits += waits_s
 
     def on_rejected(self, lane: Lane, reason: str) -> None:
         self.rejected.append((lane, reason))
@@ -221,4 +225,19 @@ async def test_a_request_cancelled_as_a_batch_ends_is_counted_once() -> None:
     await settle()
     assert second.cancelled() and runner.batches == [[1]] and batcher.depth(Lane.NORMAL) == 0
     assert recorder.dropped == [(Lane.NORMAL, "cancelled")]
+    await batcher.close(0)
+
+
+async def test_each_request_s_queue_wait_is_reported_under_its_own_lane() -> None:
+    batcher, clock, _, recorder = make()
+    normal = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 10.0))
+    await settle()
+    await clock.advance(10 * MS)  # in its 25 ms window
+    urgent = asyncio.ensure_future(batcher.submit(2, Lane.URGENT, 10.0))
+    await settle()
+    await clock.advance(2 * MS)  # the urgent window closes: the normal request rides along
+    assert (await normal).batch_lane is Lane.URGENT
+    await urgent
+    assert recorder.batches == [(Lane.URGENT, 2, 4)]
+    assert sorted(recorder.waits) == [(Lane.NORMAL, pytest.approx(12 * MS)), (Lane.URGENT, pytest.approx(2 * MS))]
     await batcher.close(0)

@@ -69,3 +69,61 @@ def test_exporters_by_setting() -> None:
     for exporter in (grpc, http):
         assert exporter is not None
         exporter.shutdown()
+
+
+class RefusingExporter(SpanExporter):
+    """A collector that answers, and refuses every batch (a 503, a bad gateway)."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_spans_a_collector_refuses_are_counted_as_dropped() -> None:
+    drops: list[int] = []
+    processor = BoundedSpanProcessor(
+        RefusingExporter(), max_queue=100, batch_size=10, schedule_delay_s=60, on_drop=drops.append
+    )
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    for i in range(30):
+        tracer.start_span(f"span-{i}").end()
+    provider.force_flush()
+    provider.shutdown()
+    assert processor.dropped == 30 and sum(drops) == 30
+
+
+class SlowExporter(SpanExporter):
+    """A collector slower than the shutdown's flush budget (2 s) for every batch."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.exported = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.entered.set()
+        threading.Event().wait(2.5)
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_spans_left_when_shutdown_runs_out_of_time_are_counted_as_dropped() -> None:
+    exporter = SlowExporter()
+    drops: list[int] = []
+    processor = BoundedSpanProcessor(exporter, max_queue=10, batch_size=1, schedule_delay_s=0.01, on_drop=drops.append)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    tracer.start_span("first").end()
+    assert exporter.entered.wait(5)
+    for i in range(5):
+        tracer.start_span(f"span-{i}").end()  # queued behind the slow export
+    processor.shutdown()  # one more batch fits in its flush budget, at most; the rest is lost
+    assert processor.dropped >= 3 and sum(drops) == processor.dropped
+    assert processor.dropped + exporter.exported == 6

@@ -160,3 +160,16 @@ def test_the_os_sees_each_threads_name() -> None:
         assert expected <= os_names()
     finally:
         workers.close()
+
+
+async def test_a_call_runs_in_its_callers_context() -> None:
+    # what a device or decode thread logs carries the request's id (and the batch's trace)
+    from app.telemetry.logging import request_id_var
+
+    workers = WorkerThreads("test", 1)
+    token = request_id_var.set("req-123")
+    try:
+        assert await workers.run(request_id_var.get) == "req-123"
+    finally:
+        request_id_var.reset(token)
+        workers.close()
