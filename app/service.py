@@ -8,6 +8,7 @@ and postprocessing; ``close`` drains the batchers and stops the threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import logging
@@ -69,7 +70,7 @@ def batch_policy(settings: BatchingSettings) -> BatchPolicy:
     return BatchPolicy(lane(settings.urgent), lane(settings.normal), settings.urgent_fill, settings.admission_headroom)
 
 
-@dataclass
+@dataclass(eq=False)
 class ServedModel:
     """A loaded model version with its own batcher."""
 
@@ -129,7 +130,7 @@ class InferenceService:
         self.repository = Repository(settings.model.repository)
         self.groups: dict[str, ModelGroup[ServedModel]] = {}
         self.entries: list[ModelEntry] = []
-        self._lifecycle = asyncio.Lock()  # one load, unload or promotion at a time
+        self._retiring: set[ServedModel] = set()  # unloaded versions whose requests still finish
         self._rng = random.Random()
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
@@ -274,10 +275,26 @@ class InferenceService:
         """Load, check and warm one version, with its own (not yet started) batcher."""
         return await self._load(name, version)
 
-    def forget(self, served: ServedModel) -> None:
-        """An unloaded version's metrics go; its memory goes at ``release_unloaded``, once the
+    async def retire(self, served: ServedModel) -> None:
+        """An unloaded version (out of routing already): its queued and running requests, and
+        those routed to it still on their way, finish within the grace period (a shutdown waits
+        for them too); then its metrics go. Its memory goes at ``release_unloaded``, once the
         caller holds no reference to it."""
-        self.metrics.model_info.remove(served.name, served.version, str(self.device), dtype_name(self.dtype))
+        self._retiring.add(served)
+        try:
+            await served.batcher.close(self.settings.server.shutdown_grace_s)
+        finally:
+            self._retiring.discard(served)
+        group = self.groups.get(served.name)
+        if group is not None and served.version in group.routing.loaded:
+            return  # loaded again while this copy drained: the labels are the new copy's
+        for gauge, labels in (
+            (self.metrics.model_info, (served.name, served.version, str(self.device), dtype_name(self.dtype))),
+            (self.metrics.model_info, (served.name, served.version, "cpu", "float32")),  # after a CPU fallback
+            (self.metrics.model_load, (served.name, served.version)),
+        ):
+            with contextlib.suppress(KeyError):  # never set (a fallback that did not happen)
+                gauge.remove(*labels)
 
     async def release_unloaded(self) -> None:
         """Free what unloaded versions held: the collector (frozen once warm) must look at them
@@ -481,7 +498,8 @@ class InferenceService:
         if self.state is State.READY:
             self.state = State.DRAINING
         started = time.perf_counter()
-        await asyncio.gather(*(served.batcher.close(grace_s) for served in self.all_served()))
+        batchers = [served.batcher for served in (*self.all_served(), *self._retiring)]
+        await asyncio.gather(*(batcher.close(grace_s) for batcher in batchers))
         log.info("drained in %.2fs", time.perf_counter() - started)
 
     async def close(self, grace_s: float | None) -> None:

@@ -221,11 +221,20 @@ class DualWindowBatcher(Generic[P, R]):
             return self._running[Lane.URGENT] < self._urgent_in_flight
         return len(self._in_flight) < self._max_in_flight
 
+    def _seats_held(self) -> bool:
+        return self._reserved[Lane.URGENT] > 0 or self._reserved[Lane.NORMAL] > 0
+
     def _ahead(self, lane: Lane) -> int:
         return self._queues[lane].waiting + self._reserved[lane]
 
     def admit(
-        self, lane: Lane, timeout_s: float, reserve: bool = False, upstream_s: float = 0.0, predict: bool = True
+        self,
+        lane: Lane,
+        timeout_s: float,
+        reserve: bool = False,
+        upstream_s: float = 0.0,
+        predict: bool = True,
+        seated: bool = False,
     ) -> None:
         """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach.
 
@@ -234,9 +243,10 @@ class DualWindowBatcher(Generic[P, R]):
         and in the wait predicted for those behind it, so a backlog upstream of the queue
         cannot slip past admission. ``upstream_s`` is how long the request is expected to take
         to reach the queue (its image waiting to be decoded behind others'): the predicted wait
-        is the longer of the two stages, since they run side by side.
+        is the longer of the two stages, since they run side by side. ``seated``: it holds a seat
+        already, taken before closing began: it is still taken while the batcher runs.
         """
-        if not self._accepting:
+        if not self._accepting and not (seated and self.running):
             raise Draining("the service is shutting down")
         if timeout_s <= 0:
             self._observer.on_rejected(lane, "deadline_exceeded")
@@ -260,6 +270,8 @@ class DualWindowBatcher(Generic[P, R]):
     def release(self, lane: Lane) -> None:
         """A seat ``admit(reserve=True)`` held is free again (the request is submitted, or failed)."""
         self._reserved[lane] -= 1
+        if not self._accepting:
+            self._wakeup.set()  # closing: the dispatcher ends once no seat is held either
 
     @property
     def running(self) -> bool:
@@ -289,7 +301,7 @@ class DualWindowBatcher(Generic[P, R]):
         and it is given its chance; past its deadline it still leaves uncomputed).
         Cancelling the caller cancels the request: it leaves the queue uncomputed.
         """
-        self.admit(lane, timeout_s, predict=not admitted)
+        self.admit(lane, timeout_s, predict=not admitted, seated=admitted)
         queue = self._queues[lane]
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
@@ -333,8 +345,8 @@ class DualWindowBatcher(Generic[P, R]):
                 if plan is not None and self._may_start(plan.lane):
                     self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
                     continue
-                if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0:
-                    break
+                if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0 and not self._seats_held():
+                    break  # nothing queued, and nothing admitted still on its way (a body, a decode)
                 urgent_free = self._may_start(Lane.URGENT)
                 if plan is None:  # with the urgent threads busy, only the normal lane's window can wake it
                     wake = next_wakeup(u_state if urgent_free else LaneState(), n_state, policy)

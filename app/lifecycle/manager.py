@@ -58,8 +58,7 @@ class LifecycleManager:
         """Load (checksums, self-check, warm-up) and make ``version`` routable; the default is unchanged."""
         async with self._lock:
             group = self._group(name)
-            if not is_valid_version(version) or version not in await self._known_versions(group):
-                raise NotFound(f"model {name} has no version {version!r}", code="version_not_found")
+            await self._known(group, version)
             if version in group.routing.loaded:
                 return group.routing.loaded[version]
             try:
@@ -68,6 +67,11 @@ class LifecycleManager:
                 raise Conflict(
                     f"version {version} of {name} was refused at load: {exc}", code="model_load_failed"
                 ) from exc
+            if not self._service.ready:  # the drain began while it loaded: it would never be closed
+                await self._service.retire(served)
+                del served
+                await self._service.release_unloaded()
+                raise Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
             served.batcher.start()
             group.routing = group.routing.with_loaded(version, served)
             log.info("loaded %s/%s", name, version, extra={"model": name, "version": version})
@@ -84,8 +88,7 @@ class LifecycleManager:
                 group.routing = group.routing.without(version)
             except ValueError as exc:
                 raise Conflict(str(exc)) from exc
-        await served.batcher.close(self._service.settings.server.shutdown_grace_s)
-        self._service.forget(served)
+        await self._service.retire(served)
         del served  # the last reference here: what it held can be collected now
         await self._service.release_unloaded()
         log.info("unloaded %s/%s", name, version, extra={"model": name, "version": version})
@@ -95,21 +98,32 @@ class LifecycleManager:
         async with self._lock:
             group = self._group(name)
             if version not in group.routing.loaded:
+                await self._known(group, version)
                 raise Conflict(f"version {version} of {name} is not loaded; load it first")
             current = group.routing.default
             if version == current:
                 return []
-            repository = self._service.repository
-            candidate, default = await asyncio.gather(
-                asyncio.to_thread(repository.manifest, name, version),
-                asyncio.to_thread(repository.manifest, name, current),
-            )
+            candidate, default = await asyncio.gather(self._manifest(group, version), self._manifest(group, current))
             reasons = self.gate(candidate, default)
             if reasons and not force:
                 raise Conflict("promotion refused: " + " ".join(reasons), code="promotion_refused")
             group.routing = group.routing.promoted(version)
             log.info("promoted %s/%s (was %s)%s", name, version, current, " by force" if reasons else "")
             return reasons
+
+    async def _known(self, group: ModelGroup[ServedModel], version: str) -> None:
+        """404 ``version_not_found`` unless the repository has ``version``."""
+        if not is_valid_version(version) or version not in await self._known_versions(group):
+            raise NotFound(f"model {group.name} has no version {version!r}", code="version_not_found")
+
+    async def _manifest(self, group: ModelGroup[ServedModel], version: str) -> Manifest:
+        """A loaded version's manifest as on disk now (``ai-backend eval`` records accuracy there);
+        the one it was loaded with when the file cannot be read any more."""
+        try:
+            return await asyncio.to_thread(self._service.repository.manifest, group.name, version)
+        except (OSError, ValueError) as exc:
+            log.warning("manifest of %s/%s unreadable (%s): gating on the one loaded", group.name, version, exc)
+            return group.routing.loaded[version].model.manifest
 
     def gate(self, candidate: Manifest, current: Manifest | None) -> list[str]:
         settings = self._service.settings.model
@@ -131,6 +145,9 @@ class LifecycleManager:
         """Send these shares of unpinned traffic to these loaded versions; the rest to the default."""
         async with self._lock:
             group = self._group(name)
+            for version in weights:
+                if version not in group.routing.loaded:
+                    await self._known(group, version)  # else 409 from the routing: load it first
             try:
                 group.routing = group.routing.with_canary(weights)
             except ValueError as exc:

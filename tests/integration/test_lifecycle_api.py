@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from app.errors import ServiceError
 from app.settings import Settings
 from tests.support import build_settings, running_app, sample_png, truncate_file
 
@@ -116,9 +117,11 @@ async def test_the_canary_split_stays_within_statistical_bounds(repository: Path
         off = await running.client.put("/admin/models/digits/canary", headers=AUTH, json={"weights": {}})
         assert off.status_code == 200
         assert {(await running.predict_png(sample_png(1))).json()["version"] for _ in range(20)} == {"1"}
-        for bad in ({"1": 0.5}, {"7": 0.1}, {"2": 1.5}):
+        for bad, status in (({"1": 0.5}, 409), ({"7": 0.1}, 404), ({"2": 1.5}, 422)):
             refused = await running.client.put("/admin/models/digits/canary", headers=AUTH, json={"weights": bad})
-            assert refused.status_code in (409, 422), (bad, refused.text)
+            assert refused.status_code == status, (bad, refused.text)
+        promoted = await running.client.post("/admin/models/digits/versions/7/promote", headers=AUTH)
+        assert promoted.status_code == 404 and promoted.json()["code"] == "version_not_found", "not in the repository"
 
 
 async def test_a_version_added_while_serving_can_be_loaded_and_a_corrupt_one_is_refused(repository: Path) -> None:
@@ -213,3 +216,112 @@ async def test_a_degraded_version_is_refused_by_its_measured_accuracy_and_rollba
         assert rolled.status_code == 200 and rolled.json()["loaded_version"] == "1"
         restored = await answers()  # equal up to batch-size rounding
         assert [x for row in restored for x in row] == pytest.approx([x for row in before for x in row], abs=1e-5)
+
+
+async def test_a_request_routed_to_a_version_is_answered_though_the_version_is_unloaded_meanwhile(
+    repository: Path,
+) -> None:
+    async with running_app(settings_for(repository)) as running:
+        body_may_finish = asyncio.Event()
+        png = sample_png(4)
+
+        async def slow_body():  # type: ignore[no-untyped-def]  # still uploading when the unload comes
+            yield png[:10]
+            await body_may_finish.wait()
+            yield png[10:]
+
+        headers = {"Content-Type": "image/png", "X-Model-Version": "2", "X-Request-Timeout": "20000"}
+        request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
+        batcher = running.service.groups["digits"].routing.loaded["2"].batcher
+        async with asyncio.timeout(10):
+            while sum(batcher._reserved.values()) == 0:  # noqa: ASYNC110 (routed to v2, its seat held)
+                await asyncio.sleep(0.005)
+        unload = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH))
+        async with asyncio.timeout(10):
+            while "2" in running.service.groups["digits"].routing.loaded:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        body_may_finish.set()
+        response = await request
+        assert response.status_code == 200 and response.json()["version"] == "2", response.text
+        assert (await unload).status_code == 200, "the unload waited for it, then ended"
+        assert not batcher.running
+
+
+async def test_a_version_whose_load_ends_after_the_drain_began_is_not_served(repository: Path) -> None:
+    async with running_app(settings_for(repository)) as running:
+        add_version(repository, "3")
+        service = running.service
+        loaded, release = asyncio.Event(), asyncio.Event()
+        original = service.load_version
+
+        async def slow_load(name: str, version: str):  # type: ignore[no-untyped-def]  # SIGTERM comes meanwhile
+            served = await original(name, version)
+            loaded.set()
+            await release.wait()
+            return served
+
+        service.load_version = slow_load  # type: ignore[method-assign]
+        load = asyncio.ensure_future(running.app.state.lifecycle.load("digits", "3"))
+        await asyncio.wait_for(loaded.wait(), 30)
+        await service.drain(5.0)
+        release.set()
+        with pytest.raises(ServiceError) as refused:
+            await load
+        assert refused.value.status == 503
+        assert [s.version for s in service.all_served() if s.batcher.running] == []
+        assert 'version="3"' not in (await running.client.get("/metrics")).text
+
+
+async def test_unloading_during_shutdown_lets_that_versions_requests_finish(repository: Path) -> None:
+    async with running_app(settings_for(repository)) as running:
+        service = running.service
+        served = service.groups["digits"].routing.loaded["2"]
+        runner = served.batcher._runner
+
+        async def slow_runner(payloads):  # type: ignore[no-untyped-def]  # v2's queue takes a while
+            await asyncio.sleep(0.5)
+            return await runner(payloads)
+
+        served.batcher._runner = slow_runner  # type: ignore[assignment]
+        headers = {"X-Model-Version": "2", "X-Request-Timeout": "20000"}
+        requests = [asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(40)]
+        async with asyncio.timeout(10):
+            while served.batcher.batches < 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        unload = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH))
+        async with asyncio.timeout(10):
+            while "2" in service.groups["digits"].routing.loaded:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        await service.close(5.0)  # SIGTERM while v2 drains: the device thread stops only after it
+        responses = await asyncio.gather(*requests)
+        assert (await unload).status_code == 200
+        assert {r.status_code for r in responses} == {200}, [r.json() for r in responses if r.status_code != 200][:2]
+
+
+async def test_reloading_a_version_while_its_last_copy_drains_keeps_its_model_info(repository: Path) -> None:
+    async with running_app(settings_for(repository)) as running:
+        served = running.service.groups["digits"].routing.loaded["2"]
+        release = asyncio.Event()
+        close = served.batcher.close
+
+        async def slow_close(grace_s: float | None = None) -> None:  # its queue takes a while to drain
+            await release.wait()
+            await close(grace_s)
+
+        served.batcher.close = slow_close  # type: ignore[method-assign]
+        unload = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH))
+        async with asyncio.timeout(10):
+            while "2" in running.service.groups["digits"].routing.loaded:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        assert (await running.client.post("/admin/models/digits/versions/2/load", headers=AUTH)).status_code == 200
+        release.set()
+        assert (await unload).status_code == 200
+        info = [line for line in (await running.client.get("/metrics")).text.splitlines() if "model_info{" in line]
+        assert any('version="2"' in line for line in info), info
+
+
+async def test_promotion_gates_on_the_loaded_manifest_when_the_file_is_gone(repository: Path) -> None:
+    async with running_app(settings_for(repository)) as running:
+        (repository / "digits" / "1" / "manifest.json").unlink()  # the default's folder changed under it
+        promoted = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
+        assert promoted.status_code == 200, promoted.text
