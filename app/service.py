@@ -349,7 +349,11 @@ class InferenceService:
             fallback = LayeredModel.load(folder, manifest, torch.device("cpu"), torch.float32)
             fallback.load_all_heads()
             fallback.self_check()
+            served_from = (str(self.device), dtype_name(self.dtype))
             self.metrics.model_info.labels(name, version, "cpu", "float32").set(1)
+            if served_from != ("cpu", "float32"):  # it no longer serves from the device
+                with contextlib.suppress(KeyError):
+                    self.metrics.model_info.remove(name, version, *served_from)
             return fallback
 
         runner = ModelRunner(

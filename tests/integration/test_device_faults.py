@@ -85,6 +85,10 @@ async def test_a_lost_device_falls_back_and_lets_the_failed_model_go(make_settin
         assert (await running.client.get("/healthz")).json()["status"] == "degraded"
         # nothing keeps the failed model (on a GPU: its weights, in device memory) alive
         assert failed() is None
+        metrics = (await running.client.get("/metrics")).text
+        assert [line for line in metrics.splitlines() if line.startswith("ai_backend_model_info{")] == [
+            'ai_backend_model_info{device="cpu",dtype="float32",model="digits",version="1"} 1.0'
+        ], "one series for the version, where it serves from now"
 
 
 async def test_healthz_reads_the_host_memory_once_every_model_fell_back(
@@ -123,3 +127,23 @@ async def test_shutdown_frees_the_models_before_it_releases_the_device_cache(
         monkeypatch.setattr("app.service.release_memory", lambda device: alive_at_release.append(model() is not None))
         monkeypatch.setattr(running.service, "device", torch.device("cuda"))
     assert alive_at_release == [False], "the cache was emptied while the models still held their blocks"
+
+
+async def test_after_the_fallback_model_info_says_the_cpu_only(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = make_settings(model={"cpu_fallback": True, "fallback_after_failures": 1})
+    async with running_app(settings) as running:
+        service, info = running.service, running.app.state.metrics.model_info
+        monkeypatch.setattr(service, "device", torch.device("cuda"))  # as served from a GPU in fp16
+        monkeypatch.setattr(service, "dtype", torch.float16)
+        info.remove(MODEL_NAME, "1", "cpu", "float32")
+        info.labels(MODEL_NAME, "1", "cuda", "float16").set(1)
+        monkeypatch.setattr("app.service.memory", lambda device: Memory(8 << 30, 16 << 30))
+        served = service.models[MODEL_NAME]
+        served.runner.model = DeviceLost(served.model)  # type: ignore[assignment]
+        assert (await running.predict_png(sample_png(2))).status_code == 200
+        metrics = (await running.client.get("/metrics")).text
+        assert [line for line in metrics.splitlines() if line.startswith("ai_backend_model_info{")] == [
+            'ai_backend_model_info{device="cpu",dtype="float32",model="digits",version="1"} 1.0'
+        ]
