@@ -30,12 +30,22 @@ class StuckExporter(SpanExporter):
         self.release.set()
 
 
-def test_a_stuck_exporter_fills_the_bounded_queue_and_drops_are_counted() -> None:
-    exporter = StuckExporter()
+def pipeline(
+    exporter: SpanExporter, max_queue: int = 10, batch_size: int = 1, delay_s: float = 0.01
+) -> tuple[BoundedSpanProcessor, TracerProvider, list[int]]:
+    """A provider exporting through the bounded processor, and the drops it reported."""
     drops: list[int] = []
-    processor = BoundedSpanProcessor(exporter, max_queue=10, batch_size=1, schedule_delay_s=0.01, on_drop=drops.append)
+    processor = BoundedSpanProcessor(
+        exporter, max_queue=max_queue, batch_size=batch_size, schedule_delay_s=delay_s, on_drop=drops.append
+    )
     provider = TracerProvider()
     provider.add_span_processor(processor)
+    return processor, provider, drops
+
+
+def test_a_stuck_exporter_fills_the_bounded_queue_and_drops_are_counted() -> None:
+    exporter = StuckExporter()
+    processor, provider, drops = pipeline(exporter)
     tracer = provider.get_tracer("test")
     tracer.start_span("first").end()
     assert exporter.entered.wait(5), "the export thread took the first span and is now stuck"
@@ -82,12 +92,7 @@ class RefusingExporter(SpanExporter):
 
 
 def test_spans_a_collector_refuses_are_counted_as_dropped() -> None:
-    drops: list[int] = []
-    processor = BoundedSpanProcessor(
-        RefusingExporter(), max_queue=100, batch_size=10, schedule_delay_s=60, on_drop=drops.append
-    )
-    provider = TracerProvider()
-    provider.add_span_processor(processor)
+    processor, provider, drops = pipeline(RefusingExporter(), max_queue=100, batch_size=10, delay_s=60)
     tracer = provider.get_tracer("test")
     for i in range(30):
         tracer.start_span(f"span-{i}").end()
@@ -115,10 +120,7 @@ class SlowExporter(SpanExporter):
 
 def test_spans_left_when_shutdown_runs_out_of_time_are_counted_as_dropped() -> None:
     exporter = SlowExporter()
-    drops: list[int] = []
-    processor = BoundedSpanProcessor(exporter, max_queue=10, batch_size=1, schedule_delay_s=0.01, on_drop=drops.append)
-    provider = TracerProvider()
-    provider.add_span_processor(processor)
+    processor, provider, drops = pipeline(exporter)
     tracer = provider.get_tracer("test")
     tracer.start_span("first").end()
     assert exporter.entered.wait(5)
