@@ -24,7 +24,7 @@ from opentelemetry.trace import Link, Status, StatusCode
 from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.deadline import within
-from app.errors import DeadlineExceeded, Draining, NotFound, NotReady
+from app.errors import DeadlineExceeded, DeviceUnavailable, Draining, NotFound, NotReady
 from app.inference import preprocess
 from app.inference.device import (
     DeviceThread,
@@ -458,8 +458,8 @@ class InferenceService:
             raise
         dispatched_ns = time.time_ns() - int(done.run_s * 1e9)
         queue_span.end(end_time=dispatched_ns)
-        batch = done.output.batch_span
-        self.tracer.start_span(
+        batch, top = done.output.batch_span, done.output.top
+        inference = self.tracer.start_span(
             "inference",
             start_time=dispatched_ns,
             links=[Link(batch)] if batch.is_valid else None,
@@ -469,11 +469,19 @@ class InferenceService:
                 "batch.lane": done.batch_lane.value,
                 "batch.trace_id": format(batch.trace_id, "032x"),  # Jaeger: search the batch's trace
             },
-        ).end()
-        if done.output.top is None:  # counted where it was left out
-            raise DeadlineExceeded("the request's deadline passed while its batch waited for the device")
+        )
+        if top is None or isinstance(top, DeviceUnavailable):  # None: left out at the device (counted there)
+            error = (
+                DeadlineExceeded("the request's deadline passed while its batch waited for the device")
+                if top is None
+                else top
+            )
+            inference.set_status(Status(StatusCode.ERROR, f"{error.code}: {error}"))
+            inference.end()
+            raise error
+        inference.end()
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
-            predictions = label(done.output.top, served.labels, top_k)
+            predictions = label(top, served.labels, top_k)
         return Outcome(
             served.name,
             served.version,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -56,3 +57,34 @@ class DeviceLost(Faulty):
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
         self.sizes.append(len(images))
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+
+class Unfit(Faulty):
+    """Out of memory for any batch that holds an image ``unfit`` picks, down to that image
+    alone: one request too big for the device among others that fit."""
+
+    def __init__(self, inner: LayeredModel, unfit: Callable[[torch.Tensor], bool]) -> None:
+        super().__init__(inner)
+        self.unfit = unfit
+
+    def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+        self.sizes.append(len(images))
+        if any(self.unfit(image) for image in images):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected: an image that does not fit)")
+        return self.inner.probabilities(images, head)
+
+
+class LostAfter(Faulty):
+    """A device that computes ``batches`` batches, then loses its context for good."""
+
+    def __init__(self, inner: LayeredModel, batches: int, fail_at: int = 10**9) -> None:
+        super().__init__(inner, fail_at=fail_at)
+        self.left = batches
+
+    def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+        if len(images) < self.fail_at and self.left <= 0:
+            self.sizes.append(len(images))
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        answer = super().probabilities(images, head)
+        self.left -= 1
+        return answer

@@ -6,6 +6,8 @@ still does not fit, or a device that fails outright (a CUDA error: the context i
 good), is a device failure. After ``fallback_after`` consecutive failures, a configured
 fallback (the model in fp32 on the CPU) takes over for good, and the service reports itself
 degraded; without one, or if it cannot load, each failure is a 503 ``device_unavailable``.
+The images a failure leaves uncomputed get that error; those the device had answered keep
+their answers (a batch fails as a whole only when nothing in it was computed).
 
 Before every attempt, the first and each retry, the images whose request has gone (deadline
 passed, client disconnected) are left out. A failed attempt's tensors are let go before the
@@ -93,10 +95,11 @@ class ModelRunner:
         deadlines: Sequence[float] | None = None,
         urgent: bool = False,
         gone: Callable[[int], bool] | None = None,
-    ) -> list[TopK | None]:
+    ) -> list[TopK | DeviceUnavailable | None]:
         """Answers in order; ``None`` for an image whose request went before its batch reached
         the device, or before a retry: past its deadline (``time.monotonic()``), or ``gone(i)``
-        (its client disconnected). It is not computed. Urgent batches go first."""
+        (its client disconnected). It is not computed. The error for an image the device could
+        not compute while it computed others. Urgent batches go first."""
         batch = list(images)
         return await self._device.run(lambda: self.run_sync(batch, deadlines, gone), urgent=urgent)
 
@@ -105,30 +108,39 @@ class ModelRunner:
         images: list[torch.Tensor],
         deadlines: Sequence[float] | None = None,
         gone: Callable[[int], bool] | None = None,
-    ) -> list[TopK | None]:
-        """Blocking: the live images on the device (split on out-of-memory), answers on the host."""
-        answers: list[TopK | None] = [None] * len(images)
-        live = _Live(images, deadlines, gone)
-        try:
-            self._compute(live, range(len(images)), answers)
-        except DeviceUnavailable:
-            self.failures += 1
-            if self._fallback is None or self.failures < self._fallback_after:
-                raise
-        else:
-            self.failures = 0
-            return answers
-        self._fall_back()  # outside the handler: the failed model is no longer referenced from it
-        self._compute(live, range(len(images)), answers)
-        self.failures = 0
-        return answers
+    ) -> list[TopK | DeviceUnavailable | None]:
+        """Blocking: the live images on the device (split on out-of-memory), answers on the host.
 
-    def _compute(self, live: _Live, indices: Sequence[int], answers: list[TopK | None]) -> None:
-        wanted = live.now(indices)
+        Raises ``DeviceUnavailable`` when the device computed none of them; otherwise an image
+        it could not compute has the error in its place."""
+        batch = _Batch(images, deadlines, gone)
+        self._compute(batch, range(len(images)))
+        if not batch.failed:
+            self.failures = 0
+            return batch.answers
+        self.failures += 1
+        if self._fallback is not None and self.failures >= self._fallback_after:
+            self._fall_back(batch)  # outside any handler: the failed model is no longer referenced from one
+            if not batch.failed:
+                self.failures = 0
+                return batch.answers
+        error = DeviceUnavailable(batch.reason)
+        if not batch.computed:
+            raise error
+        for i in batch.failed:
+            batch.answers[i] = error
+        return batch.answers
+
+    def _compute(self, batch: _Batch, indices: Sequence[int]) -> None:
+        """Computes what is still wanted of ``indices``; what the device cannot, it marks failed."""
+        wanted = batch.now(indices)
         if not wanted:
             return
+        if batch.lost:  # a device error earlier in this batch: the context is gone
+            batch.fail(wanted, Fault.DEVICE)
+            return
         try:
-            computed = self._forward([live.images[i] for i in wanted])
+            computed = self._forward([batch.images[i] for i in wanted])
         except Exception as exc:
             fault = device_fault(exc)
             if fault is None:
@@ -136,18 +148,18 @@ class ModelRunner:
             log.warning("%s at batch %d: %s", fault.value, len(wanted), _summary(exc))
         else:
             for i, top in zip(wanted, computed, strict=True):
-                answers[i] = top
+                batch.answers[i] = top
+            batch.computed += len(wanted)
             return
         # past the handler: the failed attempt's frames, and the tensors they held, are gone
         release_memory(self.model.device)
-        if fault is Fault.DEVICE:
-            raise DeviceUnavailable("the device failed")
-        if len(wanted) == 1:
-            raise DeviceUnavailable("the device is out of memory even for one image")
+        if fault is Fault.DEVICE or len(wanted) == 1:
+            batch.fail(wanted, fault)
+            return
         self._on_pressure(len(wanted))
         half = len(wanted) // 2
-        self._compute(live, wanted[:half], answers)
-        self._compute(live, wanted[half:], answers)
+        self._compute(batch, wanted[:half])
+        self._compute(batch, wanted[half:])
 
     def _forward(self, images: list[torch.Tensor]) -> list[TopK]:
         with torch.inference_mode():
@@ -156,7 +168,8 @@ class ModelRunner:
             values, indices = values.cpu(), indices.cpu()
         return [TopK(tuple(v), tuple(i)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
 
-    def _fall_back(self) -> None:
+    def _fall_back(self, batch: _Batch) -> None:
+        """The CPU fallback takes over for good, and computes what the device could not."""
         assert self._fallback is not None
         log.error("the device failed %d batches in a row: serving from the CPU fallback", self.failures)
         try:
@@ -165,26 +178,43 @@ class ModelRunner:
             # it would fail the same way again, seconds on the device thread for every batch
             log.exception("the CPU fallback did not load: the model stays unavailable")
             self._fallback = None
-            raise DeviceUnavailable("the device failed, and the CPU fallback could not load") from None
+            batch.reason = "the device failed, and the CPU fallback could not load"
+            return
         failed, self.model = self.model, fallback
         device = failed.device
         self.degraded = True
         del failed  # nothing else holds it (the service reads the runner's model)
         release_memory(device)
+        self._compute(batch, batch.retry())
 
 
-class _Live:
-    """The images of one batch, and which of them are still wanted."""
+class _Batch:
+    """One batch's images, which of them are still wanted, and how far the device got."""
 
     def __init__(
         self, images: list[torch.Tensor], deadlines: Sequence[float] | None, gone: Callable[[int], bool] | None
     ) -> None:
         self.images, self._deadlines, self._gone = images, deadlines, gone
+        self.answers: list[TopK | DeviceUnavailable | None] = [None] * len(images)
+        self.computed = 0
+        self.failed: list[int] = []
+        self.lost = False  # a device error: nothing more runs on this device in this batch
+        self.reason = ""
 
     def now(self, indices: Sequence[int]) -> list[int]:
         now = time.monotonic()
         deadlines, gone = self._deadlines, self._gone
         return [i for i in indices if (deadlines is None or deadlines[i] > now) and (gone is None or not gone(i))]
+
+    def fail(self, indices: Sequence[int], fault: Fault) -> None:
+        self.failed.extend(indices)
+        self.lost = self.lost or fault is Fault.DEVICE
+        self.reason = "the device failed" if self.lost else "the device is out of memory even for one image"
+
+    def retry(self) -> list[int]:
+        """The failed images, to try on another device: none has failed there yet."""
+        failed, self.failed, self.lost = self.failed, [], False
+        return failed
 
 
 def _summary(exc: BaseException) -> str:

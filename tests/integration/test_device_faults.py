@@ -7,11 +7,12 @@ import weakref
 
 import pytest
 import torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from app.inference.device import Memory
 from app.inference.loader import LayeredModel
 from tests.conftest import SettingsFactory
-from tests.faults import DeviceLost, Faulty
+from tests.faults import DeviceLost, Faulty, Unfit
 from tests.support import MODEL_NAME, running_app, sample_png, top_label
 
 
@@ -147,3 +148,29 @@ async def test_after_the_fallback_model_info_says_the_cpu_only(
         assert [line for line in metrics.splitlines() if line.startswith("ai_backend_model_info{")] == [
             'ai_backend_model_info{device="cpu",dtype="float32",model="digits",version="1"} 1.0'
         ]
+
+
+async def test_a_request_too_big_for_the_device_fails_alone(make_settings: SettingsFactory) -> None:
+    normal = {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 64}
+    settings = make_settings(batching={"normal": normal, "admission_headroom": 1.0}, telemetry={"exporter": "console"})
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        served = running.service.models[MODEL_NAME]
+        inner = served.model
+        seven = served.labels.index("7")
+        unfit = Unfit(inner, lambda image: int(inner.probabilities(image[None]).argmax()) == seven)
+        served.runner.model = unfit  # type: ignore[assignment]
+        responses = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in (1, 7, 3, 4)))
+        assert [r.status_code for r in responses] == [200, 503, 200, 200]
+        assert [top_label(r.json()) for r in responses if r.status_code == 200] == ["1", "3", "4"]
+        refused = responses[1]
+        assert refused.json()["code"] == "device_unavailable" and refused.headers["Retry-After"]
+        assert {r.json()["batch_size"] for r in responses if r.status_code == 200} == {4}
+        assert sorted(unfit.sizes) == [1, 1, 2, 2, 4]  # which half holds the 7 is the decode order's
+        running.app.state.tracer_provider.force_flush()
+    spans = exporter.get_finished_spans()
+    failed = [s for s in spans if s.name == "inference" and s.status.status_code.name == "ERROR"]
+    assert [s.attributes["request.id"] for s in failed] == [refused.json()["request_id"]]
+    assert "device_unavailable" in (failed[0].status.description or "")
+    (batch,) = [s for s in spans if s.name == "batch" and s.attributes["batch.size"] == 4]
+    assert batch.status.status_code.name == "ERROR" and batch.status.description == "the device failed 1 of 4 images"

@@ -18,7 +18,7 @@ from app.inference.device import DeviceThread
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.manifest import Manifest
 from app.inference.runner import Fault, ModelRunner, device_fault
-from tests.faults import DeviceLost, Faulty, out_of_memory_in_graph
+from tests.faults import DeviceLost, Faulty, LostAfter, Unfit, out_of_memory_in_graph
 
 DIGITS = Path(__file__).resolve().parents[2] / "models" / "digits" / "1"
 
@@ -229,3 +229,46 @@ def test_device_faults_are_told_from_other_errors() -> None:
         assert device_fault(torch.AcceleratorError("device-side assert triggered")) is Fault.DEVICE
     assert device_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert device_fault(ValueError("out of memory")) is None
+
+
+def test_an_image_that_never_fits_fails_alone_and_the_others_are_answered(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    batch = images(model, 4)
+    batch[2] = batch[2] + 1.0  # unlike the others
+    unfit = Unfit(model, lambda image: bool(torch.equal(image, batch[2])))
+    runner = ModelRunner(unfit, device, top_k=3)
+    answers = runner.run_sync(batch)
+    expected = ModelRunner(model, device, top_k=3).run_sync(batch)
+    assert isinstance(answers[2], DeviceUnavailable) and "one image" in str(answers[2])
+    for i in (0, 1, 3):
+        assert answers[i].indices == expected[i].indices
+    assert unfit.sizes == [4, 2, 2, 1, 1]
+    assert runner.failures == 1, "an image the device cannot hold is a device failure"
+
+
+def test_a_device_lost_mid_batch_keeps_what_it_computed(model: LayeredModel, device: DeviceThread) -> None:
+    # out of memory at 4, the first half computes, then the context is gone for the second
+    lost = LostAfter(model, batches=1, fail_at=4)
+    runner = ModelRunner(lost, device, top_k=3)
+    answers = runner.run_sync(images(model, 4))
+    assert [type(a).__name__ for a in answers] == ["TopK", "TopK", "DeviceUnavailable", "DeviceUnavailable"]
+    assert lost.sizes == [4, 2, 2], "nothing more runs on a lost device: the second half is not split"
+    assert runner.failures == 1
+
+
+def test_the_fallback_computes_only_what_the_device_could_not(model: LayeredModel, device: DeviceThread) -> None:
+    lost = LostAfter(model, batches=1, fail_at=4)
+    computed: list[int] = []
+
+    class Counting(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            computed.append(len(images))
+            return super().probabilities(images, head)
+
+    runner = ModelRunner(lost, device, top_k=3, fallback=lambda: Counting(model), fallback_after=1)  # type: ignore[arg-type,return-value]
+    batch = images(model, 4)
+    answers = runner.run_sync(batch)
+    expected = ModelRunner(model, device, top_k=3).run_sync(batch)
+    assert [a.indices for a in answers] == [e.indices for e in expected]
+    assert computed == [2] and runner.degraded and runner.failures == 0
