@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -51,7 +52,8 @@ def device_fault(exc: BaseException) -> Fault | None:
 
     TorchScript re-raises an error from inside a graph as a plain ``RuntimeError`` carrying
     the original message, so CUDA's out-of-memory error from the scripted backbone is known
-    by its text; a CUDA error (illegal address, launch failure, ECC) leaves the context unusable.
+    by its text, as is the CPU allocator's (a plain ``RuntimeError`` everywhere). A CUDA
+    error (illegal address, launch failure, ECC) leaves the context unusable.
     """
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return Fault.MEMORY
@@ -60,7 +62,7 @@ def device_fault(exc: BaseException) -> Fault | None:
     if isinstance(exc, getattr(torch, "AcceleratorError", ())):
         return Fault.DEVICE
     text = str(exc)
-    if "out of memory" in text:
+    if "out of memory" in text or "can't allocate memory" in text:  # the latter: the CPU's allocator
         return Fault.MEMORY
     if "CUDA error" in text:
         return Fault.DEVICE
@@ -88,6 +90,8 @@ class ModelRunner:
         self._fallback_after = fallback_after
         self.failures = 0  # consecutive device failures
         self.degraded = False
+        self._failing = threading.Lock()
+        self._generation = 0  # which model: one more each time the fallback takes over
 
     async def __call__(
         self,
@@ -114,13 +118,19 @@ class ModelRunner:
         Raises ``DeviceUnavailable`` when the device computed none of them; otherwise an image
         it could not compute has the error in its place."""
         batch = _Batch(images, deadlines, gone)
-        self._compute(batch, range(len(images)))
+        generation = self._generation
+        self._compute(batch, range(len(images)), self.model)
         if not batch.failed:
             self.failures = 0
             return batch.answers
-        self.failures += 1
-        if self._fallback is not None and self.failures >= self._fallback_after:
-            self._fall_back(batch)  # outside any handler: the failed model is no longer referenced from one
+        # several device threads may share this runner: one counts at a time, one falls back
+        with self._failing:
+            if self._generation != generation:  # another batch's failure brought the fallback meanwhile
+                self._compute(batch, batch.retry(), self.model)
+            else:
+                self.failures += 1
+                if self._fallback is not None and self.failures >= self._fallback_after:
+                    self._fall_back(batch)  # outside any handler: the failed model is not referenced from one
             if not batch.failed:
                 self.failures = 0
                 return batch.answers
@@ -131,7 +141,7 @@ class ModelRunner:
             batch.answers[i] = error
         return batch.answers
 
-    def _compute(self, batch: _Batch, indices: Sequence[int]) -> None:
+    def _compute(self, batch: _Batch, indices: Sequence[int], model: Model) -> None:
         """Computes what is still wanted of ``indices``; what the device cannot, it marks failed."""
         wanted = batch.now(indices)
         if not wanted:
@@ -140,7 +150,7 @@ class ModelRunner:
             batch.fail(wanted, Fault.DEVICE)
             return
         try:
-            computed = self._forward([batch.images[i] for i in wanted])
+            computed = self._forward(model, [batch.images[i] for i in wanted])
         except Exception as exc:
             fault = device_fault(exc)
             if fault is None:
@@ -152,18 +162,18 @@ class ModelRunner:
             batch.computed += len(wanted)
             return
         # past the handler: the failed attempt's frames, and the tensors they held, are gone
-        release_memory(self.model.device)
+        release_memory(model.device)
         if fault is Fault.DEVICE or len(wanted) == 1:
             batch.fail(wanted, fault)
             return
         self._on_pressure(len(wanted))
         half = len(wanted) // 2
-        self._compute(batch, wanted[:half])
-        self._compute(batch, wanted[half:])
+        self._compute(batch, wanted[:half], model)
+        self._compute(batch, wanted[half:], model)
 
-    def _forward(self, images: list[torch.Tensor]) -> list[TopK]:
+    def _forward(self, model: Model, images: list[torch.Tensor]) -> list[TopK]:
         with torch.inference_mode():
-            probabilities = self.model.probabilities(torch.stack(images))
+            probabilities = model.probabilities(torch.stack(images))
             values, indices = probabilities.topk(self._k, dim=1)
             values, indices = values.cpu(), indices.cpu()
         return [TopK(tuple(v), tuple(i)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
@@ -181,11 +191,12 @@ class ModelRunner:
             batch.reason = "the device failed, and the CPU fallback could not load"
             return
         failed, self.model = self.model, fallback
+        self._generation += 1
         device = failed.device
         self.degraded = True
         del failed  # nothing else holds it (the service reads the runner's model)
         release_memory(device)
-        self._compute(batch, batch.retry())
+        self._compute(batch, batch.retry(), fallback)
 
 
 class _Batch:
@@ -220,4 +231,5 @@ class _Batch:
 def _summary(exc: BaseException) -> str:
     """The line of a device error that says what happened (TorchScript's start with its own)."""
     lines = str(exc).splitlines() or [type(exc).__name__]
-    return next((line.strip() for line in lines if "out of memory" in line or "CUDA error" in line), lines[0])
+    telling = ("out of memory", "can't allocate memory", "CUDA error")
+    return next((line.strip() for line in lines if any(text in line for text in telling)), lines[0])

@@ -6,6 +6,7 @@ at chosen batch sizes, which is what the CUDA caching allocator raises.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -225,6 +226,9 @@ def test_device_faults_are_told_from_other_errors() -> None:
     scripted = "The following operation failed in the TorchScript interpreter.\nCUDA out of memory. Tried to allocate"
     assert device_fault(RuntimeError(scripted)) is Fault.MEMORY
     assert device_fault(RuntimeError("CUDA error: unspecified launch failure")) is Fault.DEVICE
+    with pytest.raises(RuntimeError) as host:  # the CPU allocator's, as torch raises it
+        torch.empty(2**62, dtype=torch.uint8)
+    assert device_fault(host.value) is Fault.MEMORY
     if hasattr(torch, "AcceleratorError"):
         assert device_fault(torch.AcceleratorError("device-side assert triggered")) is Fault.DEVICE
     assert device_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
@@ -272,3 +276,29 @@ def test_the_fallback_computes_only_what_the_device_could_not(model: LayeredMode
     expected = ModelRunner(model, device, top_k=3).run_sync(batch)
     assert [a.indices for a in answers] == [e.indices for e in expected]
     assert computed == [2] and runner.degraded and runner.failures == 0
+
+
+def test_batches_failing_at_once_on_two_threads_bring_one_fallback(model: LayeredModel, device: DeviceThread) -> None:
+    both_failing = threading.Barrier(2, timeout=10)
+
+    class Together(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            both_failing.wait()  # each thread's batch is on the device when the other's fails
+            return super().probabilities(images, head)
+
+    loads: list[int] = []
+
+    def fallback() -> LayeredModel:
+        loads.append(1)
+        return model
+
+    runner = ModelRunner(Together(model, always=True), device, top_k=3, fallback=fallback, fallback_after=1)
+    answers: list[list[object]] = []
+    threads = [threading.Thread(target=lambda: answers.append(runner.run_sync(images(model, 2)))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(answers) == 2 and all(a is not None and type(a).__name__ == "TopK" for batch in answers for a in batch)
+    assert loads == [1], "the second failure waited, saw the fallback in place, and used it"
+    assert runner.degraded and runner.failures == 0
