@@ -199,7 +199,13 @@ class DualWindowBatcher(Generic[P, R]):
         if (batch_s := self.batch_s(lane)) is None:
             return None
         policy = self._effective_policy()
-        ahead = self._ahead(Lane.URGENT) + (self._ahead(Lane.NORMAL) if lane is Lane.NORMAL else 0)
+        # the batches ahead, each lane's requests in its own batch size (whole batches: those
+        # of one lane may complete another's last)
+        urgent, normal = policy.urgent.max_batch, policy.normal.max_batch
+        if lane is Lane.URGENT:
+            batches = self._ahead(Lane.URGENT) // urgent
+        else:
+            batches = (self._ahead(Lane.URGENT) * normal + self._ahead(Lane.NORMAL) * urgent) // (urgent * normal)
         if lane is Lane.URGENT and self._urgent_in_flight:  # urgent batches have threads of their own
             running, workers = self._running[Lane.URGENT], self._urgent_in_flight
         else:
@@ -207,7 +213,7 @@ class DualWindowBatcher(Generic[P, R]):
             urgent_traffic = self._ahead(Lane.URGENT) > 0 or self._running[Lane.URGENT] > 0
             if urgent_traffic and fills(policy, self._ahead(Lane.NORMAL), self._max_in_flight):
                 workers += self._urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
-        rounds = (ahead // policy.lane(lane).max_batch + running) // workers + 1
+        rounds = (batches + running) // workers + 1
         return policy.lane(lane).window_s + rounds * batch_s
 
     def _may_start(self, lane: Lane) -> bool:

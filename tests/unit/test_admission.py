@@ -241,3 +241,22 @@ async def test_each_request_s_queue_wait_is_reported_under_its_own_lane() -> Non
     assert recorder.batches == [(Lane.URGENT, 2, 4)]
     assert sorted(recorder.waits) == [(Lane.NORMAL, pytest.approx(12 * MS)), (Lane.URGENT, pytest.approx(2 * MS))]
     await batcher.close(0)
+
+
+async def test_urgent_requests_ahead_count_in_urgent_sized_batches() -> None:
+    clock, runner, recorder = FakeClock(), FakeRunner(), Recorder()
+    policy = BatchPolicy(LanePolicy(2 * MS, 2, 64), LanePolicy(25 * MS, 8, 64))
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, observer=recorder)
+    batcher.start()
+    batcher.observe_batch(Lane.NORMAL, 0.1)
+    for _ in range(4):  # two urgent batches of two, ahead of any normal request
+        batcher.admit(Lane.URGENT, 10.0, reserve=True)
+    assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 3 * 0.1)
+    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1), "not half a normal batch"
+    for _ in range(4):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # half a normal batch more: still three rounds
+    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1)
+    for _ in range(4):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # a whole one
+    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 4 * 0.1)
+    await batcher.close(grace_s=0)
