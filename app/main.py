@@ -138,11 +138,12 @@ def create_app(
     app.state.tracing = exporting  # the edge refuses nothing then: each refusal gets its span
     install_error_handlers(app)
     install_openapi(app)
+    admin_routes = (*admin.router.routes, *admin_models.router.routes)
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics,
         access_log=settings.logging.access_log,
-        direct=lambda scope: predict.direct(scope) or admin_gate(scope),  # the admin token before any body
+        direct=lambda scope: predict.direct(scope) or admin_gate(scope, admin_routes),  # the token before any body
     )
     for router in (predict.router, models.router, health.router, metrics_route.router):
         app.include_router(router)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.telemetry.logging import caller_trace_var, request_id_var
@@ -156,8 +157,11 @@ class RequestContextMiddleware:
         try:
             target = (self.direct(scope) if self.direct else None) or self.app
             await target(scope, receive, send_with_id)
-        except Exception:
+        except Exception as exc:
             _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            server_span = trace.get_current_span()  # it ends outside, with the status only: tell it why
+            server_span.record_exception(exc)
+            server_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             if status == 0:
                 status = 500
                 scope["state"]["error_code"] = "internal_error"

@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 from starlette.types import Receive, Scope, Send
 
 from app.api.routes import predict
@@ -120,11 +122,20 @@ async def test_a_bug_is_a_generic_500_with_the_detail_in_the_log_and_serving_goe
         return await real(self, *args, **kwargs)
 
     monkeypatch.setattr(InferenceService, "predict", buggy)
-    async with running_app(make_settings()) as running:
+    exporter = InMemorySpanExporter()
+    async with running_app(make_settings(telemetry={"exporter": "console"}), span_exporter=exporter) as running:
         with caplog.at_level(logging.ERROR):
             broken = await running.predict_png(PNG, headers={"X-Request-ID": "bug-1"})
         after = await running.predict_png(PNG)
         metrics = (await running.client.get("/metrics")).text
+        running.app.state.tracer_provider.force_flush()
+    (server,) = [
+        s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER and s.attributes["request.id"] == "bug-1"
+    ]
+    assert server.status.status_code is StatusCode.ERROR
+    assert [e.attributes["exception.type"] for e in server.events if e.name == "exception"] == ["KeyError"], (
+        "whoever reads the trace sees what failed"
+    )
     assert broken.status_code == 500
     assert broken.json() == {"code": "internal_error", "message": "internal server error", "request_id": "bug-1"}
     assert "secret-internal-detail" not in broken.text and "Retry-After" not in broken.headers

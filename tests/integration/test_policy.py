@@ -48,6 +48,11 @@ async def test_the_admin_api_needs_the_token(
             assert response.status_code == status, (method, path, response.text)
             assert response.json()["code"] == code
         assert (await running.client.get("/admin/policy", headers=AUTH)).status_code == 200
+        metrics = (await running.client.get("/metrics")).text
+    # refused before the router, labelled as the router would have
+    assert f'route="/admin/policy",status="{status}"' in metrics
+    assert f'route="/admin/policy/reload",status="{status}"' in metrics
+    assert 'route="unmatched"' not in metrics
 
 
 async def test_a_policy_change_applies_from_the_next_batch(make_settings: SettingsFactory) -> None:
