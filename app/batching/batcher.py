@@ -284,7 +284,9 @@ class DualWindowBatcher(Generic[P, R]):
         return self._task is not None and not self._task.done()
 
     def depth(self, lane: Lane) -> int:
-        return self._queues[lane].waiting
+        """What ``max_queue`` bounds: the requests queued, and the seats held for those still
+        being read or decoded."""
+        return self._ahead(lane)
 
     def start(self) -> None:
         """Start dispatching. The dispatcher and its batches run in a context of their own: started

@@ -23,6 +23,7 @@ import base64
 import contextlib
 import ipaddress
 import json
+import math
 import os
 import random
 import sys
@@ -55,8 +56,9 @@ class Sample:
     status: int
     code: str | None
     batch_size: int | None
-    counted: bool
+    counted: bool  # sent inside the measured window: its latency counts
     timings_ms: dict[str, float] | None = None  # the server's own stages (preprocess, queue, ...)
+    finished: float = 0.0  # time.perf_counter() at its answer: throughput counts answers inside the window
 
 
 @dataclass
@@ -143,24 +145,48 @@ def is_loopback(url: str) -> bool:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile of ``values`` (sorted or not); 0 for none."""
+    """Nearest-rank percentile of ``values`` (sorted or not): the smallest value with at
+    least ``q`` percent of them at or below it; 0 for none."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
+    rank = math.ceil(round(q / 100 * len(ordered), 9))  # rounded: 0.07 * 100 is 7.000000000000001
+    return ordered[max(1, min(len(ordered), rank)) - 1]
 
 
-async def _send(send: Send, number: int, urgent: bool, run: Run) -> None:
+def _payload(status: int, body: bytes) -> dict[str, Any]:
+    """An answer's JSON object. An error answer that is not JSON (a proxy's, a balancer's)
+    keeps its status, with the code ``non_json``; a 200 that is not is a failed request."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict):
+        return payload
+    if status == 200:
+        raise ValueError("the answer is not a JSON object")
+    return {"code": "non_json"}
+
+
+async def _send(send: Send, number: int, urgent: bool, run: Run, scheduled: float | None = None) -> None:
+    """Send one request and record its sample. Open loop passes the arrival it was
+    ``scheduled`` for: its latency counts from then, so a client that fell behind its
+    schedule shows as latency, not as requests that never waited (coordinated omission)."""
     lane = "urgent" if urgent else "normal"
-    started = time.perf_counter()
+    started = time.perf_counter() if scheduled is None else scheduled
     try:
         status, body = await send(number, urgent)
-        payload = json.loads(body)
-        if not isinstance(payload, dict):
-            raise ValueError("the response body is not a JSON object")
+        payload = _payload(status, body)
     except (OSError, EOFError, TimeoutError, httpx.HTTPError, rawhttp.HttpProtocolError, ValueError) as exc:
         status, payload = 0, {"code": type(exc).__name__}
+    except asyncio.CancelledError:  # still unanswered when the run ended: sent, so it counts
+        status, payload = 0, {"code": "unanswered"}
+        _record(run, lane, started, status, payload)
+        raise
+    _record(run, lane, started, status, payload)
+
+
+def _record(run: Run, lane: str, started: float, status: int, payload: dict[str, Any]) -> None:
     ended = time.perf_counter()
     run.samples.append(
         Sample(
@@ -171,6 +197,7 @@ async def _send(send: Send, number: int, urgent: bool, run: Run) -> None:
             payload.get("batch_size") if status == 200 else None,
             started >= run.measured_from,
             payload.get("timings") if status == 200 and isinstance(payload.get("timings"), dict) else None,
+            ended,
         )
     )
 
@@ -201,7 +228,10 @@ async def open_loop(
     max_requests: int,
     run: Run,
     rng: random.Random,
+    timeout_s: float = 60.0,
 ) -> None:
+    """Poisson arrivals until ``stop_at``; then waits for the answers, each bounded by the
+    client's ``timeout_s``, and records what is still unanswered after that as such."""
     tasks: set[asyncio.Task[None]] = set()
     next_at = time.perf_counter()
     for number in range(max_requests):
@@ -210,13 +240,14 @@ async def open_loop(
             break
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         run.sent += 1
-        task = asyncio.create_task(_send(send, number, rng.random() < urgent_fraction, run))
+        task = asyncio.create_task(_send(send, number, rng.random() < urgent_fraction, run, scheduled=next_at))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:
-        await asyncio.wait(tasks, timeout=max(1.0, stop_at - time.perf_counter() + 30))
-    for task in tasks:
+        await asyncio.wait(tasks, timeout=max(1.0, stop_at - time.perf_counter() + timeout_s + 1.0))
+    for task in list(tasks):
         task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)  # each records itself as unanswered
 
 
 def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = None) -> dict[str, Any]:
@@ -226,6 +257,8 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
     ok = [s for s in counted if s.status == 200]
     refused = [s for s in counted if s.status == 503]
     window = max(1e-9, run.ended - run.measured_from)
+    # answers that came inside the window, whenever sent: what the server got through in it
+    answered = sum(1 for s in run.samples if s.status == 200 and run.measured_from <= s.finished <= run.ended)
 
     def latencies(samples: list[Sample]) -> dict[str, float | int]:
         values = [s.latency_s * 1000 for s in samples]
@@ -237,7 +270,11 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
             "max_ms": round(max(values, default=0.0), 3),
         }
 
-    batch_sizes = [s.batch_size for s in ok if s.batch_size]
+    def mean_batch(samples: list[Sample]) -> float:
+        # per batch, not per request: a batch of b holds b of the answers (the harmonic mean)
+        sizes = [s.batch_size for s in samples if s.batch_size]
+        return round(len(sizes) / sum(1 / b for b in sizes), 2) if sizes else 0.0
+
     extra: dict[str, Any] = {}
     if any(s.timings_ms for s in ok):  # where each lane's time went, by the server's account
         extra["server_stages_ms"] = {
@@ -271,9 +308,10 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
     return {
         **settings,
         "measured_s": round(window, 3),
+        "sent": run.sent,
         "requests": len(counted),
         "ok": len(ok),
-        "throughput_rps": round(len(ok) / window, 2),
+        "throughput_rps": round(answered / window, 2),
         "latency": {
             "all": latencies(ok),
             "urgent": latencies([s for s in ok if s.lane == "urgent"]),
@@ -281,12 +319,9 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
             "refused": latencies(refused),
         },
         "errors": dict(Counter(f"{s.status}:{s.code}" for s in counted if s.status != 200)),
-        "mean_batch_size": round(sum(batch_sizes) / len(batch_sizes), 2) if batch_sizes else 0.0,
+        "mean_batch_size": mean_batch(ok),
         "mean_batch_size_by_lane": {
-            lane: round(sum(sizes) / len(sizes), 2)
-            if (sizes := [s.batch_size or 0 for s in ok if s.lane == lane])
-            else 0.0
-            for lane in ("urgent", "normal")
+            lane: mean_batch([s for s in ok if s.lane == lane]) for lane in ("urgent", "normal")
         },
         **extra,
     }
@@ -371,7 +406,7 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
         await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
         mode: dict[str, Any] = {"mode": "closed", "concurrency": args.concurrency}
     else:
-        await open_loop(send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng)
+        await open_loop(send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng, args.timeout)
         mode = {"mode": "open", "rate_rps": args.rate}
     run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
     if watcher.done():  # from the window's start to the last answer, in-flight requests included
@@ -399,7 +434,8 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
         mode["connections"] = pool.size
     else:
         limits = httpx.Limits(max_connections=max(args.concurrency, 64) if args.rate is None else 1000)
-        async with httpx.AsyncClient(base_url=args.url, limits=limits, timeout=args.timeout) as client:
+        # trust_env=False: a proxy in the environment would take the load off loopback
+        async with httpx.AsyncClient(base_url=args.url, limits=limits, timeout=args.timeout, trust_env=False) as client:
             mode = await _drive(httpx_sender(client, path, bodies, args.deadline_ms), args, run)
     settings = {
         **mode,
@@ -450,8 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not is_loopback(args.url):
         parser.error("--url must point at a loopback address (127.0.0.0/8, ::1 or localhost)")
-    if not 0 < args.duration <= 600 or args.warmup < 0 or not 0 <= args.urgent_fraction <= 1:
-        parser.error("need 0 < duration <= 600, warmup >= 0 and 0 <= urgent-fraction <= 1")
+    if not 0 < args.duration <= 600 or not 0 <= args.warmup <= 600 or not 0 <= args.urgent_fraction <= 1:
+        parser.error("need 0 < duration <= 600, 0 <= warmup <= 600 and 0 <= urgent-fraction <= 1")
+    if args.rate is not None and not 0 < args.rate <= 100_000:
+        parser.error("need 0 < rate <= 100000 arrivals a second")
+    if args.concurrency < 1 or args.requests < 1 or not 0 < args.timeout <= 600:
+        parser.error("need concurrency >= 1, requests >= 1 and 0 < timeout <= 600")
     if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
         parser.error(f"--server-pid {args.server_pid}: no such process (or no /proc)")
     try:

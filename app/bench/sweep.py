@@ -99,14 +99,16 @@ def find_knee(results: Sequence[SizeResult], knee_gain: float) -> tuple[int | No
     """The knee and whether the curve flattened there (False: it was still rising).
 
     Each next measured size is a doubling; the knee is the smallest size from which no
-    later doubling gains ``knee_gain`` or more, so a plateau followed by a real jump is
-    not mistaken for the end. Sizes after an out-of-memory never ran and do not count.
+    larger size gains ``knee_gain`` or more over the best of the sizes below it, so a
+    plateau followed by a real jump is not mistaken for the end, and a rebound from a dip
+    that stays under the best so far is not a gain. Sizes after an out-of-memory never ran
+    and do not count.
     """
     ok = _measured(results)
     if not ok:
         return None, False
     knee = len(ok) - 1
-    while knee > 0 and ok[knee].throughput < ok[knee - 1].throughput * (1 + knee_gain):
+    while knee > 0 and ok[knee].throughput < max(r.throughput for r in ok[:knee]) * (1 + knee_gain):
         knee -= 1
     return ok[knee].batch_size, knee < len(ok) - 1
 

@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 from app.batching import Lane
 
 PREFIX = "ai_backend"
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# up to the longest deadline a request may ask for (server.max_timeout_ms, 120 s by default)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 
@@ -45,7 +46,9 @@ class _ScrapeTimeGauges(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         depth = GaugeMetricFamily(
-            f"{PREFIX}_queue_depth", "Requests waiting in a lane", labels=["model", "version", "lane"]
+            f"{PREFIX}_queue_depth",
+            "Requests waiting in a lane: queued, or admitted and still being read or decoded (what max_queue bounds)",
+            labels=["model", "version", "lane"],
         )
         for model, version, lane, value in self.queue_depths():
             depth.add_metric([model, version, lane], value)

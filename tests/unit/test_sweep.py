@@ -102,6 +102,13 @@ def test_a_plateau_followed_by_a_real_jump_is_not_the_knee() -> None:
     assert find_knee(results, 0.10) == (8, True)
 
 
+def test_a_rebound_from_a_dip_that_stays_under_the_best_is_not_a_gain() -> None:
+    # the README's mobilenet_v3_small curve, with batch 64 10% over 32 (noise) yet under 16
+    results = curve({1: 188, 4: 262, 8: 391, 16: 405, 32: 337, 64: 375})
+    rec = recommend(results, 0.10)
+    assert (rec.knee, rec.knee_reached, rec.max_batch) == (8, True, 8)
+
+
 def test_sizes_after_an_out_of_memory_do_not_count() -> None:
     rec = recommend(curve({1: 100, 2: 190, 4: 350}, oom_at=8), 0.10)
     assert (rec.knee, rec.knee_reached, rec.max_batch) == (4, False, 4)
