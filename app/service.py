@@ -24,7 +24,7 @@ from opentelemetry.trace import Link, Status, StatusCode
 from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.deadline import within
-from app.errors import DeadlineExceeded, DeviceUnavailable, Draining, NotFound, NotReady
+from app.errors import DeadlineExceeded, Draining, NotFound, NotReady, ServiceError
 from app.inference import preprocess
 from app.inference.device import (
     DeviceThread,
@@ -470,7 +470,7 @@ class InferenceService:
                 "batch.trace_id": format(batch.trace_id, "032x"),  # Jaeger: search the batch's trace
             },
         )
-        if top is None or isinstance(top, DeviceUnavailable):  # None: left out at the device (counted there)
+        if top is None or isinstance(top, ServiceError):  # None: left out at the device (counted there)
             error = (
                 DeadlineExceeded("the request's deadline passed while its batch waited for the device")
                 if top is None

@@ -169,7 +169,7 @@ def export_torchvision(
         raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
     entry = _weights_entry(arch)
     categories = tuple(str(category) for category in entry.meta.get("categories") or ())
-    num_classes = num_classes or len(categories)
+    num_classes = len(categories) if num_classes is None else num_classes
     if num_classes < 2:
         raise ExportError(f"num_classes must be at least 2 (got {num_classes})")
     labels = categories if len(categories) == num_classes else tuple(f"class_{i}" for i in range(num_classes))

@@ -16,7 +16,7 @@ from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
 from app.batching import Lane
 from app.batching.observer import BatchObserver, NullObserver
-from app.errors import DeviceUnavailable
+from app.errors import ServiceError
 from app.inference.postprocess import TopK
 from app.inference.runner import ModelRunner
 
@@ -34,10 +34,10 @@ class Job:
 @dataclass(frozen=True)
 class Answer:
     """One image's top classes (``None``: left out at the device, its deadline passed or its
-    client gone; the error: the device failed it while it computed others), and the span of
-    the batch that computed it (for a link back)."""
+    client gone; an error: the device failed it while it computed others, or its output was
+    not finite), and the span of the batch that computed it (for a link back)."""
 
-    top: TopK | DeviceUnavailable | None
+    top: TopK | ServiceError | None
     batch_span: SpanContext
 
 
@@ -77,9 +77,9 @@ class TracedRunner:
                 gone=lambda i: jobs[i].gone,
             )
             context = span.get_span_context()
-            failed = sum(isinstance(top, DeviceUnavailable) for top in tops)
+            failed = sum(isinstance(top, ServiceError) for top in tops)
             if failed:
-                span.set_status(Status(StatusCode.ERROR, f"the device failed {failed} of {len(jobs)} images"))
+                span.set_status(Status(StatusCode.ERROR, f"{failed} of {len(jobs)} images failed"))
         for job, top in zip(jobs, tops, strict=True):
             if top is None:  # left out at the device: its client went, or its deadline passed
                 self._observer.on_dropped(job.lane, "cancelled" if job.gone else "deadline")

@@ -105,6 +105,7 @@ class LayeredModel:
     _scale: torch.Tensor
     _shift: torch.Tensor
     _heads: dict[str, torch.jit.ScriptModule] = field(default_factory=dict)
+    _failed: dict[str, ModelLoadError] = field(default_factory=dict)  # heads that did not load: not tried again
     _lock: threading.Lock = field(default_factory=threading.Lock)
     head_loads: int = 0
 
@@ -135,7 +136,10 @@ class LayeredModel:
         return tuple(self._heads)
 
     def head(self, name: str | None = None) -> torch.jit.ScriptModule:
-        """The named head, loaded on first use exactly once even under concurrent callers."""
+        """The named head, loaded on first use exactly once even under concurrent callers.
+
+        A head that fails to load or its self-check raises ``ModelLoadError``, then and on
+        every later use, without loading it again (seconds on the device thread each time)."""
         name = name or self.default_head
         head = self._heads.get(name)
         if head is not None:
@@ -143,12 +147,19 @@ class LayeredModel:
         with self._lock:
             head = self._heads.get(name)
             if head is None:
+                if (failed := self._failed.get(name)) is not None:
+                    raise failed
                 layer = next((h for h in self.manifest.heads if h.name == name), None)
                 if layer is None:
                     raise KeyError(name)
-                head = load_layer(self.folder, self.manifest, layer, self.device, self.dtype)
-                with torch.inference_mode():
-                    self._check_head(name, head, self.features(self.dummy_batch(2)))
+                try:
+                    head = load_layer(self.folder, self.manifest, layer, self.device, self.dtype)
+                    with torch.inference_mode():
+                        self._check_head(name, head, self.features(self.dummy_batch(2)))
+                except ModelLoadError as exc:
+                    log.error("head %s of %s/%s cannot serve: %s", name, self.manifest.name, self.manifest.version, exc)
+                    self._failed[name] = exc
+                    raise
                 self._heads[name] = head
                 self.head_loads += 1
                 log.info("loaded head %s of %s/%s", name, self.manifest.name, self.manifest.version)
@@ -195,7 +206,10 @@ class LayeredModel:
             raise ModelLoadError(f"{self.folder}: self-check failed, head {name} output is not finite")
 
     def warm_up(self, max_batch: int, rounds: int = 3) -> None:
-        """Run the batch sizes serving will see, so the first requests pay no compilation."""
+        """Run the batch sizes serving will see, so the first requests pay no compilation and
+        no load: the default head, which every request uses, is loaded (and checked) first;
+        the others stay lazy."""
+        self.head()
         with torch.inference_mode():
             for size in sorted({1, max(1, max_batch // 2), max_batch}):
                 batch = self.dummy_batch(size)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pybase64
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
 from app.inference.manifest import InputSpec
@@ -33,6 +33,7 @@ _FILTERS = {
 # the 224x224 result differs from the full decode by about 46 dB PSNR (mean 0.9 of 255),
 # less than the JPEG quantisation at quality 90 changed the photo. 1.0 never enlarges.
 DRAFT_TOLERANCE = 0.9
+ORIENTATION = 0x0112  # the EXIF tag
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
 
 def _to_mode(image: Image.Image, channels: int) -> Image.Image:
     mode = "L" if channels == 1 else "RGB"
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        # 16-bit grey (a PNG's): Pillow's conversions clip at 255, so scale it to 8 bits first
+        wide = np.asarray(image).astype(np.uint32)
+        image = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), mode="L")
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         # transparent pixels become black: the bundled model reads light digits on a dark ground
         rgba = image.convert("RGBA")
@@ -87,8 +92,11 @@ def _to_mode(image: Image.Image, channels: int) -> Image.Image:
     return image.convert(mode) if image.mode != mode else image
 
 
-def _fit_content(image: Image.Image, threshold: float) -> Image.Image:
-    """The content's bounding box, centred in a square of its longer side (dark padding)."""
+def _fit_content(image: Image.Image, threshold: float, max_pixels: int, resample: Image.Resampling) -> Image.Image:
+    """The content's bounding box, centred in a square of its longer side (dark padding).
+
+    The square is never more pixels than an accepted image may have: a 1 x 16,000,000 strip
+    passes the pixel limit, but its square would not (the content is shrunk first)."""
     gray = image if image.mode == "L" else image.convert("L")
     peak = gray.getextrema()[1]
     assert isinstance(peak, int)
@@ -96,16 +104,25 @@ def _fit_content(image: Image.Image, threshold: float) -> Image.Image:
     if box is None:
         return image
     content = image.crop(box)
-    side = max(content.size)
+    side, most = max(content.size), math.isqrt(max_pixels)
+    if side > most:
+        scale = most / side
+        content = content.resize(
+            (max(1, round(content.width * scale)), max(1, round(content.height * scale))), resample
+        )
+        side = max(content.size)
     square = Image.new(image.mode, (side, side))
     square.paste(content, ((side - content.width) // 2, (side - content.height) // 2))
     return square
 
 
 def _resized_size(width: int, height: int, spec: InputSpec) -> tuple[int, int]:
-    """The size the whole image is resized to before the centre crop (at least the crop)."""
-    scale = (spec.resize.resize_to or min(spec.width, spec.height)) / min(width, height)
-    return max(spec.width, round(width * scale)), max(spec.height, round(height * scale))
+    """The size the whole image is resized to before the centre crop (at least the crop):
+    the shorter side to ``resize_to``, the longer truncated, as torchvision's ``Resize``."""
+    short = spec.resize.resize_to or min(spec.width, spec.height)
+    if width <= height:
+        return max(spec.width, short), max(spec.height, int(short * height / width))
+    return max(spec.width, int(short * width / height)), max(spec.height, short)
 
 
 def _needed_size(width: int, height: int, spec: InputSpec) -> tuple[int, int]:
@@ -115,10 +132,10 @@ def _needed_size(width: int, height: int, spec: InputSpec) -> tuple[int, int]:
     return spec.width, spec.height
 
 
-def _resize(image: Image.Image, spec: InputSpec) -> Image.Image:
+def _resize(image: Image.Image, spec: InputSpec, max_pixels: int) -> Image.Image:
     resample = _FILTERS[spec.resize.filter]
     if spec.resize.mode == "fit_content":
-        image = _fit_content(image, spec.resize.content_threshold)
+        image = _fit_content(image, spec.resize.content_threshold, max_pixels, resample)
     if spec.resize.mode in ("stretch", "fit_content"):
         return image.resize((spec.width, spec.height), resample)
     # Resizing the whole image and then cropping its centre computes pixels only to throw
@@ -126,8 +143,8 @@ def _resize(image: Image.Image, spec: InputSpec) -> Image.Image:
     # (the filter still reads the neighbours outside the box) for about half the work.
     width, height = image.size
     resized_width, resized_height = _resized_size(width, height, spec)
-    left = (resized_width - spec.width) // 2
-    top = (resized_height - spec.height) // 2
+    left = round((resized_width - spec.width) / 2)  # as torchvision's CenterCrop
+    top = round((resized_height - spec.height) / 2)
     x_scale, y_scale = resized_width / width, resized_height / height
     box = (left / x_scale, top / y_scale, (left + spec.width) / x_scale, (top + spec.height) / y_scale)
     return image.resize((spec.width, spec.height), resample, box=box)
@@ -158,10 +175,18 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
     """
     image = _open(data, limits)
     try:
-        if image.format == "JPEG":
-            image.draft("L" if spec.channels == 1 else "RGB", draft_size(*image.size, spec, draft_tolerance))
+        # a photo stored on its side says so in its EXIF (as phones write them): upright it
+        turned = image.getexif().get(ORIENTATION, 1) if image.format != "PNG" else 1
+        # fit_content crops a box of unknown size first: a draft scaled to the output would
+        # leave a small digit in a large photo a few pixels wide
+        if image.format == "JPEG" and spec.resize.mode != "fit_content":
+            width, height = image.size if turned < 5 else image.size[::-1]  # 5-8: a quarter turn
+            wanted = draft_size(width, height, spec, draft_tolerance)
+            image.draft("L" if spec.channels == 1 else "RGB", wanted if turned < 5 else wanted[::-1])
         image.load()
-        image = _resize(_to_mode(image, spec.channels), spec)
+        if turned != 1:
+            image = ImageOps.exif_transpose(image)
+        image = _resize(_to_mode(image, spec.channels), spec, limits.max_pixels)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
     array = np.asarray(image, dtype=np.uint8)

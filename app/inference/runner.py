@@ -25,8 +25,9 @@ from typing import Protocol
 
 import torch
 
-from app.errors import DeviceUnavailable
+from app.errors import BatchFailed, DeviceUnavailable, ServiceError, Unavailable
 from app.inference.device import DeviceThread, release_memory
+from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest
 from app.inference.postprocess import TopK
 
@@ -99,7 +100,7 @@ class ModelRunner:
         deadlines: Sequence[float] | None = None,
         urgent: bool = False,
         gone: Callable[[int], bool] | None = None,
-    ) -> list[TopK | DeviceUnavailable | None]:
+    ) -> list[TopK | ServiceError | None]:
         """Answers in order; ``None`` for an image whose request went before its batch reached
         the device, or before a retry: past its deadline (``time.monotonic()``), or ``gone(i)``
         (its client disconnected). It is not computed. The error for an image the device could
@@ -112,11 +113,11 @@ class ModelRunner:
         images: list[torch.Tensor],
         deadlines: Sequence[float] | None = None,
         gone: Callable[[int], bool] | None = None,
-    ) -> list[TopK | DeviceUnavailable | None]:
+    ) -> list[TopK | ServiceError | None]:
         """Blocking: the live images on the device (split on out-of-memory), answers on the host.
 
         Raises ``DeviceUnavailable`` when the device computed none of them; otherwise an image
-        it could not compute has the error in its place."""
+        it could not compute has the error in its place, as has one whose output is not finite."""
         batch = _Batch(images, deadlines, gone)
         generation = self._generation
         self._compute(batch, range(len(images)), self.model)
@@ -151,6 +152,8 @@ class ModelRunner:
             return
         try:
             computed = self._forward(model, [batch.images[i] for i in wanted])
+        except ModelLoadError as exc:  # a head that cannot serve (logged where it failed)
+            raise Unavailable("the model cannot serve: a layer failed to load", code="model_unavailable") from exc
         except Exception as exc:
             fault = device_fault(exc)
             if fault is None:
@@ -171,12 +174,20 @@ class ModelRunner:
         self._compute(batch, wanted[:half], model)
         self._compute(batch, wanted[half:], model)
 
-    def _forward(self, model: Model, images: list[torch.Tensor]) -> list[TopK]:
+    def _forward(self, model: Model, images: list[torch.Tensor]) -> list[TopK | ServiceError]:
         with torch.inference_mode():
             probabilities = model.probabilities(torch.stack(images))
             values, indices = probabilities.topk(self._k, dim=1)
-            values, indices = values.cpu(), indices.cpu()
-        return [TopK(tuple(v), tuple(i)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
+            finite = torch.isfinite(probabilities).all(dim=1)
+            values, indices, finite = values.cpu(), indices.cpu(), finite.cpu()
+        if bool(finite.all()):
+            return [TopK(tuple(v), tuple(i)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
+        # NaN or inf (an input the model divides by zero on, an fp16 overflow): not an answer
+        log.error("%d of %d images gave a non-finite output", len(images) - int(finite.sum()), len(images))
+        return [
+            TopK(tuple(v), tuple(i)) if ok else BatchFailed("the model's output for this image is not finite")
+            for v, i, ok in zip(values.tolist(), indices.tolist(), finite.tolist(), strict=True)
+        ]
 
     def _fall_back(self, batch: _Batch) -> None:
         """The CPU fallback takes over for good, and computes what the device could not."""
@@ -206,7 +217,7 @@ class _Batch:
         self, images: list[torch.Tensor], deadlines: Sequence[float] | None, gone: Callable[[int], bool] | None
     ) -> None:
         self.images, self._deadlines, self._gone = images, deadlines, gone
-        self.answers: list[TopK | DeviceUnavailable | None] = [None] * len(images)
+        self.answers: list[TopK | ServiceError | None] = [None] * len(images)
         self.computed = 0
         self.failed: list[int] = []
         self.lost = False  # a device error: nothing more runs on this device in this batch

@@ -173,4 +173,4 @@ async def test_a_request_too_big_for_the_device_fails_alone(make_settings: Setti
     assert [s.attributes["request.id"] for s in failed] == [refused.json()["request_id"]]
     assert "device_unavailable" in (failed[0].status.description or "")
     (batch,) = [s for s in spans if s.name == "batch" and s.attributes["batch.size"] == 4]
-    assert batch.status.status_code.name == "ERROR" and batch.status.description == "the device failed 1 of 4 images"
+    assert batch.status.status_code.name == "ERROR" and batch.status.description == "1 of 4 images failed"

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from app.inference.manifest import Manifest, Provenance
+from app.inference.packaging import write_version
 from app.service import State
+from app.training.digits import make_backbone
 from tests.conftest import SettingsFactory
-from tests.support import MODEL_NAME, b64, copy_repository, running_app, sample_png, top_label, truncate_file
+from tests.support import (
+    DIGITS_DIR,
+    LABELS,
+    MODEL_NAME,
+    b64,
+    copy_repository,
+    running_app,
+    sample_png,
+    top_label,
+    truncate_file,
+)
 
 
 def _flip_middle_byte(path: Path) -> None:
@@ -92,3 +108,49 @@ async def test_empty_repository_fails_start_up(tmp_path: Path, make_settings: Se
         assert len(calls) == 1 and str(tmp_path / "empty") in calls[0]
         assert running.service.state is State.FAILED
         assert (await running.client.get("/readyz")).status_code == 503
+
+
+def _digits_with_a_head_of(root: Path, outputs: int) -> Path:
+    """digits/1 whose manifest validates (10 labels, every sha256 right), with a head of
+    ``outputs`` classes: only running it shows the mismatch."""
+    torch.manual_seed(0)
+    bundled = Manifest.read(DIGITS_DIR / "1")
+    return write_version(
+        root,
+        name=MODEL_NAME,
+        version="1",
+        backbone=make_backbone(),
+        heads={"classifier": nn.Linear(64, outputs)},
+        input_spec=bundled.input,
+        labels=LABELS,
+        provenance=Provenance(source="tests"),
+    )
+
+
+async def test_a_head_that_does_not_match_the_labels_fails_start_up_with_the_warm_up(
+    tmp_path: Path, make_settings: SettingsFactory
+) -> None:
+    # the warm-up loads the default head (every request uses it): its self-check runs at start
+    _digits_with_a_head_of(tmp_path / "models", 9)
+    calls: list[str] = []
+    settings = make_settings(model={"repository": tmp_path / "models", "warmup": True})
+    async with running_app(settings, on_fatal=calls.append) as running:
+        assert running.service.state is State.FAILED
+        assert len(calls) == 1 and "head classifier gives shape (2, 9), expected (2, 10)" in calls[0]
+        assert (await running.client.get("/readyz")).status_code == 503
+
+
+async def test_a_lazy_head_that_cannot_serve_is_503_and_never_loaded_again(
+    tmp_path: Path, make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    _digits_with_a_head_of(tmp_path / "models", 9)
+    settings = make_settings(model={"repository": tmp_path / "models", "warmup": False})
+    async with running_app(settings) as running:
+        assert running.service.state is State.READY  # nothing ran the head yet
+        with caplog.at_level(logging.ERROR):
+            answers = [await running.predict_png(sample_png(d)) for d in (1, 2, 3)]
+        assert [a.status_code for a in answers] == [503, 503, 503]
+        assert {a.json()["code"] for a in answers} == {"model_unavailable"} and answers[0].headers["Retry-After"]
+        assert "shape" not in answers[0].text, "the detail is in the log, not the answer"
+    failed_loads = [r for r in caplog.records if "cannot serve" in r.getMessage()]
+    assert len(failed_loads) == 1, "the head was loaded once, not once per request"

@@ -182,3 +182,8 @@ def test_main_writes_and_refuses_to_overwrite(tmp_path: Path, capsys: pytest.Cap
     assert "already exists" in capsys.readouterr().err
     assert main([*argv, "--overwrite"]) == 0
     assert Manifest.read(tmp_path / "tiny" / "1").provenance.seed == 0
+
+
+def test_num_classes_zero_is_refused_not_taken_as_unset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--arch", "mobilenet_v3_small", "--num-classes", "0", "--out", str(tmp_path)]) != 0
+    assert not list(tmp_path.rglob("manifest.json")) and "at least 2" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from torchvision import transforms
 
 from app.bench.limit import synthetic_photo
 from app.inference.manifest import InputSpec, ResizeSpec
@@ -26,14 +27,14 @@ LIMITS = ImageLimits(max_bytes=1 << 22, max_pixels=16_000_000)
 
 
 def reference(image: Image.Image, spec: InputSpec) -> np.ndarray:
-    """Resize the shorter side, then crop the centre: the way torchvision's eval transform reads."""
-    width, height = image.size
-    scale = (spec.resize.resize_to or 0) / min(width, height)
-    size = (max(spec.width, round(width * scale)), max(spec.height, round(height * scale)))
-    resized = image.convert("RGB").resize(size, Image.Resampling.BILINEAR)
-    left, top = (size[0] - spec.width) // 2, (size[1] - spec.height) // 2
-    crop = resized.crop((left, top, left + spec.width, top + spec.height))
-    return np.asarray(crop).transpose(2, 0, 1).astype(np.int16)
+    """torchvision's own eval transform: the shorter side resized, then the centre cropped."""
+    transform = transforms.Compose(
+        [
+            transforms.Resize(spec.resize.resize_to or 0, interpolation=transforms.InterpolationMode.BILINEAR),
+            transforms.CenterCrop((spec.height, spec.width)),
+        ]
+    )
+    return np.asarray(transform(image.convert("RGB"))).transpose(2, 0, 1).astype(np.int16)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -87,9 +87,11 @@ async def _predict(name: str | None, request: Request) -> Response:
     try:
         async with within(time.monotonic() + remaining, "while its body was arriving"):
             body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
-        top_k = body.top_k or query_top_k or server.default_top_k
-        if top_k > min(server.max_top_k, len(served.labels)):
-            raise SchemaError(f"top_k must be at most {min(server.max_top_k, len(served.labels))} for this model")
+        most = min(server.max_top_k, len(served.labels))
+        asked = body.top_k or query_top_k
+        if asked is not None and asked > most:
+            raise SchemaError(f"top_k must be at most {most} for this model")
+        top_k = asked or min(server.default_top_k, most)  # a model of fewer classes: all of them
         remaining = headers.timeout_s - (time.perf_counter() - state["started"])
         work = service.predict(served, body.payload, top_k, headers.lane, remaining, state["request_id"], seat)
         outcome = await unless_disconnected(request, work)

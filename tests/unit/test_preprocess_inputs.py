@@ -1,0 +1,146 @@
+"""Inputs that decoded wrong or cost too much (found in review): a strip whose content square
+would outgrow the pixel limit, 16-bit grey, EXIF orientation, a small digit in a large JPEG,
+and torchvision's own resize-then-crop arithmetic."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from app.inference.manifest import InputSpec, Manifest, ResizeSpec
+from app.inference.preprocess import ImageLimits, decode
+from tests.support import DIGITS_DIR, png_from_array, sample_png
+
+DIGITS = Manifest.read(DIGITS_DIR / "1").input  # fit_content, box, 8x8: the bundled model's spec
+IMAGENET = InputSpec(
+    channels=3,
+    height=224,
+    width=224,
+    resize=ResizeSpec(mode="shorter_side_then_center_crop", resize_to=256),
+    mean=(0.485, 0.456, 0.406),
+    std=(0.229, 0.224, 0.225),
+)
+LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4_000_000)
+
+
+def _thin_strip(height: int) -> bytes:
+    """A 1-pixel-wide PNG whose top and bottom pixels are white: its content spans its height."""
+    pixels = np.zeros((height, 1), dtype=np.uint8)
+    pixels[0] = pixels[-1] = 255
+    return png_from_array(pixels)
+
+
+def test_fit_content_never_builds_an_image_larger_than_the_pixel_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit_content pastes the content into a square of its LONGER side: a 1 x N strip
+    (N pixels, well under max_pixels, a ~100-byte PNG) becomes an N x N image. 1 x 100000
+    made a 10 GB allocation and 39 s of CPU; 1 x 16,000,000 (a 31 KB PNG, under the default
+    16M pixel limit) got the process OOM-killed. The pixel limit is bypassed after the check."""
+    biggest: list[int] = [0]
+    real_new = Image.new
+
+    def spy_new(mode: str, size: tuple[int, int], *args: object, **kwargs: object) -> Image.Image:
+        biggest[0] = max(biggest[0], size[0] * size[1])
+        if size[0] * size[1] > LIMITS.max_pixels:  # refuse before allocating, so the test stays cheap
+            raise AssertionError(f"preprocess allocates a {size[0]}x{size[1]} image")
+        return real_new(mode, size, *args, **kwargs)
+
+    monkeypatch.setattr(Image, "new", spy_new)
+    data = _thin_strip(5_000)  # 5,000 pixels, under 100 bytes
+    assert len(data) < 200
+    tensor = decode(data, DIGITS, LIMITS)  # decoded, its content shrunk before the square is built
+    assert tuple(tensor.shape) == (1, DIGITS.height, DIGITS.width)
+    assert biggest[0] <= LIMITS.max_pixels
+
+
+def test_a_16_bit_grayscale_png_keeps_its_gray_levels() -> None:
+    """Pillow opens a 16-bit grayscale PNG as mode I;16 and convert('L') clips at 255:
+    a mid-gray (30000 of 65535, 46%) image decodes as pure white, for both 1- and 3-channel specs."""
+    mid = Image.fromarray(np.full((32, 32), 30000, dtype=np.uint16))
+    assert mid.mode == "I;16"
+    buffer = io.BytesIO()
+    mid.save(buffer, format="PNG")
+    expected = 30000 / 257  # about 117
+    for spec in (IMAGENET, InputSpec(channels=1, height=8, width=8, mean=(0.5,), std=(0.5,))):
+        got = float(decode(buffer.getvalue(), spec, LIMITS).float().mean())
+        assert abs(got - expected) < 2, f"{spec.channels} channel(s): mean {got}, expected about {expected:.0f}"
+
+
+def _exif_rotated_jpeg(upright: Image.Image) -> bytes:
+    """The JPEG a phone writes: pixels stored rotated, EXIF orientation 6 ('rotate 90 CW to view')."""
+    stored = upright.transpose(Image.Transpose.ROTATE_90)  # counter-clockwise; a viewer turns it back
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    stored.convert("RGB").save(buffer, format="JPEG", quality=95, exif=exif.tobytes())
+    return buffer.getvalue()
+
+
+def test_exif_orientation_is_applied() -> None:
+    """Browsers and viewers show a JPEG turned by its EXIF orientation; the service decodes the
+    stored pixels, so a phone photo reaches the model sideways."""
+    upright = Image.open(io.BytesIO(sample_png(7))).convert("L").resize((96, 64))  # not square
+    upright_jpeg = io.BytesIO()
+    upright.convert("RGB").save(upright_jpeg, format="JPEG", quality=95)
+    spec = InputSpec(channels=1, height=16, width=24, mean=(0.5,), std=(0.5,))  # stretch, 24 wide x 16 tall
+    expected = decode(upright_jpeg.getvalue(), spec, LIMITS).float()
+    got = decode(_exif_rotated_jpeg(upright), spec, LIMITS).float()
+    assert float((got - expected).abs().mean()) < 20, "the EXIF orientation was ignored"
+
+
+def test_a_small_digit_in_a_large_jpeg_decodes_like_the_same_png() -> None:
+    """For fit_content, draft mode sizes the JPEG decode for the 8x8 OUTPUT (asks libjpeg for
+    ~8x8, so it decodes at 1/8 scale) although the resize only applies to the content box
+    found afterwards. A 48-pixel digit in a 640x640 photo is decoded as 6 pixels: the JPEG and
+    the PNG of the same picture differ by ~32/255 on average, and the bundled model's accuracy
+    on such JPEGs falls from 98/100 (PNG, or JPEG fully decoded) to 73/100."""
+    from app.inference.loader import LayeredModel
+    from app.training.digits import load_split
+
+    split = load_split(0)
+    folder = DIGITS_DIR / "1"
+    model = LayeredModel.load(folder, Manifest.read(folder), torch.device("cpu"), torch.float32)
+    agree = 0
+    diffs = []
+    count = 40
+    for index in range(count):
+        digit = Image.fromarray(split.heldout_images[index]).resize((48, 48), Image.Resampling.BILINEAR)
+        canvas = Image.new("L", (640, 640))
+        canvas.paste(digit, (200, 160))
+        png, jpeg = io.BytesIO(), io.BytesIO()
+        canvas.save(png, format="PNG")
+        canvas.save(jpeg, format="JPEG", quality=95)
+        from_png = decode(png.getvalue(), DIGITS, LIMITS)
+        from_jpeg = decode(jpeg.getvalue(), DIGITS, LIMITS)
+        diffs.append(float((from_png.float() - from_jpeg.float()).abs().mean()))
+        with torch.inference_mode():
+            a, b = model.probabilities(torch.stack([from_png, from_jpeg])).argmax(dim=1).tolist()
+        agree += a == b
+    assert np.mean(diffs) < 8, f"JPEG vs PNG of the same picture: mean abs difference {np.mean(diffs):.1f}/255"
+    assert agree >= count - 2, f"the model answers differently for JPEG and PNG on {count - agree} of {count}"
+
+
+def test_shorter_side_then_center_crop_matches_torchvision_preprocessing() -> None:
+    """export.py takes resize/crop/filter from torchvision's weights metadata, so the served
+    input should be what torchvision's transforms give. torchvision sizes the long side with
+    int() (300 * 256 / 257 = 298.8 -> 298), the service with round() (-> 299): for a 257x300
+    photo every row is shifted/scaled by about half a pixel (mean |diff| ~5/255, max ~40)."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as tvf
+
+    from app.inference.export import input_spec_for
+
+    spec = input_spec_for("mobilenet_v3_small")
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (38, 33, 3), dtype=np.uint8)).resize(
+        (257, 300), Image.Resampling.BICUBIC
+    )
+    buffer = io.BytesIO()
+    photo.save(buffer, format="PNG")
+    ours = decode(buffer.getvalue(), spec, ImageLimits(1 << 22, 4_000_000)).float()
+    resized = tvf.resize(photo, spec.resize.resize_to, interpolation=InterpolationMode.BILINEAR, antialias=True)
+    theirs = tvf.pil_to_tensor(tvf.center_crop(resized, spec.height)).float()
+    assert float((ours - theirs).abs().mean()) < 1.0, float((ours - theirs).abs().mean())
