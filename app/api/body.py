@@ -10,7 +10,7 @@ from starlette.requests import ClientDisconnect
 
 from app.api.disconnect import ClientClosed
 from app.api.schemas import PredictRequest
-from app.errors import BadRequest, PayloadTooLarge, SchemaError, UnsupportedMediaType
+from app.errors import BadRequest, PayloadTooLarge, SchemaError, ServiceError, UnsupportedMediaType
 from app.inference.preprocess import ACCEPTED_FORMATS, base64_bytes
 
 IMAGE_TYPES = frozenset(ACCEPTED_FORMATS.values())
@@ -63,6 +63,22 @@ async def read_limited(request: Request, limit: int, code: str = "body_too_large
     return b"".join(chunks)  # one copy at most (none for a body that came in one piece)
 
 
+MAX_LISTED_ERRORS = 10
+
+
+def _body_error(exc: ValidationError) -> ServiceError:
+    """400 for JSON that does not parse, else 422 naming what is wrong. A body of thousands
+    of unknown keys has as many errors: listing them cost the event loop most of a second,
+    and the answer was larger than the body, so only a few are listed."""
+    count = exc.error_count()
+    if count > MAX_LISTED_ERRORS:  # not malformed JSON: that is one error
+        return SchemaError(f"the body has {count} schema errors; it takes image_base64 and, optionally, top_k")
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    if any(error["type"] == "json_invalid" for error in errors):
+        return BadRequest("the body is not valid JSON", code="invalid_json")
+    return SchemaError("; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors))
+
+
 async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes: int) -> ImageBody:
     """The image (and top_k) from a JSON body or from raw image bytes, by Content-Type."""
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -71,10 +87,7 @@ async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes
         try:
             parsed = PredictRequest.model_validate_json(raw)
         except ValidationError as exc:
-            if any(error["type"] == "json_invalid" for error in exc.errors()):
-                raise BadRequest("the body is not valid JSON", code="invalid_json") from exc
-            details = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-            raise SchemaError(details) from exc
+            raise _body_error(exc) from exc
         text = parsed.image_base64
         decoded_size = len(text) // 4 * 3 - text.count("=", -2)  # exact for valid base64
         if decoded_size > max_image_bytes:

@@ -121,7 +121,10 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
             refusal = None
             if app is self.app:  # not uvicorn's own 503 past ``limit_concurrency``
                 try:
-                    refusal = edge.refusal(scope, self.server_state.default_headers, cycle.keep_alive)
+                    # shut down already: this answer closes the connection (ClosingProtocol marks
+                    # the cycle only after this hook ran)
+                    keep_alive = cycle.keep_alive and not self._closing
+                    refusal = edge.refusal(scope, self.server_state.default_headers, keep_alive)
                 except Exception:  # a bug here must not cost the request its answer: the app gives it
                     log.exception("the edge failed on %s %s; the app serves it", scope["method"], scope["path"])
             if refusal is None:

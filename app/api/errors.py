@@ -62,11 +62,16 @@ async def service_error_response(request: Request, exc: Exception) -> JSONRespon
         log.error("request failed: %s", exc.code, exc_info=exc.__cause__ or exc)
         return envelope(request, 500, "internal_error", "internal server error")
     retry = retry_after(exc) if exc.status == 503 else None
-    return envelope(request, exc.status, exc.code, exc.message, retry_after_s=retry)
+    response = envelope(request, exc.status, exc.code, exc.message, retry_after_s=retry)
+    if exc.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
+        response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    if any(error.get("type") == "json_invalid" for error in exc.errors()):  # an admin body, say
+        return envelope(request, 400, "invalid_json", "the body is not valid JSON")
     details = [
         {"loc": list(error.get("loc", ())), "msg": error.get("msg", ""), "type": error.get("type", "")}
         for error in exc.errors()

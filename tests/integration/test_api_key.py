@@ -39,3 +39,11 @@ async def test_an_api_key_guards_prediction_but_not_probes(make_settings: Settin
         assert nbsp.status_code == 403
         for probe in ("/livez", "/readyz", "/healthz", "/metrics", "/v1/models"):
             assert (await running.client.get(probe)).status_code == 200, probe
+
+
+async def test_a_401_names_its_scheme(make_settings: SettingsFactory) -> None:
+    async with running_app(make_settings(server={"api_key": "k" * 24})) as running:
+        missing = await running.predict_png(sample_png(3))
+        wrong = await running.predict_png(sample_png(3), headers={"Authorization": "Bearer " + "w" * 24})
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"  # RFC 9110, 11.6.1
+    assert wrong.status_code == 403 and "www-authenticate" not in wrong.headers

@@ -196,6 +196,18 @@ async def test_validation_errors_carry_details(running: RunningApp) -> None:
     assert any(detail["loc"] == ["query", "top_k"] for detail in details), details
 
 
+async def test_a_body_of_many_unknown_fields_gets_a_short_answer(running: RunningApp) -> None:
+    # thousands of errors, one per field: the answer says how many, it does not list them all
+    fields = ",".join(f'"k{i}":0' for i in range(5_000))
+    body = f'{{"image_base64":"QUJD",{fields}}}'.encode()
+    response = await running.client.post("/predict", content=body, headers={"Content-Type": JSON})
+    assert response.status_code == 422 and response.json()["code"] == "validation_error"
+    assert "5000 schema errors" in response.json()["message"] and len(response.content) < 1024
+    few = await running.client.post("/predict", json={"image_base64": "QUJD", "extra": 1, "top_k": "3"})
+    assert few.status_code == 422
+    assert "extra: Extra inputs are not permitted" in few.json()["message"] and "top_k" in few.json()["message"]
+
+
 async def test_the_service_still_batches_after_all_bad_requests(running: RunningApp) -> None:
     """The module's cases ran first (file order): the batcher and the pool still serve concurrent work."""
     served = running.service.models[MODEL_NAME]

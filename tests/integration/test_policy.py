@@ -374,3 +374,17 @@ def test_a_config_file_that_is_not_toml_stops_serve_with_exit_code_2(
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     assert main(["serve"]) == 2
     assert "cannot be read" in capsys.readouterr().err
+
+
+async def test_malformed_json_to_the_admin_api_is_a_400_as_to_predict(make_settings: SettingsFactory) -> None:
+    headers = {**AUTH, "Content-Type": "application/json"}
+    async with running_app(admin_settings(make_settings)) as running:
+        answers = [
+            await running.client.request(method, path, content=b"{not json", headers=headers)
+            for method, path in (
+                ("POST", "/predict"),
+                ("PUT", "/admin/policy"),
+                ("PUT", f"/admin/models/{MODEL_NAME}/canary"),
+            )
+        ]
+    assert [(a.status_code, a.json()["code"]) for a in answers] == [(400, "invalid_json")] * 3

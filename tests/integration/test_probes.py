@@ -170,3 +170,12 @@ async def test_shutdown_drains_queued_requests(make_settings: SettingsFactory) -
     assert [r.status_code for r in responses] == [200, 200, 200]
     assert [top_label(r.json()) for r in responses] == ["0", "1", "2"]
     assert [r.json()["batch_size"] for r in responses] == [3, 3, 3]
+
+
+async def test_the_probes_answer_head_as_get(make_settings: SettingsFactory) -> None:
+    # RFC 9110: HEAD wherever GET is; balancers and uptime checks probe with it
+    async with running_app(make_settings()) as running:
+        for path in ("/livez", "/readyz", "/healthz"):
+            got, head = await running.client.get(path), await running.client.head(path)
+            assert head.status_code == got.status_code == 200 and head.content == b"", path
+            assert head.headers["content-length"] == got.headers["content-length"], path

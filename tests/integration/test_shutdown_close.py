@@ -232,3 +232,27 @@ async def test_a_request_whose_rest_never_comes_is_closed_after_a_bound(
         shut_down(running)
         assert await closed(reader), "closed without an answer once the bound passed"
         writer.close()
+
+
+async def _refused_after_shutdown(running: Served, tracing: bool) -> tuple[object, bool]:
+    stream = await kept_alive(running)  # answered a moment ago: kept open (QUIET_S) at shutdown
+    running.app.state.tracing = tracing  # True: the edge stands aside and the app answers
+    shut_down(running)
+    reader, writer = stream
+    writer.write(predict(X_Request_Timeout="1"))
+    head, _ = await asyncio.wait_for(read_response(reader), 10)
+    is_closed = await closed(reader)
+    writer.close()
+    return head, is_closed
+
+
+async def test_an_edge_refusal_after_shutdown_began_says_connection_close(make_settings: SettingsFactory) -> None:
+    # a shutdown without the drain (the service still ready: SIGINT, a second SIGTERM), and a
+    # request the edge refuses by prediction: its 503 must say close, as the app's does
+    async with served(make_settings()) as running:
+        by_app, app_closed = await _refused_after_shutdown(running, tracing=True)
+    async with served(make_settings()) as running:
+        at_edge, edge_closed = await _refused_after_shutdown(running, tracing=False)
+        assert running.reached == ["POST /predict"], "the refusal was the edge's"
+    assert by_app.status == at_edge.status == 503 and app_closed and edge_closed  # type: ignore[attr-defined]
+    assert by_app.headers.get("connection") == at_edge.headers.get("connection") == "close"  # type: ignore[attr-defined]

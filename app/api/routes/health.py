@@ -73,3 +73,8 @@ async def healthz(service: Service) -> JSONResponse:
         failure=service.failure,
     )
     return JSONResponse(report.model_dump(), status_code=200 if healthy else 503)
+
+
+# HEAD wherever GET is (RFC 9110, 9.1): balancers and uptime checks probe with it
+for _path, _probe in (("/livez", livez), ("/readyz", readyz), ("/healthz", healthz)):
+    router.add_api_route(_path, _probe, methods=["HEAD"], include_in_schema=False)
