@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import fcntl
+import json
 import logging
 import os
+import random
 import signal
 import socket
 import struct
@@ -30,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,9 @@ class ClosingProtocol(HttpToolsProtocol):
     """
 
     _receiving = False  # between a request's first byte and its end
+    _started: RequestResponseCycle | None = None  # the request whose app task started last
+    _invalid = False  # bytes that are not HTTP arrived: answered 400 after the requests before them
+    _half_closed = False  # the client sent EOF: answer what it sent, then close
     _closing = False  # shut down, answering what had begun to arrive before closing
     _bounded = False  # the wait is already LAST_REQUEST_S, the most a request gets
     _active_at = float("-inf")  # the loop's clock when the connection was opened or last answered
@@ -230,8 +235,76 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
-        super().on_response_complete()
+        super().on_response_complete()  # starts the next pipelined request, if any
+        if (self._invalid or self._half_closed) and not self._unanswered():
+            if self._invalid:
+                self._answer_invalid()
+            self.transport.close()
+            return
         self._close_if_answered()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: object) -> None:
+        self._started = cycle
+        super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+
+    def _unanswered(self) -> bool:
+        """A request on this connection is running, or waits behind one (pipelined)."""
+        return bool(self.pipeline) or (self._started is not None and not self._started.response_complete)
+
+    def data_received(self, data: bytes) -> None:
+        if self._invalid:
+            return  # past bytes that are not HTTP, nothing more is read as a request
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """Bytes that are not HTTP/1.1 (or a body longer than its Content-Length). uvicorn answers
+        a plain-text 400 at once and closes, even while a request before them, pipelined on the
+        same connection, is still being answered: the client read the 400 as that request's
+        answer. Here the requests before it are answered first, then the 400, in the envelope."""
+        if self._invalid:
+            return
+        self._invalid = True
+        self.transport.pause_reading()
+        broken = self.cycle if self.cycle is not None and self.cycle.more_body else None  # its body is what broke
+        if broken is not None and broken is not self._started:  # queued behind another: never run it
+            self.pipeline = type(self.pipeline)(entry for entry in self.pipeline if entry[0] is not broken)
+        if broken is not None and broken is self._started:
+            if broken.response_complete:  # answered already (refused at the edge before its body came)
+                self.transport.close()
+                return
+            self._answer_invalid()  # its own answer: the app, still waiting for the body, is cut off
+            self.transport.close()
+            return
+        if not self._unanswered():
+            self._answer_invalid()
+            self.transport.close()
+
+    def _answer_invalid(self) -> None:
+        if self.transport.is_closing():
+            return
+        request_id = f"{random.getrandbits(128):032x}"
+        body = json.dumps(
+            {"code": "invalid_http", "message": "the request is not valid HTTP/1.1", "request_id": request_id}
+        ).encode()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in [
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request_id.encode()),
+            (b"connection", b"close"),
+        ]:
+            head += [name, b": ", value, b"\r\n"]
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """The client closed its sending side (a half-close, RFC 9112 9.6): what it sent in full
+        is still answered, then the connection closes. A request cut off mid-body is not."""
+        cut_off = self.cycle is not None and self.cycle.more_body and not self.cycle.response_complete
+        if cut_off or not self._unanswered():
+            return None  # asyncio closes the transport: the app's request sees its client gone
+        self._half_closed = True
+        return True  # keep the transport open to write the answers
 
     def _close_if_answered(self) -> None:
         # answered before its body had all arrived (a refusal at the edge): closed once it has

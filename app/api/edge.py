@@ -128,7 +128,7 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                 except Exception:  # a bug here must not cost the request its answer: the app gives it
                     log.exception("the edge failed on %s %s; the app serves it", scope["method"], scope["path"])
             if refusal is None:
-                super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+                super()._start_asgi_task(cycle, app)
                 return
             cycle.keep_alive = refusal.keep_alive
             cycle.response_started = cycle.response_complete = True  # the body that follows is dropped

@@ -1,0 +1,102 @@
+"""Bytes that are not HTTP, and a client's half-close, under the real uvicorn on loopback.
+
+uvicorn answers a parse error with a plain-text 400 at once and closes, even while a request
+pipelined before the bad bytes is still being answered: the client took that 400 for its
+request's answer. And a client that half-closes after its request (``shutdown(SHUT_WR)``, as
+``nc -N`` and some proxies do) had the request cancelled unanswered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from app.bench.rawhttp import build_request, read_response
+from tests.conftest import SettingsFactory
+from tests.integration.test_edge import Served, predict, served
+from tests.support import sample_png
+
+GARBAGE = b"NOT A REQUEST\r\n\r\n"
+
+
+async def answers_then_close(running: Served, data: bytes, count: int) -> list[tuple[object, bytes]]:
+    """Send ``data`` on a fresh connection; read ``count`` answers, then expect the close."""
+    reader, writer = await running.connect()
+    try:
+        writer.write(data)
+        answers = [await asyncio.wait_for(read_response(reader), 10) for _ in range(count)]
+        assert await asyncio.wait_for(reader.read(), 10) == b"", "the connection closes after the 400"
+        return answers  # type: ignore[return-value]
+    finally:
+        writer.close()
+
+
+def is_invalid_http(head: object, body: bytes) -> bool:
+    envelope = json.loads(body)
+    return (
+        head.status == 400  # type: ignore[attr-defined]
+        and head.headers["content-type"] == "application/json"  # type: ignore[attr-defined]
+        and head.headers["connection"] == "close"  # type: ignore[attr-defined]
+        and envelope["code"] == "invalid_http"
+        and envelope["request_id"] == head.headers["x-request-id"]  # type: ignore[attr-defined]
+    )
+
+
+async def test_bytes_that_are_not_http_get_a_400_in_the_envelope(make_settings: SettingsFactory) -> None:
+    async with served(make_settings()) as running:
+        ((head, body),) = await answers_then_close(running, GARBAGE, 1)
+        assert running.reached == []
+    assert is_invalid_http(head, body)
+
+
+async def test_a_request_pipelined_before_bad_bytes_keeps_its_answer(make_settings: SettingsFactory) -> None:
+    async with served(make_settings()) as running:
+        (first, first_body), (second, second_body) = await answers_then_close(
+            running, predict(X_Request_ID="first-of-two") + GARBAGE, 2
+        )
+        assert running.reached == ["POST /predict"]
+    assert first.status == 200 and first.headers["x-request-id"] == "first-of-two"  # type: ignore[attr-defined]
+    assert json.loads(first_body)["predictions"][0]["label"] == "3"
+    assert is_invalid_http(second, second_body)
+
+
+async def test_a_body_longer_than_its_content_length_answers_the_request_then_the_rest(
+    make_settings: SettingsFactory,
+) -> None:
+    png = sample_png(3)
+    request = build_request(
+        "POST", "127.0.0.1", "/predict", {"Content-Type": "image/png", "X-Request-ID": "short"}, png
+    )
+    request = request.replace(f"Content-Length: {len(png)}".encode(), b"Content-Length: 10")
+    async with served(make_settings()) as running:
+        (first, first_body), (second, second_body) = await answers_then_close(running, request, 2)
+    # ten bytes of a PNG are not an image: that request's own answer, then the rest's 400
+    assert first.status == 400 and first.headers["x-request-id"] == "short"  # type: ignore[attr-defined]
+    assert json.loads(first_body)["code"] in {"undecodable_image", "unsupported_image"}
+    assert is_invalid_http(second, second_body)
+
+
+def _send_half_close_read(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)  # nothing more to send: the request stream has ended
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+        return received
+
+
+async def test_a_request_followed_by_a_half_close_is_answered(make_settings: SettingsFactory) -> None:
+    async with served(make_settings()) as running:
+        answer = await asyncio.to_thread(_send_half_close_read, running.port, predict(X_Request_ID="then-eof"))
+        assert running.reached == ["POST /predict"]
+    assert answer.startswith(b"HTTP/1.1 200") and b"then-eof" in answer, answer[:300]
+
+
+async def test_a_half_close_in_the_middle_of_a_body_ends_the_request(make_settings: SettingsFactory) -> None:
+    # the body can never arrive: the connection closes, and no answer pretends otherwise
+    partial = predict()[:-100]
+    async with served(make_settings()) as running:
+        answer = await asyncio.to_thread(_send_half_close_read, running.port, partial)
+    assert answer == b""
