@@ -45,6 +45,13 @@ class PayloadTooLarge(ServiceError):
     code = "payload_too_large"
 
 
+class LengthRequired(ServiceError):
+    """A body without a declared length where its size is checked before it is read (411)."""
+
+    status = 411
+    code = "length_required"
+
+
 class UnsupportedMediaType(ServiceError):
     """A Content-Type the endpoint does not take (415)."""
 

@@ -12,7 +12,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.errors import service_error_response
-from app.errors import Forbidden, PayloadTooLarge, ServiceError, Unauthorized
+from app.errors import Forbidden, LengthRequired, PayloadTooLarge, ServiceError, Unauthorized
 
 ADMIN_PREFIX = "/admin"
 MAX_ADMIN_BODY_BYTES = 64 << 10  # a policy or a canary split: a few hundred bytes
@@ -57,6 +57,8 @@ def admin_gate(scope: Scope, routes: Sequence[BaseRoute] = ()) -> ASGIApp | None
     authorization = headers.get(b"authorization")
     try:
         check_bearer(None if authorization is None else authorization.decode("latin-1"), expected, "an admin token")
+        if b"transfer-encoding" in headers:  # chunked: its size is known only once it is all read
+            raise LengthRequired("an admin request's body needs a Content-Length")
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > MAX_ADMIN_BODY_BYTES:
             raise PayloadTooLarge(

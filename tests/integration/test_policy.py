@@ -361,6 +361,11 @@ async def test_the_admin_token_is_checked_before_any_body_is_read(make_settings:
             "/admin/policy", headers={**AUTH, "Content-Type": "application/json"}, content=b" " * (1 << 20)
         )
         assert big.status_code == 413 and big.json()["code"] == "body_too_large"
+        pulled = 0
+        chunked = await running.client.put(
+            "/admin/policy", content=huge(), headers={**AUTH, "Content-Type": "application/json"}
+        )
+        assert chunked.status_code == 411 and chunked.json()["code"] == "length_required" and pulled < 64
         assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 4}})).is_success
 
 
