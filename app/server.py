@@ -184,7 +184,6 @@ class ClosingProtocol(HttpToolsProtocol):
     _receiving = False  # between a request's first byte and its end
     _started: RequestResponseCycle | None = None  # the request whose app task started last
     _invalid = False  # bytes that are not HTTP arrived: answered 400 after the requests before them
-    _half_closed = False  # the client sent EOF: answer what it sent, then close
     _closing = False  # shut down, answering what had begun to arrive before closing
     _bounded = False  # the wait is already LAST_REQUEST_S, the most a request gets
     _active_at = float("-inf")  # the loop's clock when the connection was opened or last answered
@@ -236,9 +235,8 @@ class ClosingProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
         super().on_response_complete()  # starts the next pipelined request, if any
-        if (self._invalid or self._half_closed) and not self._unanswered():
-            if self._invalid:
-                self._answer_invalid()
+        if self._invalid and not self._unanswered():
+            self._answer_invalid()
             self.transport.close()
             return
         self._close_if_answered()
@@ -296,15 +294,6 @@ class ClosingProtocol(HttpToolsProtocol):
         ]:
             head += [name, b": ", value, b"\r\n"]
         self.transport.write(b"".join([*head, b"\r\n", body]))
-
-    def eof_received(self) -> bool | None:  # type: ignore[override]
-        """The client closed its sending side (a half-close, RFC 9112 9.6): what it sent in full
-        is still answered, then the connection closes. A request cut off mid-body is not."""
-        cut_off = self.cycle is not None and self.cycle.more_body and not self.cycle.response_complete
-        if cut_off or not self._unanswered():
-            return None  # asyncio closes the transport: the app's request sees its client gone
-        self._half_closed = True
-        return True  # keep the transport open to write the answers
 
     def _close_if_answered(self) -> None:
         # answered before its body had all arrived (a refusal at the edge): closed once it has
