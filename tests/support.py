@@ -242,7 +242,7 @@ async def wait_queued(running: RunningApp, lane: Lane, depth: int, timeout: floa
     """
     batcher = running.service.models[MODEL_NAME].batcher
     async with asyncio.timeout(timeout):
-        while batcher.depth(lane) != depth:  # noqa: ASYNC110 - nothing to wait on but the depth
+        while batcher.queued(lane) != depth:  # noqa: ASYNC110 - nothing to wait on but the depth
             await asyncio.sleep(0.002)
 
 

@@ -288,6 +288,10 @@ class DualWindowBatcher(Generic[P, R]):
         being read or decoded."""
         return self._ahead(lane)
 
+    def queued(self, lane: Lane) -> int:
+        """The requests in the queue itself, waiting for a batch."""
+        return self._queues[lane].waiting
+
     def start(self) -> None:
         """Start dispatching. The dispatcher and its batches run in a context of their own: started
         while a request is served (a version loaded through the admin API), they would otherwise

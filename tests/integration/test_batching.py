@@ -84,7 +84,7 @@ class Recorder:
         """One normal request per tag, each queued before the next is sent, so queue order is tag order."""
         tasks = []
         for i, tag in enumerate(tags):
-            depth = self.running.service.models[MODEL_NAME].batcher.depth(Lane.NORMAL)
+            depth = self.running.service.models[MODEL_NAME].batcher.queued(Lane.NORMAL)
             tasks.append(self.send(tag, i % 10))
             await wait_queued(self.running, Lane.NORMAL, depth + 1)
         return tasks
