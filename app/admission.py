@@ -27,10 +27,12 @@ class DecodeBacklog:
         self._decode_s: float | None = None
 
     def wait_s(self, lane: Lane) -> float:
-        """Seconds a new image of ``lane`` would take to come out of the decode threads (0 until measured)."""
-        if self._decode_s is None:
-            return 0.0
+        """Seconds a new image of ``lane`` would take to come out of the decode threads: 0 until
+        measured, and 0 with none ahead of it (a stale estimate, one slow decode's, must not
+        refuse the requests that would measure it again)."""
         ahead = self._waiting[Lane.URGENT] + (self._waiting[Lane.NORMAL] if lane is Lane.NORMAL else 0)
+        if self._decode_s is None or ahead == 0:
+            return 0.0
         return (ahead + 1) * self._decode_s / self._threads
 
     def record(self, decode_s: float) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from app.batching.clock import Clock, MonotonicClock, Timer
+from app.batching.cost import BatchCost
 from app.batching.observer import BatchObserver, NullObserver
 from app.batching.policy import BatchPlan, BatchPolicy, Lane, LanePolicy, LaneState, fills, next_wakeup, plan_batch
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
@@ -130,7 +131,7 @@ class DualWindowBatcher(Generic[P, R]):
         # moving estimates of one batch's run time, by the lane that formed it: with a thread
         # for urgent batches only (and the others niced), urgent batches run apart and faster,
         # and one estimate for both made normal waits look short and admitted too many
-        self._batch_s: dict[Lane, float | None] = {Lane.URGENT: None, Lane.NORMAL: None}
+        self._cost = {Lane.URGENT: BatchCost(), Lane.NORMAL: BatchCost()}  # run time by batch size
         self.batches = 0
 
     @property
@@ -155,6 +156,7 @@ class DualWindowBatcher(Generic[P, R]):
         """A batch of ``failed_size`` ran out of device memory: cap batches below it."""
         self._ceiling = max(1, min(failed_size // 2, self._ceiling or failed_size))
         self._calm_batches = 0
+        self._wakeup.set()  # a lane may be full at the new cap: it goes now, not at its window
         log.warning("%s: batch ceiling lowered to %d after a failure at %d", self._name, self._ceiling, failed_size)
 
     def _effective_policy(self) -> BatchPolicy:
@@ -166,6 +168,17 @@ class DualWindowBatcher(Generic[P, R]):
             urgent_fill=self._policy.urgent_fill,
             admission_headroom=self._policy.admission_headroom,
         )
+
+    def _idle(self, lane: Lane) -> bool:
+        """Nothing admitted ahead of a request in ``lane`` and nothing running where it would:
+        it waits for nothing but its own window and batch. Admission takes it whatever the
+        estimates say: refused, it would leave them as they are, stale after one slow batch
+        or one slow decode, and refusing everyone behind it for good."""
+        if self._ahead_of(lane):
+            return False
+        if lane is Lane.URGENT and self._urgent_in_flight:
+            return self._running[Lane.URGENT] == 0
+        return not self._in_flight
 
     def _calm(self, size: int) -> None:
         # only a batch full at the cap shows that the cap fits: small ones prove nothing, and a
@@ -179,15 +192,21 @@ class DualWindowBatcher(Generic[P, R]):
             self._calm_batches = 0
             log.info("%s: batch ceiling raised to %s", self._name, self._ceiling or "the policy's max")
 
-    def batch_s(self, lane: Lane) -> float | None:
-        """The moving estimate of a batch's run time in ``lane`` (the other lane's until it has one)."""
-        other = Lane.NORMAL if lane is Lane.URGENT else Lane.URGENT
-        return self._batch_s[lane] if self._batch_s[lane] is not None else self._batch_s[other]
+    def batch_s(self, lane: Lane, size: int | None = None) -> float | None:
+        """The estimated run time of a batch of ``size`` in ``lane`` (``None``: the moving mean,
+        whatever the sizes), the other lane's until it has its own; ``None`` before any batch."""
+        cost = (
+            self._cost[lane]
+            if self._cost[lane].seen
+            else self._cost[Lane.NORMAL if lane is Lane.URGENT else Lane.URGENT]
+        )
+        if not cost.seen:
+            return None
+        return cost.mean_s if size is None else cost.seconds(size)
 
-    def observe_batch(self, lane: Lane, run_s: float) -> None:
-        """Fold a batch's run time into its lane's moving estimate."""
-        before = self._batch_s[lane]
-        self._batch_s[lane] = run_s if before is None else 0.8 * before + 0.2 * run_s
+    def observe_batch(self, lane: Lane, run_s: float, size: int) -> None:
+        """Fold a batch's run time, at its size, into its lane's moving estimate."""
+        self._cost[lane].observe(size, run_s)
 
     def predicted_wait(self, lane: Lane) -> float | None:
         """Seconds until a request submitted now to ``lane`` would be answered, if known.
@@ -196,9 +215,11 @@ class DualWindowBatcher(Generic[P, R]):
         running now, shared among the batches that run at once, times the measured batch
         latency, plus the lane's window.
         """
-        if (batch_s := self.batch_s(lane)) is None:
-            return None
         policy = self._effective_policy()
+        ahead = self._ahead_of(lane)
+        # a round's batch: full when enough wait ahead, else what is there and this request
+        if (batch_s := self.batch_s(lane, min(policy.lane(lane).max_batch, ahead + 1))) is None:
+            return None
         # the batches ahead, each lane's requests in its own batch size (whole batches: those
         # of one lane may complete another's last)
         urgent, normal = policy.urgent.max_batch, policy.normal.max_batch
@@ -233,6 +254,10 @@ class DualWindowBatcher(Generic[P, R]):
     def _ahead(self, lane: Lane) -> int:
         return self._queues[lane].waiting + self._reserved[lane]
 
+    def _ahead_of(self, lane: Lane) -> int:
+        """The requests a new one in ``lane`` would wait behind: urgent ones are ahead of all."""
+        return self._ahead(Lane.URGENT) + (self._ahead(Lane.NORMAL) if lane is Lane.NORMAL else 0)
+
     def admit(
         self,
         lane: Lane,
@@ -260,10 +285,16 @@ class DualWindowBatcher(Generic[P, R]):
         if self._ahead(lane) >= self._policy.lane(lane).max_queue:
             self._observer.on_rejected(lane, "queue_full")
             raise QueueFull(f"the {lane.value} queue is full")
-        # None until a batch has been timed: no estimate, no refusal
-        wait = self.predicted_wait(lane) if predict else None
-        if wait is not None and upstream_s > 0:
-            wait = max(wait, upstream_s + self._effective_policy().lane(lane).window_s + (self.batch_s(lane) or 0.0))
+        # None until a batch has been timed: no estimate, no refusal. With nothing ahead of it
+        # in the batcher, its wait is its window and the decodes ahead of it, if any: no batch
+        # estimate refuses it (it is the probe that keeps those current)
+        alone = self.batch_s(lane, 1) if predict else None  # its own batch, when nothing is ahead
+        wait = None
+        if alone is not None:
+            window = self._effective_policy().lane(lane).window_s
+            wait = window if self._idle(lane) else self.predicted_wait(lane)
+            if upstream_s > 0:  # the images ahead of it in the decode threads
+                wait = max(wait or 0.0, upstream_s + window + alone)
         if wait is not None and wait > self._policy.admission_headroom * timeout_s:
             self._observer.on_rejected(lane, "would_miss_deadline")
             raise WouldMissDeadline(
@@ -346,8 +377,7 @@ class DualWindowBatcher(Generic[P, R]):
         try:
             while True:
                 self._wakeup.clear()
-                if self._urgent_in_flight and urgent.waiting and not self._may_start(Lane.URGENT):
-                    self._urgent_waited = True  # these urgent requests wait for a busy urgent thread
+                self._track_urgent_wait(urgent.waiting)
                 if not (self._may_start(Lane.URGENT) or self._may_start(Lane.NORMAL)):
                     await self._wakeup.wait()  # a batch finishing sets it
                     continue
@@ -375,11 +405,19 @@ class DualWindowBatcher(Generic[P, R]):
             if self._in_flight:
                 await asyncio.wait(set(self._in_flight))
 
+    def _track_urgent_wait(self, waiting: int) -> None:
+        if not waiting:  # those that waited are gone (taken, expired, cancelled)
+            self._urgent_waited = False
+        elif self._urgent_in_flight and not self._may_start(Lane.URGENT):
+            self._urgent_waited = True  # these urgent requests wait for a busy urgent thread
+
     def _plan(self, u_state: LaneState, n_state: LaneState, policy: BatchPolicy) -> BatchPlan | None:
         """The batch the rules pick now; a normal one when the urgent threads are busy."""
         now, backlog, upstream = self._clock.now(), self._max_in_flight, self._reserved[Lane.NORMAL]
         riders = not self._urgent_waited
-        plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream)
+        # an urgent batch on the last worker the normal lane shares with it takes its turn
+        shared_last = not self._urgent_in_flight and len(self._in_flight) + 1 >= self._max_in_flight
+        plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream, shared_last)
         if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
             # the urgent threads are busy: a ready normal batch need not wait for them
             plan = plan_batch(LaneState(), n_state, policy, now, self._flush, backlog_batches=backlog)
@@ -418,7 +456,7 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
-            self.observe_batch(plan.lane, run_s)
+            self.observe_batch(plan.lane, run_s, len(batch))
             self._report(plan, batch, started, run_s, ok=True)
             self._calm(len(batch))
             for item, output in zip(batch, outputs, strict=True):

@@ -134,6 +134,7 @@ def plan_batch(
     backlog_batches: int = 1,
     riders: bool = True,
     normal_backlog: int = 0,
+    due_riders: bool = False,
 ) -> BatchPlan | None:
     """The next batch to run, urgent first; ``None`` when no lane is ready.
 
@@ -143,13 +144,18 @@ def plan_batch(
     ``backlog`` the seats fill whenever the rule holds: the service is behind, and throughput
     comes first. ``normal_backlog`` is how many normal requests were admitted and are not
     queued yet (their images decoding): the fill rule's backlog is those and the queue's.
+    ``due_riders``: the urgent batch takes the device a normal batch would have had (they share
+    it, and it is the last free one), so a normal lane whose window has closed rides in its free
+    seats whatever the fill rule: under steady urgent traffic it would otherwise never run.
     """
     if is_ready(urgent, policy.urgent, now, flush):
         take = min(urgent.waiting, policy.urgent.max_batch)
         seats = policy.urgent.max_batch - take
         takes_riders = riders or policy.urgent_fill is UrgentFill.BACKLOG
         backlog = normal.waiting + normal_backlog
-        fill = min(seats, normal.waiting) if takes_riders and fills(policy, backlog, backlog_batches) else 0
+        rule = takes_riders and fills(policy, backlog, backlog_batches)
+        due = due_riders and is_ready(normal, policy.normal, now, flush)
+        fill = min(seats, normal.waiting) if rule or due else 0
         return BatchPlan(Lane.URGENT, take, fill)
     if is_ready(normal, policy.normal, now, flush):
         return BatchPlan(Lane.NORMAL, 0, min(normal.waiting, policy.normal.max_batch))

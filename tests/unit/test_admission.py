@@ -187,7 +187,8 @@ async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
         runner, BatchPolicy(*lanes, admission_headroom=0.5), clock=clock, observer=recorder
     )
     batcher.start()
-    await run_one_timed_batch(batcher, clock, runner)  # predicted wait now 25 + 100 ms
+    await run_one_timed_batch(batcher, clock, runner)
+    batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # one ahead (decoding): predicted wait now 25 + 100 ms
     batcher.admit(Lane.NORMAL, 0.25)  # 125 ms is half of 250
     with pytest.raises(WouldMissDeadline):
         batcher.admit(Lane.NORMAL, 0.2)  # 125 ms is more than half of 200
@@ -198,9 +199,9 @@ async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
 
 async def test_each_lane_predicts_with_its_own_batches_run_time() -> None:
     batcher, _, _, _ = make()
-    batcher.observe_batch(Lane.URGENT, 0.01)  # urgent batches run apart, on their own thread
-    batcher.observe_batch(Lane.NORMAL, 0.2)
-    batcher.observe_batch(Lane.NORMAL, 0.1)
+    batcher.observe_batch(Lane.URGENT, 0.01, 4)  # urgent batches run apart, on their own thread
+    batcher.observe_batch(Lane.NORMAL, 0.2, 4)
+    batcher.observe_batch(Lane.NORMAL, 0.1, 4)
     assert batcher.batch_s(Lane.URGENT) == pytest.approx(0.01)
     assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
     assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(0.025 + 0.18)
@@ -248,7 +249,7 @@ async def test_urgent_requests_ahead_count_in_urgent_sized_batches() -> None:
     policy = BatchPolicy(LanePolicy(2 * MS, 2, 64), LanePolicy(25 * MS, 8, 64))
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, observer=recorder)
     batcher.start()
-    batcher.observe_batch(Lane.NORMAL, 0.1)
+    batcher.observe_batch(Lane.NORMAL, 0.1, 8)
     for _ in range(4):  # two urgent batches of two, ahead of any normal request
         batcher.admit(Lane.URGENT, 10.0, reserve=True)
     assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 3 * 0.1)
