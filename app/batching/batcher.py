@@ -16,15 +16,15 @@ import contextvars
 import functools
 import logging
 import math
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from app.batching.clock import Clock, MonotonicClock, Timer
+from app.batching.ceiling import Ceiling
+from app.batching.clock import Clock, MonotonicClock
 from app.batching.cost import BatchCost
 from app.batching.observer import BatchObserver, NullObserver
-from app.batching.policy import BatchPlan, BatchPolicy, Lane, LanePolicy, LaneState, fills, next_wakeup, plan_batch
+from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, fills, next_wakeup, plan_batch
+from app.batching.queue import Completed, LaneQueue, Pending
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 
 log = logging.getLogger(__name__)
@@ -34,58 +34,6 @@ R = TypeVar("R")
 
 Runner = Callable[[Sequence[P]], Awaitable[Sequence[R]]]
 """Runs one batch: one output per input, in order. Raising fails exactly that batch."""
-
-
-@dataclass(frozen=True)
-class Completed(Generic[R]):
-    """A request's answer and how it got there."""
-
-    output: R
-    lane: Lane
-    batch_lane: Lane
-    batch_size: int
-    queued_s: float
-    run_s: float
-
-
-@dataclass(eq=False)
-class _Pending(Generic[P, R]):
-    payload: P
-    lane: Lane
-    enqueued_at: float
-    future: asyncio.Future[Completed[R]]
-    timer: Timer | None = None
-    queued: bool = True
-    batched: bool = False  # taken into a batch (from then on, the runner reports it left out)
-
-
-@dataclass(eq=False)
-class _Queue(Generic[P, R]):
-    items: deque[_Pending[P, R]] = field(default_factory=deque)
-    waiting: int = 0  # live requests; done ones are removed lazily from the deque
-
-    def drop(self, item: _Pending[P, R]) -> None:
-        if item.queued:
-            item.queued = False
-            self.waiting -= 1
-
-    def prune_head(self) -> None:
-        while self.items and (not self.items[0].queued or self.items[0].future.done()):
-            self.drop(self.items.popleft())
-
-    def state(self) -> LaneState:
-        self.prune_head()
-        return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None)
-
-    def take(self, count: int) -> list[_Pending[P, R]]:
-        taken: list[_Pending[P, R]] = []
-        while self.items and len(taken) < count:
-            item = self.items.popleft()
-            if item.queued and not item.future.done():
-                item.batched = True
-                taken.append(item)
-            self.drop(item)
-        return taken
 
 
 class DualWindowBatcher(Generic[P, R]):
@@ -111,7 +59,7 @@ class DualWindowBatcher(Generic[P, R]):
         self._policy = policy
         self._clock: Clock = clock or MonotonicClock()
         self._name = name
-        self._queues: dict[Lane, _Queue[P, R]] = {Lane.URGENT: _Queue(), Lane.NORMAL: _Queue()}
+        self._queues: dict[Lane, LaneQueue[P, R]] = {Lane.URGENT: LaneQueue(), Lane.NORMAL: LaneQueue()}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._accepting = False
@@ -125,9 +73,7 @@ class DualWindowBatcher(Generic[P, R]):
         # depends on its size, the seats fill as the rule says.)
         self._urgent_waited = False
         self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
-        self._ceiling: int | None = None  # lowered under device memory pressure
-        self._calm_batches = 0
-        self.recovery_batches = 32  # successful batches before a lowered ceiling doubles again
+        self._ceiling = Ceiling(name)  # lowered under device memory pressure
         # moving estimates of one batch's run time, by the lane that formed it: with a thread
         # for urgent batches only (and the others niced), urgent batches run apart and faster,
         # and one estimate for both made normal waits look short and admitted too many
@@ -150,24 +96,23 @@ class DualWindowBatcher(Generic[P, R]):
     @property
     def ceiling(self) -> int | None:
         """The batch size cap set by memory pressure, if any."""
-        return self._ceiling
+        return self._ceiling.value
+
+    @property
+    def recovery_batches(self) -> int:
+        return self._ceiling.recovery_batches
+
+    @recovery_batches.setter
+    def recovery_batches(self, batches: int) -> None:
+        self._ceiling.recovery_batches = batches
 
     def lower_ceiling(self, failed_size: int) -> None:
         """A batch of ``failed_size`` ran out of device memory: cap batches below it."""
-        self._ceiling = max(1, min(failed_size // 2, self._ceiling or failed_size))
-        self._calm_batches = 0
+        self._ceiling.lower(failed_size)
         self._wakeup.set()  # a lane may be full at the new cap: it goes now, not at its window
-        log.warning("%s: batch ceiling lowered to %d after a failure at %d", self._name, self._ceiling, failed_size)
 
     def _effective_policy(self) -> BatchPolicy:
-        if self._ceiling is None:
-            return self._policy
-        return BatchPolicy(
-            urgent=_capped(self._policy.urgent, self._ceiling),
-            normal=_capped(self._policy.normal, self._ceiling),
-            urgent_fill=self._policy.urgent_fill,
-            admission_headroom=self._policy.admission_headroom,
-        )
+        return self._ceiling.cap(self._policy)
 
     def _idle(self, lane: Lane) -> bool:
         """Nothing admitted ahead of a request in ``lane`` and nothing running where it would:
@@ -179,18 +124,6 @@ class DualWindowBatcher(Generic[P, R]):
         if lane is Lane.URGENT and self._urgent_in_flight:
             return self._running[Lane.URGENT] == 0
         return not self._in_flight
-
-    def _calm(self, size: int) -> None:
-        # only a batch full at the cap shows that the cap fits: small ones prove nothing, and a
-        # larger one was formed before the cap (the batch that failed, once its halves ran)
-        if self._ceiling is None or size != self._ceiling:
-            return
-        self._calm_batches += 1
-        if self._calm_batches >= self.recovery_batches:
-            largest = max(self._policy.urgent.max_batch, self._policy.normal.max_batch)
-            self._ceiling = None if self._ceiling * 2 >= largest else self._ceiling * 2
-            self._calm_batches = 0
-            log.info("%s: batch ceiling raised to %s", self._name, self._ceiling or "the policy's max")
 
     def batch_s(self, lane: Lane, size: int | None = None) -> float | None:
         """The estimated run time of a batch of ``size`` in ``lane`` (``None``: the moving mean,
@@ -348,7 +281,7 @@ class DualWindowBatcher(Generic[P, R]):
         queue = self._queues[lane]
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
-        item: _Pending[P, R] = _Pending(payload, lane, now, future)
+        item: Pending[P, R] = Pending(payload, lane, now, future)
         item.timer = self._clock.call_at(now + timeout_s, lambda: self._expire(item))
         future.add_done_callback(lambda _: self._settled(item))
         queue.items.append(item)
@@ -360,11 +293,11 @@ class DualWindowBatcher(Generic[P, R]):
             if not future.done():  # our caller was cancelled: drop the request
                 future.cancel()
 
-    def _expire(self, item: _Pending[P, R]) -> None:
+    def _expire(self, item: Pending[P, R]) -> None:
         if not item.future.done():
             item.future.set_exception(DeadlineExceeded("the request's deadline passed before it was computed"))
 
-    def _settled(self, item: _Pending[P, R]) -> None:
+    def _settled(self, item: Pending[P, R]) -> None:
         if item.timer is not None:
             item.timer.cancel()
         if not item.batched:  # it left before being batched: cancelled by its caller, or expired
@@ -423,7 +356,7 @@ class DualWindowBatcher(Generic[P, R]):
             plan = plan_batch(LaneState(), n_state, policy, now, self._flush, backlog_batches=backlog)
         return plan
 
-    def _start_batch(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
+    def _start_batch(self, plan: BatchPlan, batch: list[Pending[P, R]]) -> None:
         if not batch:
             return
         if plan.lane is Lane.URGENT:
@@ -438,7 +371,7 @@ class DualWindowBatcher(Generic[P, R]):
         self._running[lane] -= 1
         self._wakeup.set()
 
-    async def _execute(self, plan: BatchPlan, batch: list[_Pending[P, R]]) -> None:
+    async def _execute(self, plan: BatchPlan, batch: list[Pending[P, R]]) -> None:
         started = self._clock.now()
         self.batches += 1
         try:
@@ -458,7 +391,7 @@ class DualWindowBatcher(Generic[P, R]):
             run_s = self._clock.now() - started
             self.observe_batch(plan.lane, run_s, len(batch))
             self._report(plan, batch, started, run_s, ok=True)
-            self._calm(len(batch))
+            self._ceiling.calm(len(batch), self._policy)
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
                     item.future.set_result(
@@ -468,13 +401,13 @@ class DualWindowBatcher(Generic[P, R]):
         self._report(plan, batch, started, self._clock.now() - started, ok=False)
         self._fail(batch, error)
 
-    def _report(self, plan: BatchPlan, batch: Sequence[_Pending[P, R]], started: float, run_s: float, ok: bool) -> None:
+    def _report(self, plan: BatchPlan, batch: Sequence[Pending[P, R]], started: float, run_s: float, ok: bool) -> None:
         waits = [(item.lane, started - item.enqueued_at) for item in batch]
         capacity = self._effective_policy().lane(plan.lane).max_batch
         self._observer.on_batch(plan.lane, len(batch), capacity, waits, run_s, ok)
 
     @staticmethod
-    def _fail(batch: Sequence[_Pending[P, R]], error: BaseException) -> None:
+    def _fail(batch: Sequence[Pending[P, R]], error: BaseException) -> None:
         for item in batch:
             if not item.future.done():
                 item.future.set_exception(error)
@@ -495,8 +428,3 @@ class DualWindowBatcher(Generic[P, R]):
         finally:
             for queue in self._queues.values():
                 self._fail(queue.take(queue.waiting), Draining("the service shut down before this request ran"))
-
-
-def _capped(lane: LanePolicy, ceiling: int) -> LanePolicy:
-    size = min(lane.max_batch, ceiling)
-    return LanePolicy(lane.window_s, size, max(lane.max_queue, size))

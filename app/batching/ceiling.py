@@ -1,0 +1,58 @@
+"""The batch ceiling under device memory pressure.
+
+A batch that ran out of device memory caps every lane's batches below its size. Only batches
+full at the cap show that the cap fits (small ones prove nothing, and a larger one was formed
+before the cap: the batch that failed, once its halves ran), and after ``recovery_batches``
+of them the cap doubles, until it reaches the policy's own sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from app.batching.policy import BatchPolicy, LanePolicy
+
+log = logging.getLogger(__name__)
+
+
+class Ceiling:
+    """The cap on batch sizes set by memory pressure (``value``; ``None``: the policy's own)."""
+
+    def __init__(self, name: str, recovery_batches: int = 32) -> None:
+        self._name = name
+        self.value: int | None = None
+        self.recovery_batches = recovery_batches
+        self._calm = 0
+
+    def lower(self, failed_size: int) -> None:
+        self.value = max(1, min(failed_size // 2, self.value or failed_size))
+        self._calm = 0
+        log.warning("%s: batch ceiling lowered to %d after a failure at %d", self._name, self.value, failed_size)
+
+    def calm(self, size: int, policy: BatchPolicy) -> None:
+        """A batch of ``size`` ran without failing."""
+        if self.value is None or size != self.value:
+            return
+        self._calm += 1
+        if self._calm >= self.recovery_batches:
+            largest = max(policy.urgent.max_batch, policy.normal.max_batch)
+            self.value = None if self.value * 2 >= largest else self.value * 2
+            self._calm = 0
+            log.info("%s: batch ceiling raised to %s", self._name, self.value or "the policy's max")
+
+    def cap(self, policy: BatchPolicy) -> BatchPolicy:
+        """``policy`` with both lanes' batches (and queues, to stay valid) under the ceiling."""
+        if self.value is None:
+            return policy
+        ceiling = self.value
+        return dataclasses.replace(
+            policy,
+            urgent=_capped(policy.urgent, ceiling),
+            normal=_capped(policy.normal, ceiling),
+        )
+
+
+def _capped(lane: LanePolicy, ceiling: int) -> LanePolicy:
+    size = min(lane.max_batch, ceiling)
+    return LanePolicy(lane.window_s, size, max(lane.max_queue, size))

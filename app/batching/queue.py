@@ -1,0 +1,70 @@
+"""What waits in a lane: each request's future and timer, and the lane's queue of them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from app.batching.clock import Timer
+from app.batching.policy import Lane, LaneState
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Completed(Generic[R]):
+    """A request's answer and how it got there."""
+
+    output: R
+    lane: Lane
+    batch_lane: Lane
+    batch_size: int
+    queued_s: float
+    run_s: float
+
+
+@dataclass(eq=False)
+class Pending(Generic[P, R]):
+    """One submitted request, from its queueing to its answer."""
+
+    payload: P
+    lane: Lane
+    enqueued_at: float
+    future: asyncio.Future[Completed[R]]
+    timer: Timer | None = None
+    queued: bool = True
+    batched: bool = False  # taken into a batch (from then on, the runner reports it left out)
+
+
+@dataclass(eq=False)
+class LaneQueue(Generic[P, R]):
+    """A lane's requests in arrival order; those answered meanwhile leave lazily."""
+
+    items: deque[Pending[P, R]] = field(default_factory=deque)
+    waiting: int = 0  # live requests; done ones are removed lazily from the deque
+
+    def drop(self, item: Pending[P, R]) -> None:
+        if item.queued:
+            item.queued = False
+            self.waiting -= 1
+
+    def prune_head(self) -> None:
+        while self.items and (not self.items[0].queued or self.items[0].future.done()):
+            self.drop(self.items.popleft())
+
+    def state(self) -> LaneState:
+        self.prune_head()
+        return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None)
+
+    def take(self, count: int) -> list[Pending[P, R]]:
+        taken: list[Pending[P, R]] = []
+        while self.items and len(taken) < count:
+            item = self.items.popleft()
+            if item.queued and not item.future.done():
+                item.batched = True
+                taken.append(item)
+            self.drop(item)
+        return taken
