@@ -22,7 +22,7 @@ def build() -> tuple[DualWindowBatcher[int, int], FakeClock, FakeRunner]:
     policy = BatchPolicy(
         LanePolicy(2 * MS, 4, 64),
         LanePolicy(25 * MS, 4, 64),
-        admission_headroom=0.5,  # the shipped headroom
+        admission_headroom=0.5,
     )
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock)
     batcher.start()
