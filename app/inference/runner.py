@@ -193,12 +193,12 @@ class ModelRunner:
         """The CPU fallback takes over for good, and computes what the device could not."""
         assert self._fallback is not None
         log.error("the device failed %d batches in a row: serving from the CPU fallback", self.failures)
+        load, self._fallback = self._fallback, None  # once: there is no fallback from the fallback
         try:
-            fallback = self._fallback()
+            fallback = load()
         except Exception:
             # it would fail the same way again, seconds on the device thread for every batch
             log.exception("the CPU fallback did not load: the model stays unavailable")
-            self._fallback = None
             batch.reason = "the device failed, and the CPU fallback could not load"
             return
         failed, self.model = self.model, fallback

@@ -302,3 +302,17 @@ def test_batches_failing_at_once_on_two_threads_bring_one_fallback(model: Layere
     assert len(answers) == 2 and all(a is not None and type(a).__name__ == "TopK" for batch in answers for a in batch)
     assert loads == [1], "the second failure waited, saw the fallback in place, and used it"
     assert runner.degraded and runner.failures == 0
+
+
+def test_a_fallback_that_fails_too_is_not_replaced_by_another_copy(model: LayeredModel, device: DeviceThread) -> None:
+    loads: list[int] = []
+
+    def fallback() -> Faulty:
+        loads.append(1)
+        return Faulty(model, always=True)  # the CPU copy runs out of memory as well
+
+    runner = ModelRunner(Faulty(model, always=True), device, top_k=3, fallback=fallback, fallback_after=1)  # type: ignore[arg-type]
+    for _ in range(3):
+        with pytest.raises(DeviceUnavailable):
+            runner.run_sync(images(model, 1))
+    assert loads == [1] and runner.degraded, "one fallback, for good: no copy of a copy for every failure"
