@@ -132,6 +132,7 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                 return
             cycle.keep_alive = refusal.keep_alive
             cycle.response_started = cycle.response_complete = True  # the body that follows is dropped
+            self._started = cycle  # answered: bytes after it that are not HTTP close, not answer it again
             self.transport.write(refusal.response)
             if not cycle.keep_alive:
                 self.transport.close()

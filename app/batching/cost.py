@@ -4,9 +4,10 @@ A single moving mean of batch run times is wrong whenever the sizes change. Afte
 spell of batches of one, a burst's full batches were priced at a batch of one: on a CPU,
 where a batch costs about its size times an image, requests were admitted that then expired.
 So the cost is a line, ``fixed + per_image * size``, fitted to moving means of the sizes and
-times seen. Until sizes vary enough to fit one, it is read conservatively: a batch no larger
-than those seen costs what they cost (a GPU's small batches cost about as much as its full
-ones), and a larger one costs proportionally more (a CPU's do).
+times seen, and kept through their means with neither part negative. Until sizes vary enough
+to fit one, it is read conservatively: a batch no larger than those seen costs what they cost
+(a GPU's small batches cost about as much as its full ones), and a larger one costs
+proportionally more (a CPU's do).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT = 0.2  # of each new batch in the moving means
-SPREAD = 0.25  # the sizes' standard deviation, in images, that makes a fitted line worth trusting
+# the sizes' spread (standard deviation over mean) that makes a fitted line worth trusting: at
+# steady sizes (15 and 16 at saturation) the times' jitter would make the slope anything
+SPREAD = 0.25
 
 
 @dataclass
@@ -48,8 +51,9 @@ class BatchCost:
         if not self.seen:
             return 0.0
         variance = self._size2 - self._size * self._size
-        if variance < SPREAD * SPREAD:  # one size, in effect: no line to fit
+        if variance < (SPREAD * self._size) ** 2:  # one size, in effect: no line to fit
             return self._time * max(1.0, size / max(self._size, 1.0))
-        per_image = max(0.0, (self._size_time - self._size * self._time) / variance)
-        fixed = max(0.0, self._time - per_image * self._size)
+        # the line through the means; its parts never negative, and still through the means
+        per_image = min(max(0.0, (self._size_time - self._size * self._time) / variance), self._time / self._size)
+        fixed = self._time - per_image * self._size
         return fixed + per_image * size

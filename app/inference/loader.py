@@ -105,7 +105,7 @@ class LayeredModel:
     _scale: torch.Tensor
     _shift: torch.Tensor
     _heads: dict[str, torch.jit.ScriptModule] = field(default_factory=dict)
-    _failed: dict[str, ModelLoadError] = field(default_factory=dict)  # heads that did not load: not tried again
+    _failed: dict[str, str] = field(default_factory=dict)  # why heads did not load: not tried again
     _lock: threading.Lock = field(default_factory=threading.Lock)
     head_loads: int = 0
 
@@ -148,7 +148,9 @@ class LayeredModel:
             head = self._heads.get(name)
             if head is None:
                 if (failed := self._failed.get(name)) is not None:
-                    raise failed
+                    # a fresh error each time: one kept and raised again would keep every
+                    # failing batch's frames, and their tensors, in its growing traceback
+                    raise ModelLoadError(failed)
                 layer = next((h for h in self.manifest.heads if h.name == name), None)
                 if layer is None:
                     raise KeyError(name)
@@ -157,8 +159,10 @@ class LayeredModel:
                     with torch.inference_mode():
                         self._check_head(name, head, self.features(self.dummy_batch(2)))
                 except ModelLoadError as exc:
-                    log.error("head %s of %s/%s cannot serve: %s", name, self.manifest.name, self.manifest.version, exc)
-                    self._failed[name] = exc
+                    log.error(
+                        "head %s of %s/%s cannot serve: %s", name, self.manifest.name, self.manifest.version, str(exc)
+                    )
+                    self._failed[name] = str(exc)
                     raise
                 self._heads[name] = head
                 self.head_loads += 1

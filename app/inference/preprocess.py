@@ -176,7 +176,8 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
     image = _open(data, limits)
     try:
         # a photo stored on its side says so in its EXIF (as phones write them): upright it
-        turned = image.getexif().get(ORIENTATION, 1) if image.format != "PNG" else 1
+        tag = image.getexif().get(ORIENTATION, 1) if image.format != "PNG" else 1
+        turned = tag if isinstance(tag, int) and 1 <= tag <= 8 else 1  # another type or value: as stored
         # fit_content crops a box of unknown size first: a draft scaled to the output would
         # leave a small digit in a large photo a few pixels wide
         if image.format == "JPEG" and spec.resize.mode != "fit_content":

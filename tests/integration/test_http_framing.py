@@ -93,3 +93,34 @@ async def test_a_half_close_after_a_request_is_the_client_leaving(make_settings:
     async with served(make_settings()) as running:
         answer = await asyncio.to_thread(_send_half_close_read, running.port, predict())
     assert answer == b""
+
+
+def _chunked_predict_head(**headers: str) -> bytes:
+    lines = [
+        "POST /predict HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: image/png",
+        "Transfer-Encoding: chunked",
+        *(f"{name.replace('_', '-')}: {value}" for name, value in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def test_an_edge_refused_request_whose_body_breaks_gets_one_answer(make_settings: SettingsFactory) -> None:
+    # the edge answers 503 at the headers, then the body breaks (a bad chunk): the request has
+    # its answer, so the connection closes without a second one
+    async with served(make_settings()) as running:
+        ((warm, _),) = await running.exchange(predict())  # a batch timed: predictions refuse now
+        assert warm.status == 200
+        reader, writer = await running.connect()
+        try:
+            writer.write(_chunked_predict_head(X_Request_Timeout="1", X_Request_ID="refused-at-edge"))
+            head, _ = await asyncio.wait_for(read_response(reader), 10)
+            assert head.status == 503 and head.headers["x-request-id"] == "refused-at-edge"
+            assert running.reached == ["POST /predict"], "the refusal was the edge's"
+            writer.write(b"5\r\nabcde\r\nZZ-not-a-chunk-size\r\n")  # the body breaks
+            await writer.drain()
+            rest = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+    assert rest == b"", f"one request, a second answer after its 503: {rest[:60]!r}"

@@ -5,6 +5,7 @@ light traffic a burst's full batches were priced as batches of one)."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -124,3 +125,46 @@ def test_with_one_size_seen_the_estimate_is_read_conservatively() -> None:
     cost.observe(4, 0.1)
     assert cost.seconds(1) == pytest.approx(0.1), "smaller: as dear as those seen (a GPU's are)"
     assert cost.seconds(16) == pytest.approx(0.4), "larger: in proportion (a CPU's are)"
+
+
+def test_a_full_batch_is_priced_near_what_full_batches_cost() -> None:
+    # a GPU at saturation: batches of 16 and 15 cost the same 10 ms, give or take 1 ms
+    cost = BatchCost()
+    for _ in range(50):
+        cost.observe(15, 9 * MS)
+        cost.observe(16, 11 * MS)
+    assert cost.seconds(16) <= 1.5 * 11 * MS, f"a batch of 16 priced {cost.seconds(16) / MS:.1f} ms; it cost 11"
+
+
+def test_jittered_times_at_steady_sizes_do_not_inflate_the_price() -> None:
+    rng = random.Random(2)
+    cost = BatchCost()
+    longest, worst = 0.0, 0.0
+    for i in range(3000):  # mostly full batches, a few of 15; each 10 ms +-20% whatever its size
+        size = 15 if rng.random() < 0.05 else 16
+        run_s = 10 * MS * (1 + 0.2 * rng.uniform(-1, 1))
+        cost.observe(size, run_s)
+        longest = max(longest, run_s)
+        if i > 20:
+            worst = max(worst, cost.seconds(16))
+    assert worst <= 1.5 * longest, f"a batch of 16 priced up to {worst / MS:.1f} ms; none took over {longest / MS:.1f}"
+
+
+async def test_admission_does_not_refuse_on_a_jittered_slope() -> None:
+    policy = BatchPolicy(LanePolicy(2 * MS, 16, 256), LanePolicy(25 * MS, 16, 256), admission_headroom=0.6)
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(FakeRunner(), policy, clock=FakeClock())
+    batcher.start()
+    for _ in range(50):  # full batches of ~10 ms, as above
+        batcher.observe_batch(Lane.NORMAL, 9 * MS, 15)
+        batcher.observe_batch(Lane.NORMAL, 11 * MS, 16)
+    for _ in range(32):  # two full batches admitted ahead (decoding)
+        batcher.admit(Lane.NORMAL, 60.0, reserve=True)
+    # really: 25 ms window + 3 batches of <= 11 ms = 58 ms, inside 0.6 * 150 ms = 90 ms
+    try:
+        batcher.admit(Lane.NORMAL, 0.150)
+    except WouldMissDeadline as refused:
+        pytest.fail(f"refused: {refused} (the true wait is about 58 ms)")
+    finally:
+        for _ in range(32):
+            batcher.release(Lane.NORMAL)
+        await batcher.close(0)

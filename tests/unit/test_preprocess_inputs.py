@@ -5,6 +5,7 @@ and torchvision's own resize-then-crop arithmetic."""
 from __future__ import annotations
 
 import io
+import struct
 
 import numpy as np
 import pytest
@@ -144,3 +145,25 @@ def test_shorter_side_then_center_crop_matches_torchvision_preprocessing() -> No
     resized = tvf.resize(photo, spec.resize.resize_to, interpolation=InterpolationMode.BILINEAR, antialias=True)
     theirs = tvf.pil_to_tensor(tvf.center_crop(resized, spec.height)).float()
     assert float((ours - theirs).abs().mean()) < 1.0, float((ours - theirs).abs().mean())
+
+
+def _jpeg_with_orientation(kind: int, count: int, value: bytes) -> bytes:
+    """A JPEG whose EXIF holds one entry, Orientation, of TIFF type ``kind`` (hand-built:
+    Pillow's writer forces the tag's standard type)."""
+    entry = struct.pack("<HHI", 0x0112, kind, count) + value.ljust(4, b"\0")
+    tiff = b"II*\x00" + struct.pack("<I", 8) + struct.pack("<H", 1) + entry + struct.pack("<I", 0)
+    out = io.BytesIO()
+    Image.new("RGB", (320, 240), (200, 30, 30)).save(out, "JPEG", exif=b"Exif\x00\x00" + tiff)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("kind", "count", "value"),
+    [(2, 2, b"6\0"), (7, 1, b"\x06")],
+    ids=["ascii", "undefined"],
+)
+def test_an_orientation_tag_of_another_type_is_a_400_or_ignored(kind: int, count: int, value: bytes) -> None:
+    data = _jpeg_with_orientation(kind, count, value)
+    assert Image.open(io.BytesIO(data)).getexif().get(0x0112) in ("6", b"\x06")
+    tensor = decode(data, IMAGENET, LIMITS)  # as stored: the tag says nothing a viewer could read
+    assert tuple(tensor.shape) == (3, 224, 224)

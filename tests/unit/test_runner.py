@@ -6,6 +6,7 @@ at chosen batch sizes, which is what the CUDA caching allocator raises.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -13,13 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from app.errors import DeviceUnavailable
+from app.errors import DeviceUnavailable, Unavailable
 from app.inference.device import DeviceThread
 from app.inference.loader import LayeredModel, ModelLoadError
-from app.inference.manifest import Manifest
+from app.inference.manifest import Manifest, Provenance
+from app.inference.packaging import write_version
 from app.inference.runner import Fault, ModelRunner, device_fault
+from app.training.digits import make_backbone
 from tests.faults import DeviceLost, Faulty, LostAfter, Unfit, out_of_memory_in_graph
+from tests.support import DIGITS_DIR, LABELS, MODEL_NAME
 
 DIGITS = Path(__file__).resolve().parents[2] / "models" / "digits" / "1"
 
@@ -316,3 +321,36 @@ def test_a_fallback_that_fails_too_is_not_replaced_by_another_copy(model: Layere
         with pytest.raises(DeviceUnavailable):
             runner.run_sync(images(model, 1))
     assert loads == [1] and runner.degraded, "one fallback, for good: no copy of a copy for every failure"
+
+
+def _model_with_a_bad_head(root: Path) -> LayeredModel:
+    torch.manual_seed(0)
+    bundled = Manifest.read(DIGITS_DIR / "1")
+    folder = write_version(
+        root,
+        name=MODEL_NAME,
+        version="1",
+        backbone=make_backbone(),
+        heads={"classifier": nn.Linear(64, 9)},  # 9 outputs for 10 labels: its self-check fails
+        input_spec=bundled.input,
+        labels=LABELS,
+        provenance=Provenance(source="tests"),
+    )
+    return LayeredModel.load(folder, Manifest.read(folder), torch.device("cpu"), torch.float32)
+
+
+def test_a_remembered_failed_head_does_not_keep_every_batch_alive(tmp_path: Path, device: DeviceThread) -> None:
+    # one error kept and raised again for every batch would gather each raise's frames in its
+    # traceback, and with them each batch's images: every request's input kept for good
+    model = _model_with_a_bad_head(tmp_path / "models")
+    runner = ModelRunner(model, device, top_k=3)
+    refs = []
+    for _ in range(5):
+        batch = list(model.dummy_batch(4))
+        refs.append(weakref.ref(batch[0]))
+        with pytest.raises(Unavailable):
+            runner.run_sync(batch)
+        del batch
+    gc.collect()
+    alive = sum(ref() is not None for ref in refs)
+    assert alive == 0, f"{alive} of 5 failed batches' images are still referenced"
