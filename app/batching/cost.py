@@ -15,9 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT = 0.2  # of each new batch in the moving means
-# the sizes' spread (standard deviation over mean) that makes a fitted line worth trusting: at
-# steady sizes (15 and 16 at saturation) the times' jitter would make the slope anything
-SPREAD = 0.25
+SPREAD = 0.25  # the sizes' standard deviation, in images, below which there is no line to fit
 
 
 @dataclass
@@ -51,9 +49,11 @@ class BatchCost:
         if not self.seen:
             return 0.0
         variance = self._size2 - self._size * self._size
-        if variance < (SPREAD * self._size) ** 2:  # one size, in effect: no line to fit
+        if variance < SPREAD * SPREAD:  # one size, in effect
             return self._time * max(1.0, size / max(self._size, 1.0))
-        # the line through the means; its parts never negative, and still through the means
+        # the line through the means, its parts never negative: at steady sizes (15 and 16 at
+        # saturation) the times' jitter makes the fitted slope anything, and a slope above the
+        # means' own ratio would price a full batch at several times what full batches cost
         per_image = min(max(0.0, (self._size_time - self._size * self._time) / variance), self._time / self._size)
         fixed = self._time - per_image * self._size
         return fixed + per_image * size
