@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
@@ -16,12 +17,13 @@ EXIT_BAD_SETTINGS = 2
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from app.settings import SettingsError, config_path, file_stamp, read_settings
+    from app.settings import SettingsError, config_path, file_stamp, read_secrets, read_settings
 
     server_overrides: dict[str, object] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     stamp = file_stamp(config_path())  # before the read: an edit from now on is a change to pick up
     try:
         settings = read_settings(server_overrides)
+        read_secrets(settings)  # a token or key file that cannot be used: exit 2, before anything starts
     except SettingsError as exc:
         print(f"ai-backend: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
@@ -44,7 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_fatal=on_fatal, config_stamp=stamp, server_overrides=server_overrides)
+    reread = functools.partial(read_settings, server_overrides)  # the command line's, over every reload
+    app = create_app(settings, on_fatal=on_fatal, config_stamp=stamp, reread=reread)
     config = uvicorn.Config(
         app,
         host=settings.server.host,
@@ -59,7 +62,10 @@ def _serve(args: argparse.Namespace) -> int:
         await app.state.service.drain(settings.server.shutdown_grace_s)
 
     server = DrainingServer(config, drain)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's own start-up failure (the port in use, say): logged by it
+        failure.append(f"the server could not start on {settings.server.host}:{settings.server.port}")
     if failure:
         print(f"ai-backend: start-up failed: {failure[0]}", file=sys.stderr)
         return EXIT_START_FAILED

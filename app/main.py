@@ -18,7 +18,6 @@ from fastapi import FastAPI
 from opentelemetry import trace
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.sdk.trace.export import SpanExporter
-from pydantic import SecretStr
 
 from app.api.auth import admin_gate
 from app.api.errors import install_error_handlers
@@ -29,7 +28,7 @@ from app.api.routes import metrics as metrics_route
 from app.lifecycle.manager import LifecycleManager
 from app.policy import PolicyManager
 from app.service import InferenceService
-from app.settings import FileStamp, Settings, load_settings
+from app.settings import FileStamp, Settings, SettingsError, load_settings, read_secrets, read_settings
 from app.telemetry.metrics import Metrics
 from app.telemetry.tracing import build_tracer_provider
 
@@ -43,16 +42,14 @@ def _log_fatal(message: str) -> None:
     log.critical("start-up failed: %s", message)
 
 
-def _secret(value: SecretStr | None, file: Path | None, setting: str) -> bytes | None:
-    """A bearer secret from its setting or its file (read at start-up, never logged)."""
-    if value is not None:
-        return value.get_secret_value().encode()
-    if file is None:
-        return None
-    secret = file.read_text(encoding="utf-8").strip()
-    if len(secret) < 16:
-        raise ValueError(f"{setting}_file {file} holds fewer than 16 characters")
-    return secret.encode()
+async def _secrets(settings: Settings, fatal: FatalHandler) -> tuple[bytes | None, bytes | None]:
+    """The admin token and the API key. ``serve`` checked their files before starting: here
+    only a file changed since fails, and start-up with it."""
+    try:
+        return await asyncio.to_thread(read_secrets, settings)
+    except SettingsError as exc:
+        fatal(str(exc))
+        return None, None
 
 
 @contextlib.contextmanager
@@ -75,13 +72,16 @@ def create_app(
     on_fatal: FatalHandler | None = None,
     span_exporter: SpanExporter | None = None,
     config_stamp: FileStamp = None,
-    server_overrides: dict[str, object] | None = None,
+    reread: Callable[[], Settings] = read_settings,
+    config_file: Path | None = None,
 ) -> FastAPI:
     """Build the ASGI app for ``settings`` (read from the environment and config/ when omitted).
 
     ``span_exporter`` replaces the configured one (tests pass an in-memory exporter).
-    ``config_stamp`` is the config file's when ``settings`` were read, ``server_overrides`` the
-    command line's over it (both for the reloads, ``app.policy``).
+    For the reloads (``app.policy``): ``config_stamp`` is the config file's when ``settings``
+    were read, ``reread`` reads them again the same way (with what the command line or a Ray
+    builder set over the environment and the file), from ``config_file`` (default: the
+    environment's, or ``config/default.toml``).
     """
     settings = settings or load_settings()
     fatal = on_fatal or _log_fatal
@@ -102,11 +102,9 @@ def create_app(
             except Exception as exc:
                 fatal(str(exc))
 
-        admin, server = settings.admin, settings.server
-        app.state.admin_token = await asyncio.to_thread(_secret, admin.token, admin.token_file, "admin.token")
-        app.state.api_key = await asyncio.to_thread(_secret, server.api_key, server.api_key_file, "server.api_key")
+        app.state.admin_token, app.state.api_key = await _secrets(settings, fatal)
         app.state.lifecycle = LifecycleManager(service)
-        policy = PolicyManager(settings, service.set_policy, config_stamp, server_overrides)
+        policy = PolicyManager(settings, service.set_policy, config_stamp, reread, config_file)
         app.state.policy = policy
         starting = asyncio.create_task(start(), name="model-start")
         app.state.starting = starting

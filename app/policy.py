@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,19 +51,25 @@ class PolicyManager:
     """Holds the live batching settings and applies validated changes.
 
     ``stamp`` is the config file's as it was when ``settings`` were read (an edit made while
-    the service started is picked up); ``server`` the fields the command line set over the
-    file (``serve --host/--port``), kept over it at every reload.
+    the service started is picked up). ``read`` reads the settings again as they were read at
+    start (blocking): the environment and the file, under whatever the command line or a Ray
+    builder set over them, kept at every reload; ``config_file`` is the file they come from.
     """
 
     def __init__(
-        self, settings: Settings, apply: Apply, stamp: FileStamp = None, server: dict[str, object] | None = None
+        self,
+        settings: Settings,
+        apply: Apply,
+        stamp: FileStamp = None,
+        read: Callable[[], Settings] = read_settings,
+        config_file: Path | None = None,
     ) -> None:
         self._settings = settings  # live
         self._read = settings  # as the environment and the file said when last read
         self._apply = apply
-        self._server = server or {}
+        self._reader = read
         self.current = settings.batching
-        self.config_file = config_path()
+        self.config_file = config_file or config_path()
         self._stamp = stamp if stamp is not None else file_stamp(self.config_file)
         self._lock = asyncio.Lock()  # one reload at a time: an older read never lands last
         self._wake = asyncio.Event()
@@ -86,7 +93,7 @@ class PolicyManager:
         async with self._lock:
             stamp = await asyncio.to_thread(file_stamp, self.config_file)
             try:
-                fresh = await asyncio.to_thread(read_settings, self._server)
+                fresh = await asyncio.to_thread(self._reader)
                 # against the live settings: only batching applies, the rest waits for a restart
                 batching = self._checked(fresh.batching.model_dump())
             except SettingsError as exc:

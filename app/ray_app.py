@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
@@ -70,6 +71,16 @@ class OneRequestIdHeader:
         await self.app(scope, receive, send_once)
 
 
+def replica_app(overrides: Mapping[str, Any], config_file: Path | None) -> FastAPI:
+    """A replica's app: the builder's overrides over the environment and its config file, at
+    start and at every reload (admin API, SIGHUP, an edit of that file)."""
+    from app.main import create_app  # torch comes in here, in the replica, not at import
+
+    settings = read_settings(overrides, config_file)
+    reread = functools.partial(read_settings, overrides, config_file)
+    return create_app(settings, reread=reread, config_file=config_file)
+
+
 @serve.deployment(
     name=DEPLOYMENT,
     # placeholders: build() sizes them from the settings (app.ray.options.deployment_options)
@@ -92,10 +103,7 @@ class Classifier:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The app this replica serves, built here (Serve calls this once, after ``__init__``)."""
-        from app.main import create_app  # torch comes in here, in the replica, not at import
-
-        settings = read_settings(self._overrides, self._config_file)
-        app = create_app(settings)
+        app = replica_app(self._overrides, self._config_file)
         served_lifespan = app.router.lifespan_context
 
         @contextlib.asynccontextmanager

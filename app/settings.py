@@ -12,15 +12,25 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings import SettingsError as EnvironmentValueError
 
 from app.batching.policy import UrgentFill
 
@@ -28,11 +38,13 @@ ENV_PREFIX = "AI_SERVICE_"
 CONFIG_FILE_ENV = "AI_SERVICE_CONFIG_FILE"
 DEFAULT_CONFIG_FILE = Path("config/default.toml")
 
-Positive = Annotated[float, Field(gt=0)]
+Seconds = Annotated[float, Field(gt=0, le=86_400)]  # a day: longer overflows what waits on it
 
 
 class _Group(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # no infinity or NaN: an infinite grace or export delay passed "greater than 0", then
+    # overflowed where it was used (``int(inf)``, a thread's ``Event.wait``)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ServerSettings(_Group):
@@ -59,7 +71,7 @@ class ServerSettings(_Group):
         description="if set (16+ characters), prediction routes need Authorization: Bearer <key> (off by default)",
     )
     api_key_file: Path | None = Field(default=None, description="file holding the prediction API key")
-    shutdown_grace_s: Positive = Field(default=30.0, description="how long queued work may drain at shutdown")
+    shutdown_grace_s: Seconds = Field(default=30.0, description="how long queued work may drain at shutdown")
     switch_interval_ms: float = Field(
         default=0.2,
         ge=0.01,
@@ -137,7 +149,7 @@ class ModelSettings(_Group):
         default=0.01, ge=0, le=1, description="promotion refused if fp16 accuracy falls more than this below fp32"
     )
     eager_heads: bool = Field(default=False, description="load every head at start instead of on first use")
-    load_timeout_s: Positive = Field(default=30.0, description="a model load taking longer stops start-up")
+    load_timeout_s: Seconds = Field(default=30.0, description="a model load taking longer stops start-up")
     warmup: bool = Field(default=True, description="run batches up to the max batch size before ready")
     cpu_fallback: bool = Field(
         default=False, description="serve from the CPU in fp32 when the device keeps failing (health: degraded)"
@@ -196,11 +208,17 @@ class LaneSettings(_Group):
         return self
 
 
+_LANES: dict[str, dict[str, Any]] = {
+    "normal": {"window_ms": 25.0, "max_batch": 16, "max_queue": 1024},
+    "urgent": {"window_ms": 2.0, "max_batch": 16, "max_queue": 256},
+}
+
+
 class BatchingSettings(_Group):
     """The dual-window batcher: an urgent lane with a short window and a normal lane."""
 
-    normal: LaneSettings = LaneSettings(window_ms=25.0, max_batch=16, max_queue=1024)
-    urgent: LaneSettings = LaneSettings(window_ms=2.0, max_batch=16, max_queue=256)
+    normal: LaneSettings = LaneSettings(**_LANES["normal"])
+    urgent: LaneSettings = LaneSettings(**_LANES["urgent"])
     urgent_fill: UrgentFill = Field(
         default=UrgentFill.BACKLOG,
         description="when urgent batches take free seats from the normal queue: always, backlog (the normal "
@@ -213,6 +231,15 @@ class BatchingSettings(_Group):
         le=1,
         description="admit when the predicted wait is at most this share of the time left (1: up to the deadline)",
     )
+
+    @field_validator("normal", "urgent", mode="before")
+    @classmethod
+    def _over_the_lane_defaults(cls, value: object, info: ValidationInfo) -> object:
+        # one field of a lane (AI_SERVICE_BATCHING__NORMAL__WINDOW_MS, or a file's table with
+        # only window_ms) keeps the others' defaults, whichever file is read or none
+        if isinstance(value, dict):
+            return {**_LANES[str(info.field_name)], **value}
+        return value
 
     @field_validator("urgent_fill", mode="before")
     @classmethod
@@ -233,7 +260,7 @@ class AdminSettings(_Group):
     token: SecretStr | None = Field(default=None, description="bearer token for /admin (prefer token_file)")
     token_file: Path | None = Field(default=None, description="file holding the bearer token")
     config_watch_s: float = Field(
-        default=2.0, ge=0, description="poll the config file this often and apply batching changes (0: off)"
+        default=2.0, ge=0, le=86_400, description="poll the config file this often and apply batching changes (0: off)"
     )
 
     @model_validator(mode="after")
@@ -258,8 +285,8 @@ class TelemetrySettings(_Group):
     sampling_ratio: float = Field(default=1.0, ge=0, le=1, description="parent-based ratio sampler")
     max_queue: int = Field(default=2048, ge=1, le=1_000_000, description="spans waiting for export; more are dropped")
     batch_size: int = Field(default=256, ge=1, le=65536, description="spans per export call")
-    schedule_delay_ms: float = Field(default=1000.0, gt=0, description="longest wait before an export")
-    export_timeout_s: float = Field(default=5.0, gt=0, description="one export call's timeout")
+    schedule_delay_ms: float = Field(default=1000.0, gt=0, le=3_600_000, description="longest wait before an export")
+    export_timeout_s: float = Field(default=5.0, gt=0, le=3600, description="one export call's timeout")
 
 
 class LoggingSettings(_Group):
@@ -312,6 +339,29 @@ class SettingsError(ValueError):
     """A setting is invalid; the message names it, its environment variable and the rule."""
 
 
+def read_secrets(settings: Settings) -> tuple[bytes | None, bytes | None]:
+    """The admin token (while the admin API is on) and the API key, from their settings or
+    their files. Blocking; ``SettingsError`` names the setting whose file cannot be used."""
+    admin, server = settings.admin, settings.server
+    token = _secret(admin.token, admin.token_file, ("admin", "token_file")) if admin.enabled else None
+    return token, _secret(server.api_key, server.api_key_file, ("server", "api_key_file"))
+
+
+def _secret(value: SecretStr | None, file: Path | None, where: tuple[str, str]) -> bytes | None:
+    if value is not None:
+        return value.get_secret_value().encode()
+    if file is None:
+        return None
+    setting = f"{'.'.join(where)} ({env_name(where)})"
+    try:
+        secret = file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{setting}: {file} cannot be read: {exc}") from exc
+    if len(secret) < 16:
+        raise SettingsError(f"{setting}: {file} holds fewer than 16 characters")
+    return secret.encode()
+
+
 def env_name(location: tuple[int | str, ...]) -> str:
     """The environment variable for a setting's location, e.g. ``AI_SERVICE_MODEL__DEVICE``."""
     return ENV_PREFIX + "__".join(str(part).upper() for part in location)
@@ -359,5 +409,7 @@ def load_settings(**overrides: object) -> Settings:
         raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
     except SettingsError:
         raise
+    except EnvironmentValueError as exc:  # pydantic-settings': a variable that does not parse
+        raise SettingsError(f"an {ENV_PREFIX}* variable cannot be read (lists and tables are JSON): {exc}") from exc
     except (ValueError, OSError) as exc:  # tomllib.TOMLDecodeError, UnicodeDecodeError, a read error
         raise SettingsError(f"config file {config_path()} cannot be read: {exc}") from exc

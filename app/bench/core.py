@@ -34,7 +34,7 @@ from app.bench.loadgen import event_loop_run, load_images
 from app.bench.threads import group_name, thread_cpu, threads_text
 from app.errors import ServiceError
 from app.service import InferenceService, Outcome
-from app.settings import Settings, load_settings
+from app.settings import Settings, SettingsError, load_settings
 
 READY_TIMEOUT_S = 300.0
 
@@ -174,7 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         images = load_images(args.images, args.images)
     except OSError as exc:
         parser.error(str(exc))
-    report = event_loop_run(measure(load_settings(), images, args.concurrency, args.seconds, args.warmup))
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"ai-backend core: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = event_loop_run(measure(settings, images, args.concurrency, args.seconds, args.warmup))
+    except (OSError, RuntimeError, ValueError) as exc:  # a missing repository, a model that cannot load
+        print(f"ai-backend core: {exc}", file=sys.stderr)
+        return 1
     print(markdown(report), file=sys.stderr)
     text = json.dumps(report, indent=2)
     print(text)

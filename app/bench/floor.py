@@ -26,7 +26,7 @@ import httptools
 from app.bench.core import predict_plain
 from app.bench.loadgen import event_loop_run, is_loopback
 from app.service import InferenceService
-from app.settings import load_settings
+from app.settings import SettingsError, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +121,18 @@ async def serve(host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
-    server = await loop.create_server(lambda: FloorProtocol(service, tasks), host, port, backlog=2048)
     try:
-        await stop.wait()
-    finally:
-        server.close()
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await server.wait_closed()
+        await service.start()
+        server = await loop.create_server(lambda: FloorProtocol(service, tasks), host, port, backlog=2048)
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await server.wait_closed()
+    finally:  # whatever failed, the service's threads go: they would keep the process alive
         await service.close(1.0)
 
 
@@ -141,7 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not is_loopback(f"http://{args.host}:{args.port}"):
         parser.error("--host must be a loopback address")
-    event_loop_run(serve(args.host, args.port))
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be 0-65535")
+    try:
+        event_loop_run(serve(args.host, args.port))
+    except SettingsError as exc:
+        print(f"ai-backend floor: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError, ValueError) as exc:  # the port in use, a missing repository
+        print(f"ai-backend floor: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

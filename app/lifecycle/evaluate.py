@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             write_evaluation(folder, evaluation)
             print(f"recorded in {folder / MANIFEST_FILE}")
-    except (EvaluationError, RepositoryError, ModelLoadError, RuntimeError, ValueError) as exc:
+    except (EvaluationError, RepositoryError, ModelLoadError, RuntimeError, ValueError, OSError) as exc:
+        # OSError: a repository mounted read-only (--dry-run reports without writing)
         print(f"ai-backend eval: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -82,6 +82,7 @@ class MetricsMirror:
         self._counters: dict[str, CounterSink] = {}
         self._gauges: dict[str, GaugeSink] = {}
         self._last: dict[Key, float] = {}
+        self._set: dict[Key, tuple[GaugeSink, dict[str, str]]] = {}  # the gauge series written last sync
 
     def _counter(self, name: str, description: str, tags: dict[str, str]) -> CounterSink:
         if name not in self._counters:
@@ -96,6 +97,7 @@ class MetricsMirror:
     def sync(self) -> int:
         """Copy every sample once; returns how many series were written."""
         written = 0
+        seen: dict[Key, tuple[GaugeSink, dict[str, str]]] = {}
         for family in self._registry.collect():
             for sample in family.samples:
                 if sample.name.endswith("_created"):
@@ -111,8 +113,16 @@ class MetricsMirror:
                     # Ray exports a counter named N as N_total, as prometheus_client does
                     self._counter(family.name, family.documentation, tags).inc(increase, tags)
                 else:
-                    self._gauge(sample.name, family.documentation, tags).set(value, tags)
+                    gauge = self._gauge(sample.name, family.documentation, tags)
+                    gauge.set(value, tags)
+                    seen[(sample.name, tuple(sorted(tags.items())))] = (gauge, tags)
                 written += 1
+        # a series the registry no longer has (an unloaded version, the device's model_info
+        # after a fallback): Ray's gauges cannot be removed, so they read 0, not their last value
+        for key in self._set.keys() - seen.keys():
+            gauge, tags = self._set[key]
+            gauge.set(0.0, tags)
+        self._set = seen
         return written
 
     async def run(self, interval_s: float) -> None:

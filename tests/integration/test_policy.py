@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.policy import PolicyManager
-from app.settings import SettingsError, file_stamp, load_settings
+from app.settings import SettingsError, file_stamp, load_settings, read_settings
 from tests.conftest import SettingsFactory
 from tests.support import MODEL_NAME, running_app, sample_png
 
@@ -299,7 +300,7 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     overrides: dict[str, object] = {"port": 8123}
     live = load_settings(server=load_settings().server.model_dump() | overrides)  # as `serve --port 8123`
-    manager = PolicyManager(live, lambda b: None, server=overrides)
+    manager = PolicyManager(live, lambda b: None, read=functools.partial(read_settings, overrides))
     with caplog.at_level(logging.WARNING, logger="app.policy"):
         await manager.reload()
     assert not [r for r in caplog.records if "need a restart" in r.getMessage()]

@@ -101,3 +101,55 @@ def test_an_unknown_setting_is_refused(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     with pytest.raises(SettingsError, match="window_msec"):
         load_settings()
+
+
+def test_one_lane_field_keeps_the_others_defaults_whatever_file_is_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = tmp_path / "service.toml"
+    config.write_text("[batching.urgent]\nwindow_ms = 1.0\n")  # a file that does not repeat the lanes
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "10")
+    batching = load_settings().batching
+    assert (batching.normal.window_ms, batching.normal.max_batch, batching.normal.max_queue) == (10.0, 16, 1024)
+    assert (batching.urgent.window_ms, batching.urgent.max_batch, batching.urgent.max_queue) == (1.0, 16, 256)
+
+
+def test_an_environment_value_that_does_not_parse_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AI_SERVICE_MODEL__NAMES", "digits")  # a list must be JSON
+    with pytest.raises(SettingsError) as refused:
+        load_settings()
+    assert "AI_SERVICE_" in str(refused.value) and "JSON" in str(refused.value)
+    assert "config file" not in str(refused.value), "not the file's fault"
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "AI_SERVICE_SERVER__SHUTDOWN_GRACE_S",
+        "AI_SERVICE_MODEL__LOAD_TIMEOUT_S",
+        "AI_SERVICE_TELEMETRY__SCHEDULE_DELAY_MS",
+        "AI_SERVICE_ADMIN__CONFIG_WATCH_S",
+    ],
+)
+@pytest.mark.parametrize("value", ["inf", "nan", "1e300"])
+def test_times_that_would_overflow_where_they_are_waited_on_are_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as refused:
+        load_settings()
+    assert variable in str(refused.value)
+
+
+def test_a_token_file_that_cannot_be_used_names_its_setting(tmp_path: Path) -> None:
+    from app.settings import read_secrets
+
+    short = tmp_path / "token"
+    short.write_text("too-short\n")
+    for file, why in ((tmp_path / "missing", "cannot be read"), (short, "fewer than 16")):
+        settings = load_settings(admin={"enabled": True, "token_file": file})
+        with pytest.raises(SettingsError) as refused:
+            read_secrets(settings)
+        assert "admin.token_file (AI_SERVICE_ADMIN__TOKEN_FILE)" in str(refused.value) and why in str(refused.value)
+    assert read_secrets(load_settings(admin={"enabled": False, "token_file": tmp_path / "missing"})) == (None, None)

@@ -1,0 +1,108 @@
+"""``ai-backend`` subcommands end with a message and their exit code, never a traceback:
+2 for a bad setting or argument, 1 for a start that failed."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO_ROOT, free_port, server_environment
+
+SERVE_TIMEOUT_S = 90
+
+
+def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve"],
+        check=False,
+        cwd=REPO_ROOT,
+        env=server_environment(env),
+        capture_output=True,
+        text=True,
+        timeout=SERVE_TIMEOUT_S,
+    )
+
+
+def test_a_missing_admin_token_file_exits_2_naming_the_setting_without_a_traceback(tmp_path: Path) -> None:
+    run = _serve(
+        {
+            "PYTHONPATH": str(REPO_ROOT),
+            "AI_SERVICE_SERVER__PORT": str(free_port()),
+            "AI_SERVICE_ADMIN__ENABLED": "true",
+            "AI_SERVICE_ADMIN__TOKEN_FILE": str(tmp_path / "no-such-token"),
+        }
+    )
+    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr
+    assert "AI_SERVICE_ADMIN__TOKEN_FILE" in run.stderr or "admin.token_file" in run.stderr
+
+
+def test_a_port_in_use_exits_with_the_clis_start_up_failure_code() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = _serve({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": str(port)})
+    assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
+    assert "ai-backend: start-up failed" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"AI_SERVICE_MODEL__REPOSITORY": "/nonexistent/models"},
+        {"AI_SERVICE_SERVER__PORT": "http"},
+    ],
+    ids=["missing-repository", "invalid-setting"],
+)
+def test_core_reports_a_bad_setup_without_a_traceback(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.bench import core
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    samples = str(REPO_ROOT / "models" / "digits" / "samples")
+    code = core.main(["--images", samples, "--seconds", "0.2", "--warmup", "0", "--concurrency", "1"])
+    assert code == (2 if "PORT" in next(iter(env)) else 1)
+
+
+def test_eval_on_a_read_only_repository_reports_it_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # root ignores file modes: the read-only mount is where the temporary manifest is made
+    import errno
+    import tempfile
+
+    from app.lifecycle import evaluate
+    from tests.support import copy_repository
+
+    root = copy_repository(tmp_path)
+
+    def read_only(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    code = evaluate.main(
+        ["--model", "digits", "--version", "1", "--repository", str(root), "--limit", "8", "--device", "cpu"]
+    )
+    assert code == 1
+    assert "Read-only" in capsys.readouterr().err
+
+
+def test_floor_refuses_a_port_out_of_range_instead_of_hanging() -> None:
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "app.cli", "floor", "--port", "99999"],
+            check=False,
+            cwd=REPO_ROOT,
+            env=server_environment({"PYTHONPATH": str(REPO_ROOT)}),
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("ai-backend floor --port 99999 hung for 45 s without a word")
+    assert run.returncode == 2, run.stderr[-1500:]

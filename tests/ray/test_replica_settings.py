@@ -1,0 +1,79 @@
+"""A replica keeps its builder's settings: over every reload, and from the builder's own file
+(no cluster: the replica's app is built as ``Classifier`` builds it). And the Ray copy of the
+metrics lets go of the series ``/metrics`` removed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+
+pytest.importorskip("ray.serve")
+
+from app.ray.metrics import MetricsMirror  # noqa: E402
+from app.ray.options import split_args  # noqa: E402
+from app.ray_app import replica_app  # noqa: E402
+from app.telemetry.metrics import Metrics  # noqa: E402
+from tests.ray.test_metrics_mirror import Factory  # noqa: E402
+from tests.support import REPO_ROOT, TEST_DEFAULTS, merge, state_per_request  # noqa: E402
+
+TOKEN = "a-test-admin-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@contextlib.asynccontextmanager
+async def replica(overrides: dict[str, Any], config_file: Path | None = None) -> AsyncIterator[FastAPI]:
+    """The app a replica serves, with the tests' small settings and the admin API among the overrides."""
+    test = merge(TEST_DEFAULTS, {"admin": {"enabled": True, "token": TOKEN, "config_watch_s": 0}})
+    app = replica_app(merge(test, overrides), config_file)
+    async with LifespanManager(state_per_request(app), startup_timeout=30) as manager:
+        await app.state.starting
+        app.state.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://t")
+        yield app
+        await app.state.client.aclose()
+
+
+async def test_a_reload_keeps_the_builders_overrides() -> None:
+    _, overrides = split_args({"batching.normal.window_ms": "10"})
+    async with replica(overrides) as app:
+        policy = app.state.policy
+        assert policy.current.normal.window_ms == 10.0
+        reloaded = await app.state.client.post("/admin/policy/reload", headers=AUTH)
+        assert reloaded.status_code == 200, reloaded.text
+        await policy.reload(forced=False)  # what an edit of the watched file brings
+        assert policy.current.normal.window_ms == 10.0, "the builder's override wins over the file, always"
+
+
+async def test_a_replica_reloads_its_builders_config_file(tmp_path: Path) -> None:
+    own_file = tmp_path / "serve.toml"
+    default = (REPO_ROOT / "config" / "default.toml").read_text()
+    own_file.write_text(default.replace("window_ms = 2.0", "window_ms = 3.0"))
+    own, overrides = split_args({"config_file": str(own_file)})
+    async with replica(overrides, own.config_file) as app:
+        policy = app.state.policy
+        assert policy.config_file == own_file and policy.current.urgent.window_ms == 3.0
+        own_file.write_text(default.replace("window_ms = 2.0", "window_ms = 4.0"))
+        assert await policy.reload()
+        assert policy.current.urgent.window_ms == 4.0
+
+
+def test_a_series_gone_from_the_registry_reads_0_in_rays_copy() -> None:
+    metrics, factory = Metrics(), Factory()
+    mirror = MetricsMirror(metrics.registry, factory)
+    metrics.model_info.labels("digits", "1", "cuda:0", "float16").set(1)
+    metrics.scrape_time.queue_depths = lambda: [("digits", "1", "normal", 7)]
+    mirror.sync()
+    metrics.model_info.remove("digits", "1", "cuda:0", "float16")  # the CPU fallback took over
+    metrics.model_info.labels("digits", "1", "cpu", "float32").set(1)
+    metrics.scrape_time.queue_depths = lambda: []  # version 1 unloaded
+    mirror.sync()
+    info = factory.gauges["ai_backend_model_info"]
+    assert info.last(model="digits", version="1", device="cuda:0", dtype="float16") == 0
+    assert info.last(model="digits", version="1", device="cpu", dtype="float32") == 1
+    assert factory.gauges["ai_backend_queue_depth"].last(model="digits", version="1", lane="normal") == 0
