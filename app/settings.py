@@ -226,7 +226,7 @@ class BatchingSettings(_Group):
         "true/false mean always/never",
     )
     admission_headroom: float = Field(
-        default=0.6,
+        default=0.5,
         gt=0,
         le=1,
         description="admit when the predicted wait is at most this share of the time left (1: up to the deadline)",

@@ -21,7 +21,6 @@ from typing import Generic, TypeVar
 
 from app.batching.ceiling import Ceiling
 from app.batching.clock import Clock, MonotonicClock
-from app.batching.cost import BatchCost
 from app.batching.observer import BatchObserver, NullObserver
 from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, fills, next_wakeup, plan_batch
 from app.batching.queue import Completed, LaneQueue, Pending
@@ -77,7 +76,7 @@ class DualWindowBatcher(Generic[P, R]):
         # moving estimates of one batch's run time, by the lane that formed it: with a thread
         # for urgent batches only (and the others niced), urgent batches run apart and faster,
         # and one estimate for both made normal waits look short and admitted too many
-        self._cost = {Lane.URGENT: BatchCost(), Lane.NORMAL: BatchCost()}  # run time by batch size
+        self._batch_s: dict[Lane, float | None] = {Lane.URGENT: None, Lane.NORMAL: None}
         self.batches = 0
 
     @property
@@ -125,21 +124,21 @@ class DualWindowBatcher(Generic[P, R]):
             return self._running[Lane.URGENT] == 0
         return not self._in_flight
 
-    def batch_s(self, lane: Lane, size: int | None = None) -> float | None:
-        """The estimated run time of a batch of ``size`` in ``lane`` (``None``: the moving mean,
-        whatever the sizes), the other lane's until it has its own; ``None`` before any batch."""
-        cost = (
-            self._cost[lane]
-            if self._cost[lane].seen
-            else self._cost[Lane.NORMAL if lane is Lane.URGENT else Lane.URGENT]
-        )
-        if not cost.seen:
-            return None
-        return cost.mean_s if size is None else cost.seconds(size)
+    def batch_s(self, lane: Lane) -> float | None:
+        """The moving estimate of a batch's run time in ``lane`` (the other lane's until it has one).
 
-    def observe_batch(self, lane: Lane, run_s: float, size: int) -> None:
-        """Fold a batch's run time, at its size, into its lane's moving estimate."""
-        self._cost[lane].observe(size, run_s)
+        A mean over the batches run, whatever their sizes. Pricing each batch by its size (a
+        line fitted to sizes and times) was measured side by side at twice the load: at any
+        headroom that kept admitted requests from expiring it answered 4-10% less, because a
+        shorter queue made smaller, dearer batches (docs/performance.md, thirteenth pass).
+        """
+        other = Lane.NORMAL if lane is Lane.URGENT else Lane.URGENT
+        return self._batch_s[lane] if self._batch_s[lane] is not None else self._batch_s[other]
+
+    def observe_batch(self, lane: Lane, run_s: float) -> None:
+        """Fold a batch's run time into its lane's moving estimate."""
+        before = self._batch_s[lane]
+        self._batch_s[lane] = run_s if before is None else 0.8 * before + 0.2 * run_s
 
     def predicted_wait(self, lane: Lane) -> float | None:
         """Seconds until a request submitted now to ``lane`` would be answered, if known.
@@ -148,11 +147,9 @@ class DualWindowBatcher(Generic[P, R]):
         running now, shared among the batches that run at once, times the measured batch
         latency, plus the lane's window.
         """
-        policy = self._effective_policy()
-        ahead = self._ahead_of(lane)
-        # a round's batch: full when enough wait ahead, else what is there and this request
-        if (batch_s := self.batch_s(lane, min(policy.lane(lane).max_batch, ahead + 1))) is None:
+        if (batch_s := self.batch_s(lane)) is None:
             return None
+        policy = self._effective_policy()
         # the batches ahead, each lane's requests in its own batch size (whole batches: those
         # of one lane may complete another's last)
         urgent, normal = policy.urgent.max_batch, policy.normal.max_batch
@@ -221,7 +218,7 @@ class DualWindowBatcher(Generic[P, R]):
         # None until a batch has been timed: no estimate, no refusal. With nothing ahead of it
         # in the batcher, its wait is its window and the decodes ahead of it, if any: no batch
         # estimate refuses it (it is the probe that keeps those current)
-        alone = self.batch_s(lane, 1) if predict else None  # its own batch, when nothing is ahead
+        alone = self.batch_s(lane) if predict else None  # its own batch, when nothing is ahead
         wait = None
         if alone is not None:
             window = self._effective_policy().lane(lane).window_s
@@ -389,7 +386,7 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
-            self.observe_batch(plan.lane, run_s, len(batch))
+            self.observe_batch(plan.lane, run_s)
             self._report(plan, batch, started, run_s, ok=True)
             self._ceiling.calm(len(batch), self._policy)
             for item, output in zip(batch, outputs, strict=True):

@@ -199,9 +199,9 @@ async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
 
 async def test_each_lane_predicts_with_its_own_batches_run_time() -> None:
     batcher, _, _, _ = make()
-    batcher.observe_batch(Lane.URGENT, 0.01, 4)  # urgent batches run apart, on their own thread
-    batcher.observe_batch(Lane.NORMAL, 0.2, 4)
-    batcher.observe_batch(Lane.NORMAL, 0.1, 4)
+    batcher.observe_batch(Lane.URGENT, 0.01)  # urgent batches run apart, on their own thread
+    batcher.observe_batch(Lane.NORMAL, 0.2)
+    batcher.observe_batch(Lane.NORMAL, 0.1)
     assert batcher.batch_s(Lane.URGENT) == pytest.approx(0.01)
     assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
     assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(0.025 + 0.18)
@@ -249,7 +249,7 @@ async def test_urgent_requests_ahead_count_in_urgent_sized_batches() -> None:
     policy = BatchPolicy(LanePolicy(2 * MS, 2, 64), LanePolicy(25 * MS, 8, 64))
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, observer=recorder)
     batcher.start()
-    batcher.observe_batch(Lane.NORMAL, 0.1, 8)
+    batcher.observe_batch(Lane.NORMAL, 0.1)
     for _ in range(4):  # two urgent batches of two, ahead of any normal request
         batcher.admit(Lane.URGENT, 10.0, reserve=True)
     assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 3 * 0.1)

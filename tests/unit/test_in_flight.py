@@ -60,7 +60,7 @@ async def test_predicted_wait_shares_the_queue_among_the_workers() -> None:
     runner.gate = asyncio.Event()
     one, two = batcher(runner, clock, in_flight=1), batcher(runner, clock, in_flight=2)
     for b in (one, two):
-        b.observe_batch(Lane.NORMAL, 0.1, 2)
+        b.observe_batch(Lane.NORMAL, 0.1)
         for i in range(8):  # full batches of 2 leave at once and hang at the gate
             asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
     await settle()
@@ -172,7 +172,7 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
     made = []
     for fill in (UrgentFill.BACKLOG, UrgentFill.NEVER):
         b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(1, 2, fill))
-        b.observe_batch(Lane.NORMAL, 0.1, 2)
+        b.observe_batch(Lane.NORMAL, 0.1)
         for i in range(8):  # 2 batches run (gated), 4 requests wait: a full batch for each of the 2
             asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
         made.append(b)
@@ -247,7 +247,7 @@ async def test_urgent_batches_have_their_own_threads_and_count_against_the_cores
     tasks += [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
     await settle()
     assert runner.batches[1:] == [[0, 1]], "the urgent batch running takes one of the two cores' worth"
-    b.observe_batch(Lane.URGENT, 0.05, 2)
+    b.observe_batch(Lane.URGENT, 0.05)
     # urgent: (2 waiting // 2 + 1 running) batches on its 1 thread, then its own; normal batches do not count
     assert b.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + ((2 // 2 + 1) // 1 + 1) * 0.05)
     runner.gate.set()
