@@ -12,20 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from app.inference.manifest import InputSpec, Manifest, ResizeSpec
+from app.inference.manifest import InputSpec, Manifest
 from app.inference.preprocess import ImageLimits, decode
 from tests.support import DIGITS_DIR, png_from_array, sample_png
+from tests.unit.test_preprocess import IMAGENET, LIMITS
 
 DIGITS = Manifest.read(DIGITS_DIR / "1").input  # fit_content, box, 8x8: the bundled model's spec
-IMAGENET = InputSpec(
-    channels=3,
-    height=224,
-    width=224,
-    resize=ResizeSpec(mode="shorter_side_then_center_crop", resize_to=256),
-    mean=(0.485, 0.456, 0.406),
-    std=(0.229, 0.224, 0.225),
-)
-LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4_000_000)
 
 
 def _thin_strip(height: int) -> bytes:
