@@ -20,10 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import fcntl
-import json
 import logging
 import os
-import random
 import signal
 import socket
 import struct
@@ -33,6 +31,9 @@ from types import FrameType
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from app.api.middleware import new_request_id
+from app.api.schemas import ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -280,10 +281,11 @@ class ClosingProtocol(HttpToolsProtocol):
     def _answer_invalid(self) -> None:
         if self.transport.is_closing():
             return
-        request_id = f"{random.getrandbits(128):032x}"
-        body = json.dumps(
-            {"code": "invalid_http", "message": "the request is not valid HTTP/1.1", "request_id": request_id}
-        ).encode()
+        request_id = new_request_id()
+        envelope = ErrorResponse(
+            code="invalid_http", message="the request is not valid HTTP/1.1", request_id=request_id
+        )
+        body = envelope.model_dump_json(exclude_none=True).encode()
         head = [b"HTTP/1.1 400 Bad Request\r\n"]
         for name, value in [
             *self.server_state.default_headers,

@@ -57,6 +57,11 @@ def request_id_from(scope: Scope) -> str:
             if _VALID_ID.fullmatch(candidate):
                 return candidate
             break
+    return new_request_id()
+
+
+def new_request_id() -> str:
+    """A fresh request id: 128 random bits, from a generator reseeded in a forked worker."""
     return f"{_ids.getrandbits(128):032x}"
 
 

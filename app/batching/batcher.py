@@ -218,13 +218,13 @@ class DualWindowBatcher(Generic[P, R]):
         # None until a batch has been timed: no estimate, no refusal. With nothing ahead of it
         # in the batcher, its wait is its window and the decodes ahead of it, if any: no batch
         # estimate refuses it (it is the probe that keeps those current)
-        alone = self.batch_s(lane) if predict else None  # its own batch, when nothing is ahead
+        batch_s = self.batch_s(lane) if predict else None
         wait = None
-        if alone is not None:
+        if batch_s is not None:
             window = self._effective_policy().lane(lane).window_s
-            wait = window if self._idle(lane) else self.predicted_wait(lane)
-            if upstream_s > 0:  # the images ahead of it in the decode threads
-                wait = max(wait or 0.0, upstream_s + window + alone)
+            wait = window if self._idle(lane) else (self.predicted_wait(lane) or window)
+            if upstream_s > 0:  # the images ahead of it in the decode threads, then its own batch
+                wait = max(wait, upstream_s + window + batch_s)
         if wait is not None and wait > self._policy.admission_headroom * timeout_s:
             self._observer.on_rejected(lane, "would_miss_deadline")
             raise WouldMissDeadline(

@@ -159,10 +159,11 @@ class LayeredModel:
                     with torch.inference_mode():
                         self._check_head(name, head, self.features(self.dummy_batch(2)))
                 except ModelLoadError as exc:
+                    # its text only: the error itself would keep this batch's frames alive
+                    self._failed[name] = reason = str(exc)
                     log.error(
-                        "head %s of %s/%s cannot serve: %s", name, self.manifest.name, self.manifest.version, str(exc)
+                        "head %s of %s/%s cannot serve: %s", name, self.manifest.name, self.manifest.version, reason
                     )
-                    self._failed[name] = str(exc)
                     raise
                 self._heads[name] = head
                 self.head_loads += 1

@@ -82,8 +82,9 @@ def _to_mode(image: Image.Image, channels: int) -> Image.Image:
     mode = "L" if channels == 1 else "RGB"
     if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         # 16-bit grey (a PNG's): Pillow's conversions clip at 255, so scale it to 8 bits first
-        wide = np.asarray(image).astype(np.uint32)
-        image = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), mode="L")
+        # (clipped before the cast: mode I is signed, and a negative value would wrap to white)
+        wide = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
+        image = Image.fromarray((wide >> 8).astype(np.uint8), mode="L")
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         # transparent pixels become black: the bundled model reads light digits on a dark ground
         rgba = image.convert("RGBA")

@@ -159,3 +159,11 @@ def test_an_orientation_tag_of_another_type_is_a_400_or_ignored(kind: int, count
     assert Image.open(io.BytesIO(data)).getexif().get(0x0112) in ("6", b"\x06")
     tensor = decode(data, IMAGENET, LIMITS)  # as stored: the tag says nothing a viewer could read
     assert tuple(tensor.shape) == (3, 224, 224)
+
+
+def test_a_32_bit_grey_image_is_scaled_and_clipped_not_wrapped() -> None:
+    from app.inference.preprocess import _to_mode
+
+    signed = Image.fromarray(np.array([[-5, 0, 30000, 70000]], dtype=np.int32))
+    assert signed.mode == "I"
+    assert np.asarray(_to_mode(signed, 1)).tolist() == [[0, 0, 117, 255]], "a negative value is black, not white"
