@@ -26,13 +26,15 @@ import signal
 import socket
 import struct
 import termios
+import time
 from collections.abc import Awaitable, Callable
 from types import FrameType
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from app.api.middleware import new_request_id
+from app.api.middleware import new_request_id, request_id_from
 from app.api.schemas import ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -185,6 +187,8 @@ class ClosingProtocol(HttpToolsProtocol):
     _receiving = False  # between a request's first byte and its end
     _started: RequestResponseCycle | None = None  # the request whose app task started last
     _invalid = False  # bytes that are not HTTP arrived: answered 400 after the requests before them
+    _broken: RequestResponseCycle | None = None  # the request whose body broke, if a body did
+    _invalid_at = 0.0  # perf_counter when they arrived
     _closing = False  # shut down, answering what had begun to arrive before closing
     _bounded = False  # the wait is already LAST_REQUEST_S, the most a request gets
     _active_at = float("-inf")  # the loop's clock when the connection was opened or last answered
@@ -263,8 +267,10 @@ class ClosingProtocol(HttpToolsProtocol):
         if self._invalid:
             return
         self._invalid = True
+        self._invalid_at = time.perf_counter()
         self.transport.pause_reading()
         broken = self.cycle if self.cycle is not None and self.cycle.more_body else None  # its body is what broke
+        self._broken = broken
         if broken is not None and broken is not self._started:  # queued behind another: never run it
             self.pipeline = type(self.pipeline)(entry for entry in self.pipeline if entry[0] is not broken)
         if broken is not None and broken is self._started:
@@ -281,7 +287,13 @@ class ClosingProtocol(HttpToolsProtocol):
     def _answer_invalid(self) -> None:
         if self.transport.is_closing():
             return
-        request_id = new_request_id()
+        broken = self._broken
+        scope = cast("dict[str, Any] | None", broken.scope if broken is not None else None)
+        state: dict[str, Any] = scope.setdefault("state", {}) if scope is not None else {}
+        request_id = state.get("request_id") or (request_id_from(scope) if scope is not None else new_request_id())
+        served = broken is not None and broken is self._started  # its app task runs: it counts the answer
+        if served:
+            state.update(request_id=request_id, answered_as=(400, "invalid_http"))
         envelope = ErrorResponse(
             code="invalid_http", message="the request is not valid HTTP/1.1", request_id=request_id
         )
@@ -296,6 +308,13 @@ class ClosingProtocol(HttpToolsProtocol):
         ]:
             head += [name, b": ", value, b"\r\n"]
         self.transport.write(b"".join([*head, b"\r\n", body]))
+        if not served:
+            self.answered_invalid(scope, request_id, self._invalid_at)
+
+    def answered_invalid(self, scope: dict[str, Any] | None, request_id: str, started: float) -> None:
+        """An ``invalid_http`` 400 no app task counts is written (``scope``: the request whose
+        body broke, if one did). A protocol that knows the app counts it in its metrics and
+        access log; an app task cut off by its own 400 counts it itself (``answered_as``)."""
 
     def _close_if_answered(self) -> None:
         # answered before its body had all arrived (a refusal at the edge): closed once it has

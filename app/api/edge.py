@@ -91,10 +91,20 @@ class Edge:
 
     def answered(self, scope: Scope, refusal: Refusal) -> None:
         """The refusal's metrics and access line, once it is written."""
+        self._record(scope, refusal.status, refusal.request_id, refusal.caller)
+
+    def answered_invalid(self, scope: Scope | None, request_id: str, started: float) -> None:
+        """The metrics and access line of an ``invalid_http`` 400 (``scope``: the request whose body
+        broke; None when the bytes were not a request at all)."""
+        method, path = (scope["method"], scope["path"]) if scope is not None else ("-", "-")
+        state = {"started": started, "error_code": "invalid_http"}
+        self._record({"method": method, "path": path, "state": state}, 400, request_id, None)
+
+    def _record(self, scope: Scope, status: int, request_id: str, caller: tuple[str, str] | None) -> None:
         state = self.app.state
-        token, caller_token = request_id_var.set(refusal.request_id), caller_trace_var.set(refusal.caller)
+        token, caller_token = request_id_var.set(request_id), caller_trace_var.set(caller)
         try:
-            finish(state.metrics, scope, refusal.status, scope["state"]["started"], state.settings.logging.access_log)
+            finish(state.metrics, scope, status, scope["state"]["started"], state.settings.logging.access_log)
         finally:
             request_id_var.reset(token)
             caller_trace_var.reset(caller_token)
@@ -138,5 +148,11 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                 self.transport.close()
             cycle.on_response()
             edge.answered(scope, refusal)
+
+        def answered_invalid(self, scope: Scope | None, request_id: str, started: float) -> None:
+            try:
+                edge.answered_invalid(scope, request_id, started)
+            except Exception:  # the answer is written: a failure to count it must not reach the parser
+                log.exception("counting an invalid_http answer failed")
 
     return EdgeProtocol

@@ -102,6 +102,8 @@ def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_l
     state = scope["state"]
     template = getattr(scope.get("route"), "path", None) or state.get("route") or "unmatched"
     code = state.get("error_code", "ok" if status < 400 else "error")
+    if "answered_as" in state:  # the protocol answered it (its body broke), cutting the app off
+        status, code = state["answered_as"]
     metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)
     metrics.requests.labels(str(status), code).inc()
     if not access_log:
@@ -142,8 +144,8 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        request_id = request_id_from(scope)
         scope.setdefault("state", {})
+        request_id = scope["state"].get("request_id") or request_id_from(scope)  # the protocol's, if it answered
         scope["state"]["request_id"] = request_id
         scope["state"]["started"] = started
         token = request_id_var.set(request_id)

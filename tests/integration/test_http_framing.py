@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 
+import pytest
+
 from app.bench.rawhttp import build_request, read_response
+from app.telemetry.logging import RequestIdFilter
+from app.telemetry.metrics import PREFIX
 from tests.conftest import SettingsFactory
-from tests.integration.test_edge import Served, predict, served
+from tests.integration.test_edge import Served, predict, samples, served
 from tests.support import sample_png
 
 GARBAGE = b"NOT A REQUEST\r\n\r\n"
@@ -124,3 +129,40 @@ async def test_an_edge_refused_request_whose_body_breaks_gets_one_answer(make_se
         finally:
             writer.close()
     assert rest == b"", f"one request, a second answer after its 503: {rest[:60]!r}"
+
+
+async def _metrics_text(running: Served) -> str:
+    ((_, body),) = await running.exchange(build_request("GET", "127.0.0.1", "/metrics", {}))
+    return body.decode()
+
+
+async def test_an_invalid_http_answer_is_counted_and_logged_once(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.handler.addFilter(RequestIdFilter())
+    async with served(make_settings(logging={"access_log": True})) as running:
+        with caplog.at_level(logging.INFO, logger="app.access"):
+            ((head, body),) = await answers_then_close(running, GARBAGE, 1)
+            # a request the app is reading when its chunked body breaks: the 400 is its answer
+            reader, writer = await running.connect()
+            try:
+                writer.write(_chunked_predict_head(X_Request_ID="broken-body") + b"5\r\nabcde\r\nZZ\r\n")
+                broken, broken_body = await asyncio.wait_for(read_response(reader), 10)
+                assert await asyncio.wait_for(reader.read(), 10) == b""
+            finally:
+                writer.close()
+            text = await _metrics_text(running)
+    assert is_invalid_http(head, body) and is_invalid_http(broken, broken_body)
+    requests_total = samples(text, f"{PREFIX}_requests_total")
+    assert requests_total[(("code", "invalid_http"), ("status", "400"))] == 2
+    latency = samples(text, f"{PREFIX}_request_duration_seconds_count")
+    assert latency[(("lane", "none"), ("route", "unmatched"), ("status", "400"))] == 1  # not a request at all
+    assert sum(v for k, v in latency.items() if ("status", "400") in k) == 2
+    assert broken.headers["x-request-id"] == "broken-body", "the client's id, as any answer to its request"  # type: ignore[attr-defined]
+    # one access line each: the request cut off by its 400 is not also logged as a client leaving (499)
+    access = [r for r in caplog.records if r.name == "app.access"]
+    lines = [(r.method, r.path, r.status, getattr(r, "code", None), r.request_id) for r in access]  # type: ignore[attr-defined]
+    assert lines[:2] == [
+        ("-", "-", 400, "invalid_http", head.headers["x-request-id"]),  # type: ignore[attr-defined]
+        ("POST", "/predict", 400, "invalid_http", "broken-body"),
+    ]
