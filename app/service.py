@@ -19,7 +19,7 @@ from typing import cast
 
 import torch
 from opentelemetry import trace
-from opentelemetry.trace import Link, Status, StatusCode
+from opentelemetry.trace import Link, Span, Status, StatusCode
 
 from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
@@ -38,7 +38,7 @@ from app.inference.device import (
     resolve_dtype,
     size_primitive_cache,
 )
-from app.inference.jobs import Answer, Job, TracedRunner
+from app.inference.jobs import Answer, BatchTrace, Job, TracedRunner, batch_trace_of
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.manifest import InputSpec
 from app.inference.postprocess import Prediction, label
@@ -451,6 +451,11 @@ class InferenceService:
         try:
             done = await served.batcher.submit(job, lane, deadline - time.monotonic(), admitted=True)
         except BaseException as exc:
+            failed = None if isinstance(exc, asyncio.CancelledError) else batch_trace_of(exc)
+            if failed is not None:  # its whole batch failed: the queue did its part, inference did not
+                queue_span.end(end_time=failed.started_ns)
+                self._inference_span(ids, failed, exc).end()
+                raise
             if isinstance(exc, asyncio.CancelledError):
                 job.gone = True  # its client went: if its batch formed already, the device leaves it out
             queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
@@ -458,28 +463,17 @@ class InferenceService:
             raise
         dispatched_ns = time.time_ns() - int(done.run_s * 1e9)
         queue_span.end(end_time=dispatched_ns)
-        batch, top = done.output.batch_span, done.output.top
-        inference = self.tracer.start_span(
-            "inference",
-            start_time=dispatched_ns,
-            links=[Link(batch)] if batch.is_valid else None,
-            attributes={
-                **ids,
-                "batch.size": done.batch_size,
-                "batch.lane": done.batch_lane.value,
-                "batch.trace_id": format(batch.trace_id, "032x"),  # Jaeger: search the batch's trace
-            },
-        )
+        top = done.output.top
+        ran = BatchTrace(done.output.batch_span, dispatched_ns, done.batch_size, done.batch_lane)
         if top is None or isinstance(top, ServiceError):  # None: left out at the device (counted there)
             error = (
                 DeadlineExceeded("the request's deadline passed while its batch waited for the device")
                 if top is None
                 else top
             )
-            inference.set_status(Status(StatusCode.ERROR, f"{error.code}: {error}"))
-            inference.end()
+            self._inference_span(ids, ran, error).end()
             raise error
-        inference.end()
+        self._inference_span(ids, ran, None).end()
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(top, served.labels, top_k)
         return Outcome(
@@ -492,6 +486,25 @@ class InferenceService:
             done.queued_s,
             done.run_s,
         )
+
+    def _inference_span(self, ids: dict[str, str], batch: BatchTrace, error: BaseException | None) -> Span:
+        """A request's ``inference`` span: from its batch's start, linked to the batch's span
+        (the batch has a trace of its own), failed with ``error`` when it did not get an answer."""
+        span = self.tracer.start_span(
+            "inference",
+            start_time=batch.started_ns,
+            links=[Link(batch.span)] if batch.span.is_valid else None,
+            attributes={
+                **ids,
+                "batch.size": batch.size,
+                "batch.lane": batch.lane.value,
+                "batch.trace_id": format(batch.span.trace_id, "032x"),  # Jaeger: search the batch's trace
+            },
+        )
+        if error is not None:
+            code = error.code if isinstance(error, ServiceError) else type(error).__name__
+            span.set_status(Status(StatusCode.ERROR, f"{code}: {error}"))
+        return span
 
     async def memory(self) -> Memory:
         """Of the device the models run on: the host's once every one fell back to the CPU. A

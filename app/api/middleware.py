@@ -101,7 +101,9 @@ def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_l
     seconds = time.perf_counter() - started
     state = scope["state"]
     template = getattr(scope.get("route"), "path", None) or state.get("route") or "unmatched"
-    code = state.get("error_code", "ok" if status < 400 else "error")
+    code = state.get("error_code", "ok" if 100 <= status < 400 else "error")
+    if status == 0:  # its task ended before anything was sent: cut off at the end of shutdown (or a bug)
+        code = "unanswered"
     if "answered_as" in state:  # the protocol answered it (its body broke), cutting the app off
         status, code = state["answered_as"]
     metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)

@@ -7,6 +7,7 @@ model runner: one ``batch`` span per batch, linked to every member request's spa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,25 @@ class Job:
     span_context: SpanContext | None
     deadline: float = float("inf")  # time.monotonic(); checked again just before compute
     gone: bool = False  # set on the event loop when its client went; read on the device thread
+
+
+@dataclass(frozen=True)
+class BatchTrace:
+    """Where a request's batch is in the traces: its span, when it started, its size and lane."""
+
+    span: SpanContext
+    started_ns: int
+    size: int
+    lane: Lane
+
+
+def batch_trace_of(error: BaseException) -> BatchTrace | None:
+    """The batch a whole-batch failure came from (the batcher may wrap it: then its cause)."""
+    for candidate in (error, error.__cause__):
+        found = getattr(candidate, "batch_trace", None)
+        if isinstance(found, BatchTrace):
+            return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -68,14 +88,19 @@ class TracedRunner:
             "device": str(self.runner.model.device),
             "request.ids": [job.request_id for job in jobs],
         }
+        started_ns = time.time_ns()
         # the context manager records an exception and marks the span as failed
         with self._tracer.start_as_current_span("batch", links=links, attributes=attributes) as span:
-            tops = await self.runner(
-                [job.image for job in jobs],
-                [job.deadline for job in jobs],
-                urgent=lane is Lane.URGENT,
-                gone=lambda i: jobs[i].gone,
-            )
+            try:
+                tops = await self.runner(
+                    [job.image for job in jobs],
+                    [job.deadline for job in jobs],
+                    urgent=lane is Lane.URGENT,
+                    gone=lambda i: jobs[i].gone,
+                )
+            except Exception as exc:  # the whole batch failed: each request's trace leads to it
+                exc.batch_trace = BatchTrace(span.get_span_context(), started_ns, len(jobs), lane)  # type: ignore[attr-defined]
+                raise
             context = span.get_span_context()
             failed = sum(isinstance(top, ServiceError) for top in tops)
             if failed:

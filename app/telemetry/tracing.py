@@ -18,7 +18,16 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace.span import TraceState
+from opentelemetry.util.types import Attributes
 
 from app.settings import TelemetrySettings
 
@@ -143,15 +152,45 @@ def make_exporter(settings: TelemetrySettings) -> SpanExporter | None:
     return HttpExporter(endpoint=endpoint, timeout=timeout)
 
 
+class FollowsLinks(Sampler):
+    """A root span with links (a batch, linked to its requests) is sampled when any request it
+    links to was, and dropped when none was: a batch must be in the trace store whenever a
+    request's ``inference`` span points at it, and never alone. Other root spans are sampled
+    by ``ratio`` on their trace id."""
+
+    def __init__(self, ratio: float) -> None:
+        self._ratio = TraceIdRatioBased(ratio)
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        if links:
+            sampled = any(link.context.trace_flags.sampled for link in links)
+            decision = Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP
+            return SamplingResult(decision, attributes if sampled else None, trace_state)
+        return self._ratio.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"FollowsLinks{{{self._ratio.get_description()}}}"
+
+
 def build_tracer_provider(
     settings: TelemetrySettings,
     exporter: SpanExporter | None = None,
     on_drop: Callable[[int], None] = lambda count: None,
 ) -> tuple[TracerProvider, BoundedSpanProcessor | None]:
-    """A provider with a parent-based ratio sampler and (unless ``none``) the bounded processor."""
+    """A provider with a parent-based sampler (root spans: ``FollowsLinks``) and (unless
+    ``none``) the bounded processor."""
     provider = TracerProvider(
         resource=Resource.create({"service.name": settings.service_name}),
-        sampler=ParentBased(TraceIdRatioBased(settings.sampling_ratio)),
+        sampler=ParentBased(FollowsLinks(settings.sampling_ratio)),
     )
     exporter = exporter or make_exporter(settings)
     if exporter is None:

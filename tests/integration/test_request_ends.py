@@ -164,3 +164,20 @@ async def test_a_deadline_passed_while_the_batch_waits_for_the_device_is_counted
         samples = await scrape(running)
         assert value(samples, "ai_backend_cancellations_total", reason="deadline") == 1
         assert served.batcher.depth(Lane.NORMAL) == 0
+
+
+async def test_a_request_cancelled_before_its_answer_is_not_counted_ok(make_settings: SettingsFactory) -> None:
+    """uvicorn cancels the request tasks still running when its graceful-shutdown timeout ends.
+    Such a request was never answered: it must not be counted as a success."""
+    settings = make_settings(server={"default_timeout_ms": 60_000})
+    async with running_app(settings) as running:
+        async with device_held(running):
+            connection = png_request(running, **{"x-request-id": "cut-1"})
+            connection.body(sample_png(7), more=False)
+            await batch_formed(running)
+            connection.task.cancel()
+            await asyncio.gather(connection.task, return_exceptions=True)
+        counted = await scrape(running)
+    unanswered = {labels: v for (name, labels), v in counted.items() if name == "ai_backend_requests_total"}
+    assert value(counted, "ai_backend_requests_total", status="0", code="ok") == 0, unanswered
+    assert value(counted, "ai_backend_requests_total", status="0", code="unanswered") == 1, unanswered

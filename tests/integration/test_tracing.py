@@ -15,8 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from app.main import create_app
 from tests.conftest import SettingsFactory
+from tests.faults import DeviceLost
 from tests.integration.test_lifecycle_api import AUTH, ROOT, TOKEN, add_version
-from tests.support import sample_png, state_per_request
+from tests.support import MODEL_NAME, running_app, sample_png, state_per_request
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -172,3 +173,64 @@ async def test_batches_of_a_version_loaded_through_the_admin_api_join_no_admin_t
     assert batch.parent is None, "a batch is a trace of its own, linked to its requests"
     assert batch.context.trace_id != servers["load"].context.trace_id
     assert [link.context.span_id for link in batch.links] == [servers["predict"].context.span_id]
+
+
+def _traceparent(sampled: bool) -> str:
+    return f"00-{TRACE_ID}-00f067aa0ba902b7-{'01' if sampled else '00'}"
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+async def test_the_batch_of_a_sampled_request_is_sampled_too(make_settings: SettingsFactory, ratio: float) -> None:
+    """The caller sampled this trace (parent-based sampling keeps it): its request's spans are
+    exported, and its ``inference`` span links to a batch span, which must be exported as well.
+    The batch span is a root span, sampled by the ratio on its own trace id."""
+    settings = make_settings(telemetry={"exporter": "console", "sampling_ratio": ratio})
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        for _ in range(8):
+            answered = await running.predict_png(sample_png(3), headers={"traceparent": _traceparent(True)})
+            assert answered.status_code == 200
+        running.app.state.tracer_provider.force_flush()
+    spans = exporter.get_finished_spans()
+    inference = [s for s in spans if s.name == "inference"]
+    assert len(inference) == 8, "the requests' own spans follow the caller's decision"
+    batches = {s.context.span_id for s in spans if s.name == "batch"}
+    missing = [s for s in inference if s.links[0].context.span_id not in batches]
+    assert not missing, f"{len(missing)} of 8 sampled requests link to a batch span that was never exported"
+
+
+async def test_no_batch_span_is_exported_for_requests_nobody_samples(make_settings: SettingsFactory) -> None:
+    """The caller did not sample its trace: none of the request's spans are exported, so a batch
+    of it alone links to nothing that exists."""
+    settings = make_settings(telemetry={"exporter": "console", "sampling_ratio": 1.0})
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        answered = await running.predict_png(sample_png(3), headers={"traceparent": _traceparent(False)})
+        assert answered.status_code == 200
+        running.app.state.tracer_provider.force_flush()
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names == [], f"exported {names} for a trace the caller did not sample"
+
+
+async def test_a_failed_batch_leaves_its_error_on_the_inference_span_linked_to_the_batch(
+    make_settings: SettingsFactory,
+) -> None:
+    """A device lost (or OOM at one image, or a bug in the runner) fails the whole batch. The
+    request's trace must still lead to its batch (the way back is the inference span's link),
+    and the error belongs to inference, not to the queue, which did its job."""
+    settings = make_settings(telemetry={"exporter": "console"})
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        served_model = running.service.models[MODEL_NAME]
+        served_model.runner.model = DeviceLost(served_model.model)  # type: ignore[assignment]
+        answered = await running.predict_png(sample_png(3), headers={"X-Request-ID": "lost-1"})
+        assert answered.status_code == 503 and answered.json()["code"] == "device_unavailable"
+        running.app.state.tracer_provider.force_flush()
+    spans = exporter.get_finished_spans()
+    (batch,) = [s for s in spans if s.name == "batch"]
+    assert batch.status.status_code.name == "ERROR"
+    own = {s.name: s for s in spans if s.attributes.get("request.id") == "lost-1"}
+    assert own["queue"].status.status_code.name != "ERROR", "the queue span carries the device's failure"
+    assert "inference" in own, "no span of the request links back to the batch that failed it"
+    assert own["inference"].status.status_code.name == "ERROR"
+    assert [link.context.span_id for link in own["inference"].links] == [batch.context.span_id]
