@@ -373,6 +373,7 @@ class InferenceService:
             name=name,
             max_in_flight=self.threads.workers,
             urgent_in_flight=self.threads.urgent,
+            timed=lambda answers: any(answer.top is not None for answer in answers),
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
@@ -454,8 +455,10 @@ class InferenceService:
             failed = None if isinstance(exc, asyncio.CancelledError) else batch_trace_of(exc)
             if failed is not None:  # its whole batch failed: the queue did its part, inference did not
                 queue_span.end(end_time=failed.started_ns)
+                if job.left_out:  # not computed: its deadline passed at the device (or its client went)
+                    exc = DeadlineExceeded("the request's deadline passed while its batch waited for the device")
                 self._inference_span(ids, failed, exc).end()
-                raise
+                raise exc
             if isinstance(exc, asyncio.CancelledError):
                 job.gone = True  # its client went: if its batch formed already, the device leaves it out
             queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))

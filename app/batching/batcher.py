@@ -48,10 +48,14 @@ class DualWindowBatcher(Generic[P, R]):
         name: str = "batcher",
         max_in_flight: int = 1,
         urgent_in_flight: int = 0,
+        timed: Callable[[Sequence[R]], bool] = lambda outputs: True,
     ) -> None:
+        """``timed(outputs)``: whether a batch's run time measures the device (a batch whose
+        requests had all gone before it reached the device ran nothing, and took no time)."""
         if max_in_flight < 1 or urgent_in_flight < 0:
             raise ValueError("max_in_flight must be at least 1, urgent_in_flight at least 0")
         self._runner = runner
+        self._timed = timed
         self._max_in_flight = max_in_flight
         self._urgent_in_flight = urgent_in_flight  # more batches in flight, for urgent batches only
         self._observer: BatchObserver = observer or NullObserver()
@@ -386,7 +390,8 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
-            self.observe_batch(plan.lane, run_s)
+            if self._timed(outputs):
+                self.observe_batch(plan.lane, run_s)
             self._report(plan, batch, started, run_s, ok=True)
             self._ceiling.calm(len(batch), self._policy)
             for item, output in zip(batch, outputs, strict=True):

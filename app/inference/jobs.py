@@ -30,6 +30,7 @@ class Job:
     span_context: SpanContext | None
     deadline: float = float("inf")  # time.monotonic(); checked again just before compute
     gone: bool = False  # set on the event loop when its client went; read on the device thread
+    left_out: bool = False  # not computed, its client gone or its deadline past, in a batch that failed
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,9 @@ class TracedRunner:
                 )
             except Exception as exc:  # the whole batch failed: each request's trace leads to it
                 exc.batch_trace = BatchTrace(span.get_span_context(), started_ns, len(jobs), lane)  # type: ignore[attr-defined]
+                for i in getattr(exc, "left_out", ()):  # those the device left out failed with nothing
+                    jobs[i].left_out = True
+                    self._observer.on_dropped(jobs[i].lane, "cancelled" if jobs[i].gone else "deadline")
                 raise
             context = span.get_span_context()
             failed = sum(isinstance(top, ServiceError) for top in tops)

@@ -116,13 +116,15 @@ class ModelRunner:
     ) -> list[TopK | ServiceError | None]:
         """Blocking: the live images on the device (split on out-of-memory), answers on the host.
 
-        Raises ``DeviceUnavailable`` when the device computed none of them; otherwise an image
-        it could not compute has the error in its place, as has one whose output is not finite."""
+        Raises ``DeviceUnavailable`` when the device computed none of them (its ``left_out``: the
+        indices not computed because their requests went); otherwise an image it could not
+        compute has the error in its place, as has one whose output is not finite."""
         batch = _Batch(images, deadlines, gone)
         generation = self._generation
         self._compute(batch, range(len(images)), self.model)
         if not batch.failed:
-            self.failures = 0
+            if batch.computed:  # a batch whose requests all went never reached the device: it proves nothing
+                self.failures = 0
             return batch.answers
         # several device threads may share this runner: one counts at a time, one falls back
         with self._failing:
@@ -137,6 +139,8 @@ class ModelRunner:
                 return batch.answers
         error = DeviceUnavailable(batch.reason)
         if not batch.computed:
+            failed = set(batch.failed)  # the rest were left out, uncomputed: gone, or past their deadline
+            error.left_out = tuple(i for i in range(len(images)) if i not in failed)  # type: ignore[attr-defined]
             raise error
         for i in batch.failed:
             batch.answers[i] = error

@@ -261,3 +261,20 @@ async def test_urgent_requests_ahead_count_in_urgent_sized_batches() -> None:
         batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # a whole one
     assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 4 * 0.1)
     await batcher.close(grace_s=0)
+
+
+async def test_a_batch_that_ran_nothing_does_not_teach_the_estimate() -> None:
+    # every request of a batch went (gone, or past its deadline) before it reached the device: it
+    # took no time, and would have pulled the estimate down a fifth
+    clock, runner = FakeClock(), FakeRunner()
+    policy = BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64))
+    ran: list[bool] = [True]
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, timed=lambda outputs: ran[0])
+    batcher.start()
+    await run_one_timed_batch(batcher, clock, runner)
+    ran[0] = False
+    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await settle()
+    await asyncio.gather(*tasks)
+    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1), "a batch that measured nothing"
+    await batcher.close(0)

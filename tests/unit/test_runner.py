@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from opentelemetry import trace
 from torch import nn
 
+from app.batching import Lane
 from app.errors import DeviceUnavailable, Unavailable
 from app.inference.device import DeviceThread
+from app.inference.jobs import Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.manifest import Manifest, Provenance
 from app.inference.packaging import write_version
@@ -354,3 +357,55 @@ def test_a_remembered_failed_head_does_not_keep_every_batch_alive(tmp_path: Path
     gc.collect()
     alive = sum(ref() is not None for ref in refs)
     assert alive == 0, f"{alive} of 5 failed batches' images are still referenced"
+
+
+class Dropped:
+    """An observer that records why the requests left out at the device went."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def on_batch(self, *args: object) -> None: ...
+
+    def on_rejected(self, lane: Lane, reason: str) -> None: ...
+
+    def on_dropped(self, lane: Lane, reason: str) -> None:
+        self.reasons.append(reason)
+
+
+@pytest.mark.parametrize("leaves", ["gone", "deadline"])
+async def test_a_request_left_out_of_a_batch_the_device_then_fails_is_counted_and_marked(
+    model: LayeredModel, device: DeviceThread, leaves: str
+) -> None:
+    observer = Dropped()
+    runner = ModelRunner(Faulty(model, always=True), device, 3)
+    traced = TracedRunner(runner, trace.NoOpTracer(), "m", "1", "float32", observer)
+    jobs = [Job(image, Lane.NORMAL, f"r{i}", None) for i, image in enumerate(images(model, 2))]
+    if leaves == "gone":
+        jobs[0].gone = True  # its client went after the batch formed: left out at the device
+    else:
+        jobs[0].deadline = time.monotonic() - 1  # its deadline passed while the batch waited
+    with pytest.raises(DeviceUnavailable) as raised:
+        await traced(jobs)
+    assert observer.reasons == ["cancelled" if leaves == "gone" else "deadline"], "counted once, as what it was"
+    assert [job.left_out for job in jobs] == [True, False], "the service answers it as what happened to it"
+    assert raised.value.batch_trace.size == 2  # type: ignore[attr-defined]
+
+
+def test_a_batch_whose_requests_all_went_does_not_reset_the_failure_count(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    loads: list[str] = []
+
+    def fallback() -> LayeredModel:
+        loads.append("cpu")
+        return model
+
+    runner = ModelRunner(Faulty(model, always=True), device, 3, fallback=fallback, fallback_after=2)
+    batch = images(model, 2)
+    with pytest.raises(DeviceUnavailable):
+        runner.run_sync(batch)  # the device's first failure
+    assert runner.run_sync(batch, [time.monotonic() - 1] * 2) == [None, None]  # never reached the device
+    assert runner.failures == 1
+    answers = runner.run_sync(batch)  # the second failure in a row: the fallback takes over and answers
+    assert loads == ["cpu"] and all(answer is not None for answer in answers)
