@@ -102,8 +102,14 @@ class Classifier:
         self._lifespan_starts = 0
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        """The app this replica serves, built here (Serve calls this once, after ``__init__``)."""
+        """The app this replica serves, built here (Serve calls this once, after ``__init__``).
+        The replica's log lines take the settings' level and format, with request and trace
+        ids, as ``ai-backend serve``'s do (Ray leaves the root logger to the process)."""
+        from app.telemetry.logging import configure_logging
+
         app = replica_app(self._overrides, self._config_file)
+        logging_settings = app.state.settings.logging
+        configure_logging(logging_settings.level, logging_settings.json_format)
         served_lifespan = app.router.lifespan_context
 
         @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -77,3 +78,19 @@ def test_a_series_gone_from_the_registry_reads_0_in_rays_copy() -> None:
     assert info.last(model="digits", version="1", device="cuda:0", dtype="float16") == 0
     assert info.last(model="digits", version="1", device="cpu", dtype="float32") == 1
     assert factory.gauges["ai_backend_queue_depth"].last(model="digits", version="1", lane="normal") == 0
+
+
+def test_a_replica_logs_in_its_settings_level_and_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray leaves the root logger to the process: without this, a replica's lines had neither the
+    # JSON format nor the request ids, and logging.level was ignored
+    import app.telemetry.logging as telemetry_logging
+    from app.ray_app import Classifier
+
+    configured: list[tuple[str, bool]] = []
+    monkeypatch.setattr(telemetry_logging, "configure_logging", lambda *args: configured.append(args))
+    _, overrides = split_args({"logging.level": "WARNING", "logging.json_format": "false"})
+    # the replica's own build step, on a stand-in for the replica (Serve's ingress wraps __init__)
+    stand_in = SimpleNamespace(_overrides=merge(TEST_DEFAULTS, overrides), _config_file=None)
+    built = Classifier.func_or_class.__serve_build_asgi_app__(stand_in)
+    assert isinstance(built, FastAPI)
+    assert configured == [("WARNING", False)]
