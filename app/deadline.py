@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from app.errors import DeadlineExceeded
@@ -17,12 +18,13 @@ from app.errors import DeadlineExceeded
 
 class within:  # noqa: N801 - used as a statement: ``async with within(deadline, "..."):``
     """Cancel the block at ``deadline`` (``time.monotonic()``), raising ``DeadlineExceeded``
-    that says the request's deadline passed ``where``."""
+    that says the request's deadline passed ``where``. ``expired()`` is called when the block
+    ends by the deadline: cut off, or raising ``DeadlineExceeded`` itself."""
 
-    __slots__ = ("_deadline", "_timeout", "_where")
+    __slots__ = ("_deadline", "_expired", "_timeout", "_where")
 
-    def __init__(self, deadline: float, where: str) -> None:
-        self._deadline, self._where = deadline, where
+    def __init__(self, deadline: float, where: str, expired: Callable[[], None] = lambda: None) -> None:
+        self._deadline, self._where, self._expired = deadline, where, expired
         self._timeout: asyncio.Timeout | None = None
 
     async def __aenter__(self) -> None:
@@ -37,4 +39,7 @@ class within:  # noqa: N801 - used as a statement: ``async with within(deadline,
         try:
             await self._timeout.__aexit__(kind, exc, tb)
         except TimeoutError:
+            self._expired()
             raise DeadlineExceeded(f"the request's deadline passed {self._where}") from None
+        if isinstance(exc, DeadlineExceeded):
+            self._expired()

@@ -441,7 +441,8 @@ class InferenceService:
                 decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
                 # answered at its deadline, not when a decode thread is free (a decode that
                 # has not started is called off; one that has is not, and its image is dropped)
-                async with within(deadline, "while its image waited to be decoded"):
+                expired = functools.partial(served.batcher.observer.on_dropped, lane, "deadline")
+                async with within(deadline, "while its image waited to be decoded", expired):
                     tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
             self._backlog.record(decode_s)
         finally:

@@ -114,7 +114,7 @@ class Metrics:
         )
         self.rejections = Counter(f"{PREFIX}_rejections", "Requests refused at admission", ["reason"], registry=r)
         self.cancellations = Counter(
-            f"{PREFIX}_cancellations", "Requests that left the queue uncomputed", ["reason"], registry=r
+            f"{PREFIX}_cancellations", "Requests admitted, then dropped uncomputed", ["reason"], registry=r
         )
         self.dropped_spans = Counter(f"{PREFIX}_dropped_spans", "Spans the exporter queue dropped", registry=r)
         self.model_load = Gauge(

@@ -8,6 +8,7 @@ import threading
 
 from app.batching import Lane
 from tests.conftest import SettingsFactory
+from tests.integration.test_metrics import scrape, total
 from tests.support import running_app, sample_png
 
 
@@ -60,5 +61,7 @@ async def test_requests_waiting_to_be_decoded_fill_the_queue_and_late_ones_are_n
             gate.set()
         assert answer.status_code == 503 and answer.json()["code"] == "deadline_exceeded"
         assert "waited to be decoded" in answer.json()["message"]
+        counted = await scrape(running)
+        assert total(counted, "ai_backend_cancellations_total", reason="deadline") == 1
         ok = await running.predict_png(sample_png(5))
         assert ok.status_code == 200, "the seats were all given back"

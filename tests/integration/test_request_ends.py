@@ -16,7 +16,7 @@ from starlette.types import Message
 from app.batching import Lane
 from tests.conftest import SettingsFactory
 from tests.faults import Faulty
-from tests.integration.test_metrics import scrape, value
+from tests.integration.test_metrics import scrape, total, value
 from tests.support import MODEL_NAME, RunningApp, running_app, sample_png
 
 PNG = sample_png(7)
@@ -110,6 +110,8 @@ async def test_a_stalled_body_is_answered_at_its_deadline_and_its_seat_given_bac
             assert "body was arriving" in body["message"]
         ok = await running.predict_png(PNG)
         assert ok.status_code == 200, "the stalled requests gave their seats back"
+        counted = await scrape(running)
+        assert total(counted, "ai_backend_cancellations_total", reason="deadline") == 2
         for connection in stalled:
             connection.disconnect()
             await asyncio.wait_for(connection.task, 30)

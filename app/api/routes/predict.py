@@ -85,7 +85,8 @@ async def _predict(name: str | None, request: Request) -> Response:
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     seat = service.reserve(served, headers.lane, remaining)
     try:
-        async with within(time.monotonic() + remaining, "while its body was arriving"):
+        expired = functools.partial(served.batcher.observer.on_dropped, headers.lane, "deadline")
+        async with within(time.monotonic() + remaining, "while its body was arriving", expired):
             body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
         most = min(server.max_top_k, len(served.labels))
         asked = body.top_k or query_top_k
