@@ -282,7 +282,12 @@ class TelemetrySettings(_Group):
     endpoint: str | None = Field(
         default=None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)"
     )
-    sampling_ratio: float = Field(default=1.0, ge=0, le=1, description="parent-based ratio sampler")
+    sampling_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="parent-based ratio sampler (a batch span is kept when any of its requests is)",
+    )
     max_queue: int = Field(default=2048, ge=1, le=1_000_000, description="spans waiting for export; more are dropped")
     batch_size: int = Field(default=256, ge=1, le=65536, description="spans per export call")
     schedule_delay_ms: float = Field(default=1000.0, gt=0, le=3_600_000, description="longest wait before an export")
