@@ -24,7 +24,7 @@ def check_bearer(authorization: str | None, expected: bytes, what: str) -> None:
         raise Unauthorized(f"{what} is required as Authorization: Bearer <token>")
     # only spaces and tabs around the token (str.strip would take a latin-1 no-break space too)
     if not hmac.compare_digest(authorization[7:].strip(" \t").encode(), expected):
-        raise Forbidden(f"wrong {what}")
+        raise Forbidden(f"the bearer token is not {what}")
 
 
 async def require_admin(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
+from starlette.types import Scope
 
 from app.api.disconnect import ClientClosed
 from app.api.schemas import PredictRequest
@@ -79,27 +80,53 @@ def _body_error(exc: ValidationError) -> ServiceError:
     return SchemaError("; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors))
 
 
-async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes: int) -> ImageBody:
-    """The image (and top_k) from a JSON body or from raw image bytes, by Content-Type."""
-    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+def media_type(value: str) -> str:
+    """A Content-Type's media type, without its parameters."""
+    return value.split(";", 1)[0].strip().lower()
+
+
+def body_limit(content_type: str, max_image_bytes: int, max_json_bytes: int) -> tuple[int, str]:
+    """The size limit of a body of this media type and the code past it; 415 for a type not taken."""
     if content_type == JSON_TYPE:
-        raw = await read_limited(request, max_json_bytes)
-        try:
-            parsed = PredictRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise _body_error(exc) from exc
-        text = parsed.image_base64
-        decoded_size = len(text) // 4 * 3 - text.count("=", -2)  # exact for valid base64
-        if decoded_size > max_image_bytes:
-            raise PayloadTooLarge(
-                f"image is {decoded_size} bytes; the limit is {max_image_bytes}", code="image_too_large"
-            )
-        return ImageBody(text, parsed.top_k)
+        return max_json_bytes, "body_too_large"
     if content_type in IMAGE_TYPES:
-        raw = await read_limited(request, max_image_bytes, code="image_too_large")
-        if not raw:
-            raise BadRequest("the body is empty", code="empty_body")
-        return ImageBody(raw, None)  # top_k comes from the query string
+        return max_image_bytes, "image_too_large"
     raise UnsupportedMediaType(
         f"Content-Type must be {JSON_TYPE} or one of {', '.join(sorted(IMAGE_TYPES))}; got {content_type or 'none'}"
     )
+
+
+def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int) -> None:
+    """What a prediction's headers alone say is wrong with its body, before it is admitted or
+    read: a Content-Type not taken (415), a declared Content-Length past its limit (413). No
+    retry mends either, so neither may hide behind a 503 with a Retry-After."""
+    content_type: str | None = None
+    length: str | None = None
+    for key, value in scope["headers"]:
+        if key == b"content-type" and content_type is None:
+            content_type = value.decode("latin-1")
+        elif key == b"content-length" and length is None:
+            length = value.decode("latin-1")
+    limit, code = body_limit(media_type(content_type or ""), max_image_bytes, max_json_bytes)
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"body is {length} bytes; the limit is {limit}", code=code)
+
+
+async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes: int) -> ImageBody:
+    """The image (and top_k) from a JSON body or from raw image bytes, by Content-Type."""
+    content_type = media_type(request.headers.get("content-type", ""))
+    limit, code = body_limit(content_type, max_image_bytes, max_json_bytes)
+    raw = await read_limited(request, limit, code)
+    if content_type != JSON_TYPE:
+        if not raw:
+            raise BadRequest("the body is empty", code="empty_body")
+        return ImageBody(raw, None)  # top_k comes from the query string
+    try:
+        parsed = PredictRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _body_error(exc) from exc
+    text = parsed.image_base64
+    decoded_size = len(text) // 4 * 3 - text.count("=", -2)  # exact for valid base64
+    if decoded_size > max_image_bytes:
+        raise PayloadTooLarge(f"image is {decoded_size} bytes; the limit is {max_image_bytes}", code="image_too_large")
+    return ImageBody(text, parsed.top_k)

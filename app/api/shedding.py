@@ -16,6 +16,7 @@ from __future__ import annotations
 from starlette.datastructures import State
 from starlette.types import Scope
 
+from app.api.body import check_declared_body
 from app.api.deps import predict_headers
 from app.errors import ServiceError
 
@@ -26,10 +27,12 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     service = getattr(state, "service", None)
     if service is None or getattr(state, "api_key", None) is not None:
         return None
+    server = service.settings.server
     try:
-        headers = predict_headers(scope, service.settings.server)
+        headers = predict_headers(scope, server)
+        check_declared_body(scope, server.max_image_bytes, server.max_body_bytes)
     except ServiceError:
-        return None  # a bad header: the route answers 400, with its message
+        return None  # a bad header, a body no retry mends: the route answers the 4xx, with its message
     try:
         service.admit(service.served(model, headers.version), headers.lane, headers.timeout_s)
     except ServiceError as exc:

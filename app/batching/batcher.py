@@ -231,12 +231,21 @@ class DualWindowBatcher(Generic[P, R]):
                 wait = max(wait, upstream_s + window + batch_s)
         if wait is not None and wait > self._policy.admission_headroom * timeout_s:
             self._observer.on_rejected(lane, "would_miss_deadline")
-            raise WouldMissDeadline(
-                f"predicted wait {wait * 1000:.0f} ms exceeds the deadline of {timeout_s * 1000:.0f} ms",
-                retry_after_s=max(1, math.ceil(wait)),
-            )
+            raise WouldMissDeadline(self._miss_message(lane, wait, timeout_s), retry_after_s=max(1, math.ceil(wait)))
         if reserve:
             self._reserved[lane] += 1
+
+    def _miss_message(self, lane: Lane, wait: float, timeout_s: float) -> str:
+        headroom = self._policy.admission_headroom
+        said = f"predicted wait {wait * 1000:.0f} ms"
+        if headroom < 1:
+            said += f" is over {headroom:g} of the {timeout_s * 1000:.0f} ms deadline (batching.admission_headroom)"
+        else:
+            said += f" exceeds the deadline of {timeout_s * 1000:.0f} ms"
+        if self._idle(lane):  # nothing ahead: the lane's window alone is too long for this deadline
+            window_ms = self._effective_policy().lane(lane).window_s * 1000
+            said += f"; the {lane.value} lane's window alone is {window_ms:g} ms"
+        return said
 
     def release(self, lane: Lane) -> None:
         """A seat ``admit(reserve=True)`` held is free again (the request is submitted, or failed)."""

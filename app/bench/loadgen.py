@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import socket
 import sys
 import time
 from collections import Counter
@@ -142,6 +143,19 @@ def is_loopback(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def reachable(url: str, timeout_s: float = 5.0) -> str | None:
+    """None when something listens at ``url``'s host and port; else why not. Checked before a
+    run: against a closed port every request fails at once, and the clients spin through
+    tens of thousands of refused connections a second."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"nothing answers at {url}: {exc.strerror or exc}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -498,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         images = load_images(Path(args.image), args.images)
     except OSError as exc:
         parser.error(str(exc))
+    if (unreachable := reachable(args.url)) is not None:
+        print(f"ai-backend bench: {unreachable}", file=sys.stderr)
+        return 1
     report = event_loop_run(bench(args, images))
     text = json.dumps(report, indent=2)
     print(text)

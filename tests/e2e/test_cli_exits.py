@@ -92,17 +92,31 @@ def test_eval_on_a_read_only_repository_reports_it_without_a_traceback(
     assert "Read-only" in capsys.readouterr().err
 
 
+def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``ai-backend ARGS`` from this checkout, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        check=False,
+        cwd=REPO_ROOT,
+        env=server_environment({"PYTHONPATH": str(REPO_ROOT)}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_floor_refuses_a_port_out_of_range_instead_of_hanging() -> None:
     try:
-        run = subprocess.run(
-            [sys.executable, "-m", "app.cli", "floor", "--port", "99999"],
-            check=False,
-            cwd=REPO_ROOT,
-            env=server_environment({"PYTHONPATH": str(REPO_ROOT)}),
-            capture_output=True,
-            text=True,
-            timeout=45,
-        )
+        run = _cli("floor", "--port", "99999", timeout=45)
     except subprocess.TimeoutExpired:
         pytest.fail("ai-backend floor --port 99999 hung for 45 s without a word")
     assert run.returncode == 2, run.stderr[-1500:]
+
+
+def test_bench_against_a_port_where_nothing_listens_exits_1_at_once() -> None:
+    # a typo in --url: every request failed at once, the clients spun through tens of thousands
+    # of refused connections, and the run exited 0 with "ok": 0
+    run = _cli("bench", "--url", f"http://127.0.0.1:{free_port()}", "--duration", "5", timeout=60)
+    assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
+    assert "nothing answers at http://127.0.0.1:" in run.stderr and "Traceback" not in run.stderr
+    assert run.stdout == "", "no report for a run that never started"

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.auth import check_api_key
-from app.api.body import OPENAPI_BODY, read_image_body
+from app.api.body import OPENAPI_BODY, check_declared_body, read_image_body
 from app.api.deps import predict_headers
 from app.api.disconnect import unless_disconnected
 from app.api.errors import error_responses
@@ -78,6 +78,7 @@ async def _predict(name: str | None, request: Request) -> Response:
     check_api_key(request)
     server = service.settings.server
     headers = predict_headers(request.scope, server)
+    check_declared_body(request.scope, server.max_image_bytes, server.max_body_bytes)  # 415, 413: before any 503
     query_top_k = _query_top_k(request)
     served = service.served(name, headers.version)  # 404 / 503 before reading the body
     state = request.scope["state"]
