@@ -7,6 +7,7 @@ import argparse
 import functools
 import importlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +19,11 @@ EXIT_BAD_SETTINGS = 2
 
 def _serve(args: argparse.Namespace) -> int:
     from app.settings import SettingsError, config_path, file_stamp, read_secrets, read_settings
+
+    # SIGHUP's default action ends the process: until the app's handler (a reload) is set, and
+    # after it is taken down, one is ignored (an edit of the config file is still picked up)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     server_overrides: dict[str, object] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     stamp = file_stamp(config_path())  # before the read: an edit from now on is a change to pick up

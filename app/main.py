@@ -65,6 +65,7 @@ def _on_sighup(handler: Callable[[], object]) -> Iterator[None]:
         yield
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not back to its default, which ends the process
 
 
 def create_app(

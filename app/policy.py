@@ -71,8 +71,10 @@ class PolicyManager:
         self.current = settings.batching
         self.config_file = config_file or config_path()
         self._stamp = stamp if stamp is not None else file_stamp(self.config_file)
+        self._had_file = self._stamp is not None  # a file that goes away leaves the policy as it was
         self._lock = asyncio.Lock()  # one reload at a time: an older read never lands last
         self._wake = asyncio.Event()
+        self._changes = 0  # admin changes applied: one made while a reload reads the file is newer
 
     def update(self, patch: dict[str, Any]) -> BatchingSettings:
         """Merge ``patch`` into the live policy; ``SchemaError`` (422) names what is wrong."""
@@ -80,6 +82,7 @@ class PolicyManager:
             batching = self._checked(_merge(self.current.model_dump(), patch))
         except SettingsError as exc:
             raise SchemaError(f"policy refused, the old one stays: {exc}") from exc
+        self._changes += 1
         self._set(batching, "admin API")
         return batching
 
@@ -91,8 +94,11 @@ class PolicyManager:
         An invalid file is logged and ignored, or with ``strict`` raised as ``SchemaError``.
         """
         async with self._lock:
+            changes = self._changes
             stamp = await asyncio.to_thread(file_stamp, self.config_file)
             try:
+                if stamp is None and self._had_file:  # between an editor's delete and its write, say
+                    raise SettingsError(f"config file {self.config_file} is missing")
                 fresh = await asyncio.to_thread(self._reader)
                 # against the live settings: only batching applies, the rest waits for a restart
                 batching = self._checked(fresh.batching.model_dump())
@@ -103,6 +109,7 @@ class PolicyManager:
                     raise SchemaError(f"config reload refused, the old policy stays: {exc}") from exc
                 return False
             self._stamp = stamp
+            self._had_file = self._had_file or stamp is not None
             others = {
                 k for k in Settings.model_fields if k != "batching" and getattr(fresh, k) != getattr(self._read, k)
             }
@@ -110,6 +117,8 @@ class PolicyManager:
                 log.warning("config changes to %s need a restart; only batching applies live", sorted(others))
             edited = fresh.batching != self._read.batching
             self._read = fresh
+            if changes != self._changes:  # the admin API changed the policy while the file was read
+                return False
             if not (edited or forced) or batching == self.current:
                 return False
             self._set(batching, str(self.config_file))

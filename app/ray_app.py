@@ -35,6 +35,7 @@ from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.ray.options import deployment_options, gpus_per_replica, read_settings, split_args
+from app.settings import config_path, file_stamp
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,10 @@ def replica_app(overrides: Mapping[str, Any], config_file: Path | None) -> FastA
     start and at every reload (admin API, SIGHUP, an edit of that file)."""
     from app.main import create_app  # torch comes in here, in the replica, not at import
 
+    stamp = file_stamp(config_file or config_path())  # before the read: an edit meanwhile is a change
     settings = read_settings(overrides, config_file)
     reread = functools.partial(read_settings, overrides, config_file)
-    return create_app(settings, reread=reread, config_file=config_file)
+    return create_app(settings, reread=reread, config_file=config_file, config_stamp=stamp)
 
 
 @serve.deployment(

@@ -10,6 +10,7 @@ with a message naming the setting and the rule.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -321,8 +322,15 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _windows_fit_in_timeouts(self) -> Settings:
-        if self.batching.normal.window_ms >= self.server.default_timeout_ms:
-            raise ValueError("batching.normal.window_ms must be < server.default_timeout_ms")
+        # admission lets a request's wait (its window at the least) take this share of its
+        # deadline: a longer window refuses every request that keeps the default deadline
+        share = self.batching.admission_headroom
+        if self.batching.normal.window_ms >= share * self.server.default_timeout_ms:
+            raise ValueError(
+                "batching.normal.window_ms must be < batching.admission_headroom x server.default_timeout_ms"
+                f" ({share:g} x {self.server.default_timeout_ms:g} ms): a longer window refuses every request"
+                " that keeps the default deadline"
+            )
         return self
 
     @classmethod
@@ -377,17 +385,19 @@ def config_path() -> Path:
     return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
 
 
-FileStamp = tuple[int, int, int] | None
-"""A file's identity and version as ``stat`` tells them (inode, size, mtime in ns); None: absent."""
+FileStamp = tuple[int, int, int, bytes] | None
+"""A file's identity and version: inode, size, mtime in ns and a digest of its bytes; None: absent."""
 
 
 def file_stamp(path: Path) -> FileStamp:
-    """Blocking. Changes when the file is edited in place or replaced (an editor's rename)."""
+    """Blocking. Changes when the file is edited in place or replaced (an editor's rename), and
+    when two writes of the same size land within one tick of the file system's clock."""
     try:
         stat = path.stat()
+        digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
     except OSError:
         return None
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, digest
 
 
 def read_settings(server: dict[str, object] | None = None) -> Settings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +30,17 @@ class ServerProcess:
 
     def stderr(self) -> str:
         return (self.logs / "stderr.log").read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM, a bounded wait for its exit (then SIGKILL); its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        return self.process.returncode
 
     def wait_ready(self) -> None:
         """Poll /readyz until 200 (bounded); fail with the log if the process dies or never gets there."""

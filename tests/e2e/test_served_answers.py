@@ -33,12 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                 assert answered.status_code == 200
         yield running
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except Exception:
-            process.kill()
-            process.wait(timeout=10)
+        running.stop()
 
 
 def test_timings_are_not_whole_milliseconds(server: ServerProcess) -> None:

@@ -125,10 +125,10 @@ max_queue = 64
 
 
 def watched_config(make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """A config file (normal lane: 20 s window, batches of 8) the service reads and watches,
+    """A config file (normal lane: 12 s window, batches of 8) the service reads and watches,
     with the admin API on; and the test's settings."""
     config = tmp_path / "service.toml"
-    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    config.write_text(CONFIG.format(window=12000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     settings = make_settings(
         admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
@@ -142,7 +142,7 @@ async def test_editing_the_config_file_changes_the_policy_without_restart(
     config, settings = watched_config(make_settings, tmp_path, monkeypatch)
     async with running_app(settings) as running:
         batcher = running.service.models[MODEL_NAME].batcher
-        config.write_text(CONFIG.format(window=20000.0, batch=3))
+        config.write_text(CONFIG.format(window=12000.0, batch=3))
         os.utime(config, (1, 1))  # a different mtime, whatever the file system's resolution
         await policy_becomes(running, 3)
         responses = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(3)))
@@ -160,19 +160,19 @@ async def test_sighup_rereads_the_config_file(
     make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = tmp_path / "service.toml"
-    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    config.write_text(CONFIG.format(window=12000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     settings = make_settings(admin={"config_watch_s": 0}, server={"default_timeout_ms": 60_000})
     async with running_app(settings) as running:
         batcher = running.service.models[MODEL_NAME].batcher
-        config.write_text(CONFIG.format(window=20000.0, batch=5))
+        config.write_text(CONFIG.format(window=12000.0, batch=5))
         os.kill(os.getpid(), signal.SIGHUP)
         async with asyncio.timeout(10):
             while batcher.policy.normal.max_batch != 5:  # noqa: ASYNC110 - the reload has no event to wait on
                 await asyncio.sleep(0.02)
 
 
-TRUNCATED = "[batching.normal]\nwindow_ms = 20000.0\nmax_batch = "  # an editor's write half done
+TRUNCATED = "[batching.normal]\nwindow_ms = 12000.0\nmax_batch = "  # an editor's write half done
 
 
 async def policy_becomes(running, max_batch: int) -> None:  # type: ignore[no-untyped-def]
@@ -201,7 +201,7 @@ async def test_a_file_that_is_not_toml_is_refused_and_the_watcher_goes_on(
         assert not watcher.done()
         reload = await running.client.post("/admin/policy/reload", headers=AUTH)
         assert reload.status_code == 422 and "cannot be read" in reload.json()["message"]
-        config.write_text(CONFIG.format(window=20000.0, batch=3))  # the editor finishes
+        config.write_text(CONFIG.format(window=12000.0, batch=3))  # the editor finishes
         os.utime(config, (2, 2))
         await policy_becomes(running, 3)
     # and the shutdown ran to its end (an exception out of a dead watcher stopped it before)
@@ -230,16 +230,16 @@ async def test_an_admin_change_stays_until_the_files_batching_changes_or_a_reloa
 ) -> None:
     config, settings = watched_config(make_settings, tmp_path, monkeypatch)
     async with running_app(settings) as running:
-        config.write_text(CONFIG.format(window=20000.0, batch=8) + "\n[logging]\nlevel = 'DEBUG'\n")
+        config.write_text(CONFIG.format(window=12000.0, batch=8) + "\n[logging]\nlevel = 'DEBUG'\n")
         os.utime(config, (1, 1))
         await watcher_read(running, config)  # the first read of the file: its batching is applied
-        assert running.service.models[MODEL_NAME].batcher.policy.normal.window_s == 20.0
+        assert running.service.models[MODEL_NAME].batcher.policy.normal.window_s == 12.0
         assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 2}})).is_success
-        config.write_text(CONFIG.format(window=20000.0, batch=8) + "\n[logging]\nlevel = 'INFO'\n")
+        config.write_text(CONFIG.format(window=12000.0, batch=8) + "\n[logging]\nlevel = 'INFO'\n")
         os.utime(config, (2, 2))
         await watcher_read(running, config)
         assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 2, "an edit elsewhere kept it"
-        config.write_text(CONFIG.format(window=20000.0, batch=4))
+        config.write_text(CONFIG.format(window=12000.0, batch=4))
         os.utime(config, (3, 3))
         await policy_becomes(running, 4)  # an edit of the batching itself wins
         assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 2}})).is_success
@@ -251,14 +251,14 @@ async def test_an_edit_while_the_service_starts_is_picked_up(
     make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = tmp_path / "service.toml"
-    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    config.write_text(CONFIG.format(window=12000.0, batch=8))
     os.utime(config, (1, 1))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     stamp = file_stamp(config)  # what `ai-backend serve` takes as it reads its settings
     settings = make_settings(
         admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
     )
-    config.write_text(CONFIG.format(window=20000.0, batch=3))  # edited while torch imports, models load
+    config.write_text(CONFIG.format(window=12000.0, batch=3))  # edited while torch imports, models load
     os.utime(config, (2, 2))
     async with running_app(settings, config_stamp=stamp) as running:
         await policy_becomes(running, 3)
@@ -266,7 +266,7 @@ async def test_an_edit_while_the_service_starts_is_picked_up(
 
 async def test_reloads_run_one_at_a_time_on_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "service.toml"
-    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    config.write_text(CONFIG.format(window=12000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     applied: list[tuple[int, int]] = []
     manager = PolicyManager(load_settings(), lambda b: applied.append((b.normal.max_batch, threading.get_ident())))
@@ -281,10 +281,10 @@ async def test_reloads_run_one_at_a_time_on_the_event_loop(tmp_path: Path, monke
         return settings
 
     monkeypatch.setattr("app.settings.load_settings", slow_first)
-    config.write_text(CONFIG.format(window=20000.0, batch=4))
+    config.write_text(CONFIG.format(window=12000.0, batch=4))
     older = asyncio.ensure_future(manager.reload(forced=False))
     await asyncio.to_thread(first_read.wait, 10)
-    config.write_text(CONFIG.format(window=20000.0, batch=5))
+    config.write_text(CONFIG.format(window=12000.0, batch=5))
     newer = asyncio.ensure_future(manager.reload())  # SIGHUP after the second edit
     await asyncio.gather(older, newer)
     assert manager.current.normal.max_batch == 5, "the older read landed last"
@@ -296,7 +296,7 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = tmp_path / "service.toml"
-    config.write_text(CONFIG.format(window=20000.0, batch=8))
+    config.write_text(CONFIG.format(window=12000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     overrides: dict[str, object] = {"port": 8123}
     live = load_settings(server=load_settings().server.model_dump() | overrides)  # as `serve --port 8123`
@@ -304,7 +304,7 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
     with caplog.at_level(logging.WARNING, logger="app.policy"):
         await manager.reload()
     assert not [r for r in caplog.records if "need a restart" in r.getMessage()]
-    config.write_text("[server]\nmax_top_k = 7\n" + CONFIG.format(window=20000.0, batch=8))
+    config.write_text("[server]\nmax_top_k = 7\n" + CONFIG.format(window=12000.0, batch=8))
     with caplog.at_level(logging.WARNING, logger="app.policy"):
         await manager.reload()
     assert [r.getMessage() for r in caplog.records if "need a restart" in r.getMessage()] == [
@@ -394,3 +394,124 @@ async def test_malformed_json_to_the_admin_api_is_a_400_as_to_predict(make_setti
             )
         ]
     assert [(a.status_code, a.json()["code"]) for a in answers] == [(400, "invalid_json")] * 3
+
+
+REVIEWED = """
+[batching.normal]
+window_ms = {window}
+max_batch = {batch}
+max_queue = 64
+"""
+
+
+async def test_an_admin_change_made_while_a_reload_reads_the_file_is_not_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher saw an edit (batch 4) and is reading the file; an admin then sets batch 2
+    (200, GET says 2). The reload lands after and puts 4 back: the admin change, newer than
+    the edit, is lost with no later edit of the file (README: it stays until the file's
+    batching is edited)."""
+    config = tmp_path / "service.toml"
+    config.write_text(REVIEWED.format(window=10000.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    applied: list[int] = []
+    manager = PolicyManager(load_settings(), lambda b: applied.append(b.normal.max_batch))
+    real = load_settings
+    reading, release = threading.Event(), threading.Event()
+
+    def slow(**overrides: object):  # type: ignore[no-untyped-def]
+        settings = real(**overrides)  # the file as edited
+        reading.set()
+        release.wait(10)  # a slow disk, a busy machine
+        return settings
+
+    monkeypatch.setattr("app.settings.load_settings", slow)
+    config.write_text(REVIEWED.format(window=10000.0, batch=4))  # the edit the watcher picks up
+    polled = asyncio.ensure_future(manager.reload(forced=False))
+    await asyncio.to_thread(reading.wait, 10)
+    manager.update({"normal": {"max_batch": 2}})  # PUT /admin/policy, after the edit
+    release.set()
+    await polled
+    assert manager.current.normal.max_batch == 2, f"admin change lost: applied in order {applied}"
+
+
+async def test_a_deleted_config_file_does_not_reset_the_policy_to_the_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default config path (no AI_SERVICE_CONFIG_FILE), an editor that renames the file
+    away before writing the new one, or an rm + cp, leaves a moment without the file: a poll
+    then applies the built-in defaults (batch 16, 25 ms), not the file's policy. With
+    AI_SERVICE_CONFIG_FILE set the same moment is refused ("no such file") and the old policy stays."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AI_SERVICE_CONFIG_FILE", raising=False)
+    (tmp_path / "config").mkdir()
+    config = tmp_path / "config" / "default.toml"
+    config.write_text(REVIEWED.format(window=10000.0, batch=8))
+    settings = load_settings(server={"default_timeout_ms": 60_000})
+    manager = PolicyManager(settings, lambda b: None)
+    assert manager.config_file == Path("config/default.toml")
+    assert manager.current.normal.max_batch == 8
+    config.unlink()  # the editor's rename, before its write
+    await manager.reload(forced=False)  # what the watcher's next poll does
+    assert manager.current.normal.max_batch == 8, "the file's policy was replaced by the defaults"
+
+
+async def test_an_edit_within_the_mtime_granularity_is_not_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two in-place writes of the same size within one mtime tick (a coarse clock tick on
+    ext4/tmpfs, 1 s on HFS+/some network and bind mounts, 2 s on FAT): the watcher read the
+    first, and the stamp (inode, size, mtime) never changes again, so the second is never
+    applied. Simulated by giving both writes the same mtime."""
+    config = tmp_path / "service.toml"
+    config.write_text(REVIEWED.format(window=10000.0, batch=8))
+    os.utime(config, ns=(5_000_000_000, 5_000_000_000))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    manager = PolicyManager(load_settings(server={"default_timeout_ms": 60_000}), lambda b: None)
+    watcher = asyncio.create_task(manager.watch(0.02))
+    try:
+        with config.open("r+") as f:  # in place: same inode, same size
+            f.write(REVIEWED.format(window=10000.0, batch=4))
+        os.utime(config, ns=(5_000_000_000, 5_000_000_000))  # the same tick
+        async with asyncio.timeout(2):
+            while manager.current.normal.max_batch != 4:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        pytest.fail("the edit was never applied: the file's stamp did not change")
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def test_an_accepted_window_leaves_requests_with_the_default_deadline_servable(
+    make_settings: SettingsFactory,
+) -> None:
+    """The check is "normal.window_ms < server.default_timeout_ms", but admission refuses a
+    request whose predicted wait (at least the window) is over admission_headroom (0.5) of
+    its deadline: a window of 600 ms with a 1 s default deadline is accepted (200), and from
+    then on every request with the default deadline is a 503 would_miss_deadline whose
+    Retry-After cannot help. The change should be refused (422) and the old policy stay."""
+    token = "s3cret-admin-token-0123456789"
+    auth = {"Authorization": f"Bearer {token}"}
+    settings = make_settings(
+        admin={"enabled": True, "token": token, "config_watch_s": 0}, server={"default_timeout_ms": 1000}
+    )
+    async with running_app(settings) as running:
+        assert (await running.predict_png(sample_png(1))).status_code == 200  # a batch is timed
+        changed = await running.client.put("/admin/policy", headers=auth, json={"normal": {"window_ms": 600}})
+        refused = [(await running.predict_png(sample_png(d))) for d in range(3)]
+        codes = [(r.status_code, r.json().get("code")) for r in refused]
+        assert changed.status_code == 422 and "admission_headroom" in changed.json()["message"], changed.text
+        assert all(status == 200 for status, _ in codes), codes
+
+
+async def test_a_non_ascii_admin_token_that_settings_accept_can_be_presented(make_settings: SettingsFactory) -> None:
+    """Settings take any 16+ character token (from the environment or a UTF-8 file) and compare
+    its UTF-8 bytes; the header's bytes are decoded as latin-1 and encoded again as UTF-8, so a
+    token with a non-ASCII character never matches: 403 with the right token. (Either refuse
+    such a token at start-up, or compare the raw header bytes.)"""
+    token = "Zürich-admin-token-0123456789"
+    settings = make_settings(admin={"enabled": True, "token": token, "config_watch_s": 0})
+    async with running_app(settings) as running:
+        answer = await running.client.get("/admin/policy", headers={"Authorization": b"Bearer " + token.encode()})
+        assert answer.status_code == 200, answer.text

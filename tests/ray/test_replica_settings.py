@@ -94,3 +94,28 @@ def test_a_replica_logs_in_its_settings_level_and_format(monkeypatch: pytest.Mon
     built = Classifier.func_or_class.__serve_build_asgi_app__(stand_in)
     assert isinstance(built, FastAPI)
     assert configured == [("WARNING", False)]
+
+
+async def test_a_replica_picks_up_an_edit_made_while_it_starts(tmp_path: Path) -> None:
+    """``ai-backend serve`` stamps the file as it reads its settings (an edit while torch
+    imports and Serve starts the replica is picked up); a Ray replica reads them in
+    ``replica_app`` but the stamp is taken only when the lifespan starts, so an edit in
+    between is never applied (until the next edit)."""
+    import asyncio
+    import os
+
+    own_file = tmp_path / "serve.toml"
+    default = (REPO_ROOT / "config" / "default.toml").read_text()
+    own_file.write_text(default)
+    os.utime(own_file, (1, 1))
+    own, overrides = split_args({"config_file": str(own_file)})
+    test = merge(TEST_DEFAULTS, {"admin": {"config_watch_s": 0.02}})
+    test["batching"] = {}  # the file's batching
+    app = replica_app(merge(test, overrides), own.config_file)
+    assert app.state.settings.batching.urgent.window_ms == 2.0
+    own_file.write_text(default.replace("window_ms = 2.0", "window_ms = 3.0"))  # while Serve starts it
+    os.utime(own_file, (2, 2))
+    async with LifespanManager(state_per_request(app), startup_timeout=30):
+        await app.state.starting
+        await asyncio.sleep(0.5)  # many polls
+        assert app.state.policy.current.urgent.window_ms == 3.0, "the edit made while it started was missed"

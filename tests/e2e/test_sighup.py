@@ -1,0 +1,39 @@
+"""SIGHUP means "re-read the config file": before the app handles it (start-up), and after
+(exit), it must not kill the server."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.server import ServerProcess, spawn
+from tests.support import REPO_ROOT, copy_repository, server_environment
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_sighup_while_the_server_starts_or_exits_does_not_kill_it(tmp_path: Path) -> None:
+    # the reload handler lives in the lifespan; before it (settings read, torch imported, the
+    # socket bound) and after it, SIGHUP kept its default action and ended the process: a config
+    # tool that edits the file and signals a server that is just (re)starting killed it
+    env = server_environment(
+        {
+            "PYTHONPATH": str(REPO_ROOT),
+            "AI_SERVICE_MODEL__REPOSITORY": str(copy_repository(tmp_path)),
+            "AI_SERVICE_MODEL__WARMUP": "false",
+        }
+    )
+    process, port = spawn(tmp_path, env)
+    server = ServerProcess(process, port, tmp_path)
+    try:
+        time.sleep(1.0)  # importing torch
+        process.send_signal(signal.SIGHUP)
+        server.wait_ready()  # fails with its log if the SIGHUP ended it
+        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGHUP)  # while it drains and exits
+        assert process.wait(timeout=60) == 0, server.stderr()[-3000:]
+    finally:
+        server.stop()
