@@ -24,15 +24,34 @@ trap cleanup EXIT
 field() {  # field JSON_FILE PYTHON_EXPRESSION_OF_r
   "$py" -c "import json, sys; r = json.load(open(sys.argv[1])); print($2)" "$1"
 }
-export_model() {  # the model, unless the repository holds it already
-  if [ ! -d "$repo/$model" ]; then
-    "$py" -m app.cli export --arch "$model" --seed 0 --out "$repo" 2>/dev/null
+logged() {  # logged LOG COMMAND...: stderr into LOG; on failure its last lines, and exit 1
+  local log=$1
+  shift
+  if ! "$@" 2>"$log"; then
+    echo "failed: $*; the end of $log:" >&2
+    tail -n 20 "$log" >&2
+    exit 1
   fi
 }
-wait_ready() {  # wait_ready LOG: until $server_pid answers /readyz on $port with 200 (60 s at most)
+export_model() {  # the model, unless the repository holds it already
+  if [ ! -d "$repo/$model" ]; then
+    logged "${out:-/tmp}/export.log" "$py" -m app.cli export --arch "$model" --seed 0 --out "$repo" >/dev/null
+  fi
+}
+command -v curl >/dev/null || { echo "curl is needed to poll the server's /readyz" >&2; exit 1; }
+answers() {  # answers: something already answers /readyz on $port
+  [ "$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" != 000 ]
+}
+refuse_taken_port() {  # before a server starts: another one there would be measured instead
+  if answers; then echo "port $port already answers (a server left from an earlier run?)" >&2; exit 1; fi
+}
+wait_ready() {  # wait_ready LOG: until $server_pid (alive) answers /readyz on $port with 200 (60 s at most)
   for _ in $(seq 1 600); do
-    if [ "$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ]; then return 0; fi
     kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $1" >&2; exit 1; }
+    if [ "$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ]; then
+      kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $1" >&2; exit 1; }
+      return 0
+    fi
     sleep 0.1
   done
   echo "server not ready after 60 s; see $1" >&2

@@ -30,13 +30,14 @@ source "$root/scripts/bench_common.sh"
 export_model
 images=${IMAGES:-$out/images}
 if [ -n "${IMAGES:-}" ]; then image_args=(--images "$images"); else image_args=(--images-out "$images"); fi
-"$py" -m app.bench.limit --repository "$repo" --model "$model" "${image_args[@]}" --pipeline-seconds 0 --every-core-seconds 0 \
-  --seconds 1 --out "$out/limit.json" >/dev/null 2>&1
+logged "$out/limit.log" "$py" -m app.bench.limit --repository "$repo" --model "$model" "${image_args[@]}" \
+  --pipeline-seconds 0 --every-core-seconds 0 --seconds 1 --out "$out/limit.json" >/dev/null
 serve_batch=$(field "$out/limit.json" "r['limit'].get('serve_batch', r['limit']['best_batch'])")
 
 # (ii)
 export AI_SERVICE_MODEL__REPOSITORY="$repo" AI_SERVICE_MODEL__NAMES="[\"$model\"]" AI_SERVICE_MODEL__DEFAULT="$model"
 export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${AI_SERVICE_BATCHING__NORMAL__MAX_BATCH:-$serve_batch}"
+refuse_taken_port
 "$py" -m app.cli serve --port "$port" >"$out/server.log" 2>&1 &
 server_pid=$!
 wait_ready "$out/server.log"

@@ -68,8 +68,9 @@ if [ -n "${LIMIT_JSON:-}" ]; then  # reuse a limit measured before (its images m
   cp "$LIMIT_JSON" "$out/limit.json"
 else
   wait_quiet
-  "$py" -m app.bench.limit --repository "$repo" --model "$model" --images-out "$out/images" \
-    --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit.json" 2>/dev/null | tee "$out/limit.md"
+  logged "$out/limit.log" "$py" -m app.bench.limit --repository "$repo" --model "$model" --images-out "$out/images" \
+    --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit.json" >"$out/limit.md"
+  cat "$out/limit.md"
 fi
 best_batch=$(field "$out/limit.json" "r['limit']['best_batch']")
 serve_batch=$(field "$out/limit.json" "r['limit'].get('serve_batch', r['limit']['best_batch'])")
@@ -87,6 +88,7 @@ start_server() {
   for assignment in "$@"; do
     case $assignment in SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;; esac
   done
+  refuse_taken_port
   (cd "$tree" && exec env "$@" "$py" -m app.cli "${SERVER_COMMAND:-serve}" --port "$port" >"$log" 2>&1) &
   server_pid=$!
   wait_ready "$log"
@@ -140,8 +142,8 @@ else
   # the limit again: the machines drift (other tenants), so the ratio is taken against both ends' mean
   if [ -z "${LIMIT_JSON:-}" ]; then
     wait_quiet
-    "$py" -m app.bench.limit --repository "$repo" --model "$model" --images "$out/images" --pipeline-seconds 0 \
-      --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit-after.json" >/dev/null 2>&1
+    logged "$out/limit-after.log" "$py" -m app.bench.limit --repository "$repo" --model "$model" --images "$out/images" \
+      --pipeline-seconds 0 --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit-after.json" >/dev/null
     limit_after=(--limit-after "$out/limit-after.json")
   else
     limit_after=()
@@ -162,8 +164,9 @@ if [ -n "${VARIANTS:-}" ]; then
   for round in $(seq 1 "${ROUNDS:-2}"); do
     # this round's limit (best batch only): each variant's ratio is taken against it
     wait_quiet
-    "$py" -m app.bench.limit --repository "$repo" --model "$model" --images "$out/images" --batch-sizes "$best_batch" \
-      --pipeline-seconds 0 --seconds "${LIMIT_SECONDS:-2}" --out "$out/limit-r$round.json" >/dev/null 2>&1
+    logged "$out/limit-r$round.log" "$py" -m app.bench.limit --repository "$repo" --model "$model" \
+      --images "$out/images" --batch-sizes "$best_batch" --pipeline-seconds 0 --seconds "${LIMIT_SECONDS:-2}" \
+      --out "$out/limit-r$round.json" >/dev/null
     for variant in "${variants[@]}"; do
       label=${variant%%:*}
       read -ra assignments <<<"${variant#*:}"

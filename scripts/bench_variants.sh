@@ -21,8 +21,9 @@ BENCH_NAME=variants
 # shellcheck source=scripts/bench_common.sh
 source "$root/scripts/bench_common.sh"
 export_model
-[ -d "$images" ] || "$py" -m app.bench.limit --repository "$repo" --model "$model" --images-out "$images" \
-  --batch-sizes 1 --seconds 0.1 --pipeline-seconds 0 --every-core-seconds 0 --out "$out/limit.json" >/dev/null 2>&1
+[ -d "$images" ] || logged "$out/limit.log" "$py" -m app.bench.limit --repository "$repo" --model "$model" \
+  --images-out "$images" --batch-sizes 1 --seconds 0.1 --pipeline-seconds 0 --every-core-seconds 0 \
+  --out "$out/limit.json" >/dev/null
 export AI_SERVICE_MODEL__REPOSITORY="$repo" AI_SERVICE_MODEL__NAMES="[\"$model\"]" AI_SERVICE_MODEL__DEFAULT="$model"
 export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${MAX_BATCH:-24}"
 bench() {
@@ -33,6 +34,7 @@ for round in $(seq 1 "$rounds"); do
   for variant in "${variants[@]}"; do
     label=${variant%%:*}
     read -ra assignments <<<"${variant#*:}"
+    refuse_taken_port
     env "${assignments[@]}" "$py" -m app.cli serve --port "$port" >"$out/server-$label.log" 2>&1 &
     server_pid=$!
     wait_ready "$out/server-$label.log"

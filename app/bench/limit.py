@@ -47,11 +47,12 @@ import torch
 from PIL import Image, ImageDraw, ImageFilter
 
 from app.allocator import retain_freed_memory
+from app.errors import ServiceError
 from app.inference import preprocess
-from app.inference.device import size_primitive_cache
+from app.inference.device import cpu_cores, size_primitive_cache
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec
-from app.settings import ModelSettings
+from app.settings import ModelSettings, ServerSettings
 
 DEFAULT_MODEL = "mobilenet_v3_small"
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
@@ -62,17 +63,17 @@ SERVE_BATCH_TOLERANCE = 1.05  # the serving batch: the largest whose CPU per ima
 # glibc keeping what a batch frees (``app.allocator``): in one thread running one batch size after
 # another it saves a third of the forward pass (the service, with its threads, gained nothing)
 MALLOC_RETAIN_MB = 1024
+RETAIN_MAX_MB: int = next(m.le for m in ServerSettings.model_fields["malloc_retain_mb"].metadata if hasattr(m, "le"))
 PRIMITIVE_CACHE: int = ModelSettings.model_fields["onednn_primitive_cache"].default
 
 Clock = Callable[[], float]
 
 
 def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """The cores this process may use, as the service counts them: its affinity mask, capped
+    by a container's CPU quota (counting the mask alone doubled a limit in a 2-core container
+    on a 4-CPU node, and halved its ratio)."""
+    return cpu_cores()
 
 
 def synthetic_photo(seed: int, width: int = 640, height: int = 480, quality: int = 90) -> bytes:
@@ -327,6 +328,9 @@ class EveryCore:
     per_process: tuple[float, ...]
 
 
+START_LINE_S = 300.0  # how long a process of the every-core run waits for the others to load
+
+
 def _core_loop(
     root: str,
     name: str,
@@ -338,27 +342,36 @@ def _core_loop(
     results: Any,
     malloc_retain_mb: int = 0,
 ) -> None:
-    """One process of ``measure_every_core``: decode a batch, run it, again, for ``seconds``."""
-    torch.set_num_threads(1)
-    tune_runtime(malloc_retain_mb)
-    model = load_model(Path(root), name, version)
-    spec, k = model.manifest.input, min(5, len(model.manifest.labels))
+    """One process of ``measure_every_core``: decode a batch, run it, again, for ``seconds``.
+    It puts ``(images, seconds)`` on ``results``, or the reason it failed (a string)."""
+    try:
+        torch.set_num_threads(1)
+        tune_runtime(malloc_retain_mb)
+        model = load_model(Path(root), name, version)
+        spec, k = model.manifest.input, min(5, len(model.manifest.labels))
 
-    def one_batch(offset: int) -> None:
-        batch = torch.stack(
-            [preprocess.decode_payload(encoded[(offset + i) % len(encoded)], spec, LIMITS) for i in range(batch_size)]
-        )
-        model.probabilities(batch).topk(k, dim=1)
+        def one_batch(offset: int) -> None:
+            batch = torch.stack(
+                [
+                    preprocess.decode_payload(encoded[(offset + i) % len(encoded)], spec, LIMITS)
+                    for i in range(batch_size)
+                ]
+            )
+            model.probabilities(batch).topk(k, dim=1)
 
-    done = 0
-    with torch.inference_mode():
-        one_batch(0)  # the first pass at this shape pays for its plan
-        start.wait()
-        started = time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            one_batch(done)
-            done += batch_size
-        results.put((done, time.perf_counter() - started))
+        done = 0
+        with torch.inference_mode():
+            one_batch(0)  # the first pass at this shape pays for its plan
+            start.wait(START_LINE_S)  # broken (raises) when another process failed first
+            started = time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                one_batch(done)
+                done += batch_size
+            results.put((done, time.perf_counter() - started))
+    except BaseException as exc:
+        start.abort()  # the others stop waiting for this one
+        results.put(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def measure_every_core(
@@ -376,7 +389,8 @@ def measure_every_core(
     share caches, memory bandwidth and (on a VM) the host, and each gets slower. Here one
     process per core, started together, runs the best in-process path on its own (decode a
     batch of images on its thread, run the batch with one torch thread): their sum is what
-    the machine reaches with no serving layer and no coordination at all.
+    the machine reaches with no serving layer and no coordination at all. ``RuntimeError``
+    when a process fails or dies: at once, not after the others' wait for the start line.
     """
     import multiprocessing
 
@@ -387,8 +401,21 @@ def measure_every_core(
     processes = [context.Process(target=_core_loop, args=args, daemon=True) for _ in range(count)]
     for process in processes:
         process.start()
+    timings: list[tuple[int, float]] = []
     try:
-        timings = [results.get(timeout=seconds + 300) for _ in processes]
+        deadline = time.monotonic() + START_LINE_S + seconds + 60
+        while len(timings) < count:
+            try:
+                got = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"exited with code {dead[0].exitcode}" if dead else "did not finish in time"
+                    raise RuntimeError(f"a process of the every-core run {why}") from None
+                continue
+            if isinstance(got, str):
+                raise RuntimeError(f"a process of the every-core run failed: {got}")
+            timings.append(got)
     finally:
         for process in processes:
             process.join(timeout=10)
@@ -626,8 +653,9 @@ def main(argv: list[str] | None = None) -> int:
         "--malloc-retain-mb",
         type=int,
         default=MALLOC_RETAIN_MB,
-        help=f"glibc keeps this much freed memory for the next batch, as server.malloc_retain_mb "
-        f"(default {MALLOC_RETAIN_MB}; 0: glibc's defaults)",
+        help=f"glibc keeps this much freed memory for the next batch, as server.malloc_retain_mb does in "
+        f"the service (here {MALLOC_RETAIN_MB} by default, the fastest for one thread; 0: glibc's defaults; "
+        f"at most {RETAIN_MAX_MB})",
     )
     parser.add_argument("--out", type=Path, default=Path("out/limit.json"), help="the JSON report")
     args = parser.parse_args(argv)
@@ -637,9 +665,11 @@ def main(argv: list[str] | None = None) -> int:
         or not all(0 <= s <= 120 for s in (args.pipeline_seconds, args.every_core_seconds))
     ):
         parser.error("need --count >= 1, 0 < --seconds <= 120 and 0 <= --pipeline-seconds, --every-core-seconds <= 120")
+    if not 0 <= args.malloc_retain_mb <= RETAIN_MAX_MB:  # glibc takes a C int of bytes
+        parser.error(f"need 0 <= --malloc-retain-mb <= {RETAIN_MAX_MB}, as server.malloc_retain_mb")
     try:
         report = run(args)
-    except (LookupError, OSError, ValueError) as exc:
+    except (LookupError, OSError, ValueError, RuntimeError, ServiceError) as exc:  # an image the service refuses
         print(f"ai-backend limit: {exc}", file=sys.stderr)
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)

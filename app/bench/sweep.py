@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from app.bench.chart import PLOT_SIZE, plot
+from app.inference.runner import Fault, device_fault
 
 MIB = 2**20
 
@@ -267,7 +268,9 @@ def sweep(
         probe.start()
         try:
             timings = time_passes(forward, batch, sync, limits, clock)
-        except torch.cuda.OutOfMemoryError as exc:
+        except Exception as exc:  # CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError
+            if device_fault(exc) is not Fault.MEMORY:
+                raise
             result = SizeResult(size, "oom", error=str(exc).splitlines()[0] if str(exc) else "out of memory")
         else:
             memory = probe.stop()

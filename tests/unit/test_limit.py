@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import pathlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from PIL import Image
 
 from app.bench import limit
 from app.bench.limit import Cost, DecodeCost, ForwardCost, cpu_cost, limit_report, synthetic_photo
+from app.inference import device
 from tests.support import MODELS_DIR
 
 
@@ -143,3 +146,81 @@ def test_forward_sizes_are_timed_in_interleaved_rounds_each_the_median_of_its_ro
     assert len({tuple(r) for r in rounds}) > 1, "the order changes between rounds"
     per_call = {size: sorted(v for t, v in zip(timed, [1.0, 9.0, 2.0] * 4, strict=True) if t == size) for size in sizes}
     assert [r.cpu_ms_per_image for r in results] == [round(per_call[s][1] / s, 4) for s in sizes]
+
+
+def test_the_limit_counts_the_cores_a_cgroup_quota_allows_as_the_service_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # four CPUs in the affinity mask, a container limited to two by its cgroup v2 quota
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    real_read_text = pathlib.Path.read_text
+
+    def read_text(self: Path, *args: object, **kwargs: object) -> str:
+        if str(self) == "/sys/fs/cgroup/cpu.max":
+            return "200000 100000\n"
+        return real_read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    assert device.cpu_cores() == 2, "the service serves on two cores"
+    # the limit is cores / CPU per image: counting four would double it and halve the ratio,
+    # and the every-core run would start four processes on two cores' worth of CPU
+    assert limit.cores() == 2
+
+
+@pytest.mark.parametrize("megabytes", ["-1", "2048", "4096"])
+def test_limit_refuses_a_malloc_retain_that_glibc_cannot_take(
+    megabytes: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mallopt takes a C int: 4096 MiB << 20 wraps to 0 (trim at once, the opposite of retaining) and
+    2048 to a negative; the service bounds server.malloc_retain_mb to 0..2047, the limit does not."""
+
+    def ran(_: object) -> dict[str, object]:
+        raise AssertionError(f"--malloc-retain-mb {megabytes} was accepted and the limit ran")
+
+    monkeypatch.setattr(limit, "run", ran)
+    with pytest.raises(SystemExit) as exit_:
+        limit.main(["--malloc-retain-mb", megabytes, "--out", "/dev/null"])
+    assert exit_.value.code == 2
+
+
+def test_limit_on_a_folder_with_an_image_the_service_would_refuse_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A camera JPEG over server.max_image_bytes (1 MiB): the service answers 413; the limit
+    ended in a PayloadTooLarge traceback instead of its one-line error and exit status 1."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from tests.support import MODELS_DIR
+
+    noise = np.random.default_rng(0).integers(0, 256, (1200, 1600, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, format="JPEG", quality=95)
+    assert len(buffer.getvalue()) > 1 << 20
+    (tmp_path / "big.jpg").write_bytes(buffer.getvalue())
+    argv = ["--repository", str(MODELS_DIR), "--model", "digits", "--images", str(tmp_path), "--seconds", "0.05"]
+    argv += ["--pipeline-seconds", "0", "--every-core-seconds", "0", "--out", str(tmp_path / "limit.json")]
+    assert limit.main(argv) == 1
+    assert "ai-backend limit:" in capsys.readouterr().err
+
+
+def test_every_core_fails_promptly_when_one_of_its_processes_dies(tmp_path: Path) -> None:
+    """A process that fails before the start line (here: no model where it looks) leaves the others
+    at the barrier and the parent waiting seconds + 300 s, then a bare queue.Empty."""
+    import threading
+    import time
+
+    outcome: list[BaseException | object] = []
+
+    def every_core() -> None:
+        try:
+            outcome.append(limit.measure_every_core(tmp_path, "digits", None, ["AAAA"], 1, 0.1))
+        except BaseException as exc:  # noqa: BLE001 - what it raised is the point
+            outcome.append(exc)
+
+    started = time.monotonic()
+    worker = threading.Thread(target=every_core, daemon=True)
+    worker.start()
+    worker.join(timeout=90)
+    assert outcome, f"still waiting {time.monotonic() - started:.0f} s after its processes failed"
+    assert isinstance(outcome[0], (LookupError, RuntimeError)), outcome[0]

@@ -279,3 +279,28 @@ def test_an_unknown_model_fails_with_a_clear_message(tmp_path: Path, capsys: pyt
     assert sw.main(["--repository", str(repository), "--model", "nope", "--out-json", str(tmp_path / "x.json")]) == 1
     assert "model 'nope' is not in" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_cpu_out_of_memory_is_recorded_and_ends_the_sweep_as_a_cuda_one_is() -> None:
+    """On the CPU, torch's allocator refuses a batch too large for the machine with a RuntimeError,
+    not torch.cuda.OutOfMemoryError: the sweep crashed and wrote nothing of the sizes it had timed."""
+    import torch
+
+    from app.bench import sweep as sw
+
+    class Probe:
+        kind, description = "fake", "fake"
+
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> dict[str, int]:
+            return {}
+
+    def forward(batch: torch.Tensor) -> object:
+        if batch.shape[0] >= 4:  # activations for this batch: more than the machine has
+            return torch.empty(batch.shape[0] << 48, dtype=torch.uint8)
+        return batch
+
+    results = sw.sweep(forward, lambda n: torch.zeros(n, 1), [1, 2, 4, 8], Probe(), sw.Limits(1, 2, 1.0))
+    assert [(r.batch_size, r.status) for r in results] == [(1, "ok"), (2, "ok"), (4, "oom")]
