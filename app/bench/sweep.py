@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from app.bench.chart import PLOT_SIZE, plot
+from app.inference.device import cpu_cores, plan_threads
 from app.inference.runner import Fault, device_fault
 
 MIB = 2**20
@@ -421,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds-per-size", type=float, default=3.0, help="time budget for each size's passes")
     parser.add_argument("--knee-gain", type=float, default=0.10, help="a doubling must gain this share (0.10)")
     parser.add_argument("--latency-budget-ms", type=float, help="cap the recommendation at this median latency")
-    parser.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's, one per core)")
+    parser.add_argument(
+        "--threads", type=int, help="CPU intra-op threads (default: what each of the service's batches runs with)"
+    )
     parser.add_argument("--out-json", type=Path, help="default: out/sweep-<model>.json")
     parser.add_argument("--out-png", type=Path, help="default: out/sweep-<model>.png")
     args = parser.parse_args(argv)
@@ -429,12 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --max-batch >= 1, --iterations >= 1, --warmup >= 0 and --threads >= 1")
     if (
         not 0 < args.seconds_per_size <= 600
-        or args.knee_gain <= 0
+        or not 0 < args.knee_gain < 1
         or (args.latency_budget_ms is not None and args.latency_budget_ms <= 0)
     ):
-        parser.error("need 0 < --seconds-per-size <= 600, --knee-gain > 0 and --latency-budget-ms > 0")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        parser.error("need 0 < --seconds-per-size <= 600, 0 < --knee-gain < 1 (a share) and --latency-budget-ms > 0")
+    # the service's threads per batch (two batches side by side on a CPU of two or more cores):
+    # a curve timed with every core on one batch recommended a batch for a setup it does not run
+    torch.set_num_threads(args.threads or plan_threads(torch.device("cpu"), 0, 0, 0, cpu_cores()).intra_op)
     try:
         model, load_s = _load(args)
     except (LookupError, ValueError, RuntimeError) as exc:  # bad name or version, bad files, no CUDA

@@ -15,6 +15,7 @@ from PIL import Image
 from app.bench import sweep as sw
 from app.bench.chart import nice_ticks
 from app.bench.sweep import Limits, SizeResult, batch_sizes, find_knee, percentile, recommend
+from app.inference.device import cpu_cores, plan_threads
 from tests.support import copy_repository
 
 
@@ -236,8 +237,16 @@ def test_process_memory_reads_rss_and_peak(tmp_path: Path) -> None:
 # ---- a real run on the bundled model -------------------------------------------------------
 
 
+@pytest.fixture
+def torch_threads() -> Iterable[None]:
+    """The sweep sets torch's thread count for its process: the test process gets its own back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], torch_threads: None
 ) -> None:
     repository = copy_repository(tmp_path)
     out_json, out_png = tmp_path / "out" / "sweep.json", tmp_path / "out" / "sweep.png"
@@ -262,6 +271,9 @@ def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
     rec = report["recommendation"]
     assert rec["knee"] in (1, 2, 4, 8) and rec["max_batch"] == rec["knee"] and rec["reason"]
     assert report["settings"]["max_batch"] == 8 and report["settings"]["latency_budget_ms"] == 10000
+    # timed with the threads each of the service's batches runs with, not torch's one per core
+    service_threads = plan_threads(torch.device("cpu"), 0, 0, 0, cpu_cores()).intra_op
+    assert report["host"]["torch_threads"] == service_threads
 
     with Image.open(out_png) as image:
         image.verify()
@@ -274,7 +286,17 @@ def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
     assert f"recommended max batch: {rec['max_batch']}" in table
 
 
-def test_an_unknown_model_fails_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("gain", ["0", "1", "10"])
+def test_a_knee_gain_that_is_not_a_share_is_refused(gain: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # 10 meant as 10%: every doubling would have to gain 1000%, and the knee was always 1
+    with pytest.raises(SystemExit) as exit_:
+        sw.main(["--knee-gain", gain])
+    assert exit_.value.code == 2 and "--knee-gain" in capsys.readouterr().err
+
+
+def test_an_unknown_model_fails_with_a_clear_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], torch_threads: None
+) -> None:
     repository = copy_repository(tmp_path)
     assert sw.main(["--repository", str(repository), "--model", "nope", "--out-json", str(tmp_path / "x.json")]) == 1
     assert "model 'nope' is not in" in capsys.readouterr().err
