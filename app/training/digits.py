@@ -378,7 +378,8 @@ def write_samples(folder: Path, split: DigitsSplit) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``train-digits``: build ``<out>/digits/<version>`` and the sample images beside it."""
+    """``train-digits``: build ``<out>/digits/<version>``, and the sample images beside it unless
+    they are there already."""
     parser = argparse.ArgumentParser(
         prog="ai-backend train-digits", description=__doc__.splitlines()[0] if __doc__ else None
     )
@@ -398,8 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         except (FileExistsError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    samples = write_samples(folder.parent / "samples", load_split(args.seed))
     manifest = Manifest.read(folder)
     accuracy = manifest.evaluation.accuracy["fp32"] if manifest.evaluation else float("nan")
-    print(f"wrote {folder} (held-out accuracy {accuracy:.4f}) and {len(samples)} samples in {samples[0].parent}")
+    samples_folder = folder.parent / "samples"
+    if all((samples_folder / f"digit_{digit}.png").is_file() for digit in range(len(LABELS))):
+        # kept: a second version (another seed) would rewrite the samples the README and tests use
+        print(f"wrote {folder} (held-out accuracy {accuracy:.4f}); the samples in {samples_folder} are kept")
+        return 0
+    samples = write_samples(samples_folder, load_split(args.seed))
+    print(f"wrote {folder} (held-out accuracy {accuracy:.4f}) and {len(samples)} samples in {samples_folder}")
     return 0

@@ -155,6 +155,10 @@ def test_main_builds_version_and_samples(tmp_path: Path) -> None:
     assert Manifest.read(tmp_path / "digits" / "3").evaluation is not None
     assert len(list((tmp_path / "digits" / "samples").glob("digit_*.png"))) == 10
     assert main(["--out", str(tmp_path), "--version", "3", "--epochs", "1"]) == 1
+    # a second version from another seed keeps the samples there (the README's and the tests')
+    samples = {path.name: path.read_bytes() for path in (tmp_path / "digits" / "samples").glob("digit_*.png")}
+    assert main(["--out", str(tmp_path), "--version", "4", "--epochs", "1", "--seed", "1"]) == 0
+    assert {path.name: path.read_bytes() for path in (tmp_path / "digits" / "samples").glob("digit_*.png")} == samples
 
 
 def test_importing_the_trainer_does_not_import_sklearn() -> None:
