@@ -166,7 +166,7 @@ def export_torchvision(
         raise ExportError(f"invalid version {version!r}: expected 1-9 digits")
     target = root / name / version
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
+        raise FileExistsError(f"{target} already exists (--overwrite replaces it)")
     entry = _weights_entry(arch)
     categories = tuple(str(category) for category in entry.meta.get("categories") or ())
     num_classes = len(categories) if num_classes is None else num_classes

@@ -76,7 +76,7 @@ def write_version(
     """
     target = root / name / version
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
+        raise FileExistsError(f"{target} already exists (--overwrite replaces it)")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=target.parent))
     try:

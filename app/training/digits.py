@@ -297,7 +297,7 @@ def build(root: Path, version: str = "1", seed: int = 0, *, epochs: int = EPOCHS
         raise ValueError(f"invalid version {version!r}: expected 1-9 digits")
     target = root / MODEL_NAME / version
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
+        raise FileExistsError(f"{target} already exists (--overwrite replaces it)")
     started = time.perf_counter()
     split = load_split(seed)
     backbone, head, eager_accuracy = train(seed, epochs, split=split)
