@@ -445,6 +445,9 @@ class InferenceService:
                 async with within(deadline, "while its image waited to be decoded", expired):
                     tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
             self._backlog.record(decode_s)
+        except asyncio.CancelledError:  # its client went (or the close called the decode off)
+            served.batcher.observer.on_dropped(lane, "cancelled")
+            raise
         finally:
             seat.release()
         preprocessed = time.perf_counter()

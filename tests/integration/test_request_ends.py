@@ -1,5 +1,6 @@
 """A request ends at its deadline or when its client goes, at every stage before its answer:
-while its body arrives, and after its batch formed while the batch waits for the device.
+while its body arrives, while its image waits to be decoded, and after its batch formed while
+the batch waits for the device.
 It is answered once, gives its seat back, is never computed, and is counted."""
 
 from __future__ import annotations
@@ -127,7 +128,38 @@ async def test_a_client_gone_while_its_body_arrives_is_a_499_not_a_500(make_sett
         samples = await scrape(running)
         assert value(samples, "ai_backend_requests_total", status="499", code="client_closed_request") == 1
         assert value(samples, "ai_backend_requests_total", status="500", code="internal_error") == 0
+        assert value(samples, "ai_backend_cancellations_total", reason="cancelled") == 1
         assert (await running.predict_png(PNG)).status_code == 200
+
+
+async def test_a_client_gone_while_its_image_waits_to_be_decoded_is_not_computed(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(server={"default_timeout_ms": 60_000})
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        spy = Faulty(served.model)
+        served.runner.model = spy  # type: ignore[assignment]
+        pool = running.service._pool
+        gate = threading.Event()
+        for _ in range(pool.workers):  # every decode thread busy
+            pool.submit(gate.wait)
+        try:
+            connection = png_request(running)
+            connection.body(PNG, more=False)
+            async with asyncio.timeout(30):
+                while not any(pool._queues):  # noqa: ASYNC110 (no event says a decode was queued)
+                    await asyncio.sleep(0.005)
+            connection.disconnect()
+            status, body = await connection.answer()
+            assert (status, body["code"]) == (499, "client_closed_request")
+        finally:
+            gate.set()
+        assert (await running.predict_png(PNG)).status_code == 200, "its seat was given back"
+        assert spy.sizes == [1], "only the request that stayed reached the model"
+        samples = await scrape(running)
+        assert value(samples, "ai_backend_cancellations_total", reason="cancelled") == 1
+        assert value(samples, "ai_backend_cancellations_total", reason="deadline") == 0
 
 
 async def test_a_client_gone_after_its_batch_formed_is_not_computed(make_settings: SettingsFactory) -> None:

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.api.auth import check_api_key
 from app.api.body import OPENAPI_BODY, check_declared_body, read_image_body
 from app.api.deps import predict_headers
-from app.api.disconnect import unless_disconnected
+from app.api.disconnect import ClientClosed, unless_disconnected
 from app.api.errors import error_responses
 from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
@@ -87,8 +87,12 @@ async def _predict(name: str | None, request: Request) -> Response:
     seat = service.reserve(served, headers.lane, remaining)
     try:
         expired = functools.partial(served.batcher.observer.on_dropped, headers.lane, "deadline")
-        async with within(time.monotonic() + remaining, "while its body was arriving", expired):
-            body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
+        try:
+            async with within(time.monotonic() + remaining, "while its body was arriving", expired):
+                body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
+        except ClientClosed:  # admitted, and gone before its image was whole
+            served.batcher.observer.on_dropped(headers.lane, "cancelled")
+            raise
         most = min(server.max_top_k, len(served.labels))
         asked = body.top_k or query_top_k
         if asked is not None and asked > most:
