@@ -36,6 +36,7 @@ class PredictHeaders:
 
 
 _PREDICT_HEADERS = {b"x-urgency": 0, b"x-request-timeout": 1, b"x-model-version": 2}
+_HEADER_NAMES = ("X-Urgency", "X-Request-Timeout", "X-Model-Version")
 
 
 def predict_headers(scope: Scope, server: ServerSettings) -> PredictHeaders:
@@ -51,8 +52,16 @@ def predict_headers(scope: Scope, server: ServerSettings) -> PredictHeaders:
         return parsed  # type: ignore[no-any-return]
     values: list[str | None] = [None, None, None]
     for key, value in scope["headers"]:
-        if (index := _PREDICT_HEADERS.get(key)) is not None and values[index] is None:  # the first one counts
-            values[index] = value.decode("latin-1")
+        if (index := _PREDICT_HEADERS.get(key)) is not None:
+            text = value.decode("latin-1")
+            seen = values[index]
+            # a repeat of the same value (a proxy that copies headers) is harmless; two values
+            # would let whichever the server happened to read decide the deadline or the lane
+            if seen is not None and seen.strip() != text.strip():
+                raise BadRequest(
+                    f"{_HEADER_NAMES[index]} is given more than once, with different values", code="invalid_header"
+                )
+            values[index] = text
     urgency, timeout, version = values
     parsed = PredictHeaders(*parse_predict_headers(urgency, timeout, version, server))
     state["predict_headers"] = parsed

@@ -189,6 +189,25 @@ async def test_bad_request_gets_its_envelope_and_the_next_one_succeeds(running: 
     assert good.json()["request_id"] == good.headers["x-request-id"] == f"good-after-{case.id}"
 
 
+@pytest.mark.parametrize(
+    ("name", "first", "second"),
+    [("X-Request-Timeout", "100", "60000"), ("X-Urgency", "high", "normal"), ("X-Model-Version", "1", "2")],
+)
+async def test_a_header_given_twice_with_different_values_is_refused(
+    running: RunningApp, name: str, first: str, second: str
+) -> None:
+    # which copy a server reads is an accident of its code: two deadlines (or lanes) are refused
+    twice = [("Content-Type", "image/png"), (name, first), (name, second)]
+    response = await running.client.post("/predict", content=PNG, headers=twice)
+    assert response.status_code == 400, response.text
+    assert response.json()["code"] == "invalid_header"
+    assert name in response.json()["message"] and "more than once" in response.json()["message"]
+    # the same value twice (a proxy that copies headers) is one value
+    same = [("Content-Type", "image/png"), (name, first), (name, f" {first}")]
+    if name != "X-Model-Version":  # the bundled model has no version "1" to pin
+        assert (await running.client.post("/predict", content=PNG, headers=same)).status_code == 200
+
+
 async def test_validation_errors_carry_details(running: RunningApp) -> None:
     response = await running.predict_png(PNG, params={"top_k": 0})
     assert response.status_code == 422
