@@ -216,7 +216,9 @@ class DualWindowBatcher(Generic[P, R]):
         if timeout_s <= 0:
             self._observer.on_rejected(lane, "deadline_exceeded")
             raise DeadlineExceeded("the request's deadline passed before it was queued")
-        if self._ahead(lane) >= self._policy.lane(lane).max_queue:
+        # a seated request was counted against the bound when it took its seat: a bound lowered
+        # since (a policy change) refuses new requests, not one whose image is decoded already
+        if not seated and self._ahead(lane) >= self._policy.lane(lane).max_queue:
             self._observer.on_rejected(lane, "queue_full")
             raise QueueFull(f"the {lane.value} queue is full")
         # None until a batch has been timed: no estimate, no refusal. With nothing ahead of it

@@ -154,6 +154,27 @@ async def test_reserved_seats_count_against_the_queue_bound_until_released() -> 
     await batcher.close(grace_s=0)
 
 
+async def test_a_bound_lowered_while_seats_are_held_refuses_new_requests_not_the_seated() -> None:
+    from app.errors import QueueFull
+
+    batcher, clock, _, recorder = make(max_batch=2, max_queue=4)
+    for _ in range(3):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # three images decoding
+    lower = LanePolicy(25 * MS, 1, 1)
+    batcher.set_policy(BatchPolicy(batcher.policy.urgent, lower))
+    with pytest.raises(QueueFull):
+        batcher.admit(Lane.NORMAL, 10.0)  # a new request meets the new bound
+    queued = []
+    for _ in range(3):  # their images decoded: each gives its seat back and is queued
+        batcher.release(Lane.NORMAL)
+        queued.append(asyncio.ensure_future(batcher.submit(0, Lane.NORMAL, 10.0, admitted=True)))
+    await settle()
+    await clock.advance(25 * MS)
+    assert [r.batch_size for r in await asyncio.gather(*queued)] == [1, 1, 1], "all three computed"
+    assert recorder.rejected == [(Lane.NORMAL, "queue_full")]
+    await batcher.close(grace_s=0)
+
+
 async def test_reserved_seats_count_in_the_predicted_wait() -> None:
     batcher, clock, runner, recorder = make(max_batch=4)
     await run_one_timed_batch(batcher, clock, runner)  # 100 ms a batch
