@@ -28,6 +28,7 @@ from app.settings import (
     FileStamp,
     Settings,
     SettingsError,
+    check_windows,
     config_path,
     file_stamp,
     read_settings,
@@ -75,11 +76,13 @@ class PolicyManager:
         self._lock = asyncio.Lock()  # one reload at a time: an older read never lands last
         self._wake = asyncio.Event()
         self._changes = 0  # admin changes applied: one made while a reload reads the file is newer
+        self._settling: FileStamp = None  # a change the watcher saw once: read if the next poll sees it too
 
     def update(self, patch: dict[str, Any]) -> BatchingSettings:
         """Merge ``patch`` into the live policy; ``SchemaError`` (422) names what is wrong."""
         try:
-            batching = self._checked(_merge(self.current.model_dump(), patch))
+            # strict: JSON's true is not a max batch of 1, nor "10" a window of 10 ms
+            batching = self._checked(_merge(self.current.model_dump(), patch), strict=True)
         except SettingsError as exc:
             raise SchemaError(f"policy refused, the old one stays: {exc}") from exc
         self._changes += 1
@@ -99,6 +102,8 @@ class PolicyManager:
             try:
                 if stamp is None and self._had_file:  # between an editor's delete and its write, say
                     raise SettingsError(f"config file {self.config_file} is missing")
+                if stamp is not None and stamp[1] == 0 and self._had_file:  # truncated for a write
+                    raise SettingsError(f"config file {self.config_file} is empty")
                 fresh = await asyncio.to_thread(self._reader)
                 # against the live settings: only batching applies, the rest waits for a restart
                 batching = self._checked(fresh.batching.model_dump())
@@ -124,16 +129,22 @@ class PolicyManager:
             self._set(batching, str(self.config_file))
             return True
 
-    def _checked(self, batching: dict[str, Any]) -> BatchingSettings:
+    def _checked(self, batching: dict[str, Any], strict: bool = False) -> BatchingSettings:
         """The policy, valid on its own and with the live settings (a window shorter than the
         default deadline); ``SettingsError`` says why not."""
         try:
-            valid = BatchingSettings.model_validate(batching)
-            Settings.model_validate(self._settings.model_dump() | {"batching": valid.model_dump()})
+            valid = BatchingSettings.model_validate(batching, strict=strict)
         except ValidationError as exc:
             raise SettingsError(
                 "; ".join(f"{'.'.join(map(str, e['loc'])) or 'batching'}: {e['msg']}" for e in exc.errors())
             ) from exc
+        # the rule alone, not Settings.model_validate: that reads the environment and the config
+        # file again (pydantic-settings' sources), on the event loop, and a broken file would
+        # refuse a valid admin change, the one way left to change the policy then
+        try:
+            check_windows(valid, self._settings.server)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from exc
         return valid
 
     def _set(self, batching: BatchingSettings, source: str) -> None:
@@ -157,6 +168,12 @@ class PolicyManager:
             stamp = await asyncio.to_thread(file_stamp, self.config_file)
             if not forced and stamp == self._stamp:
                 continue
+            if not forced and stamp != self._settling:
+                # an editor's write in place may be under way (the file truncated, half written,
+                # and valid TOML all the same): a change is read once it holds for one interval
+                self._settling = stamp
+                continue
+            self._settling = None
             try:
                 await self.reload(forced=forced)
             except Exception:

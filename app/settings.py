@@ -303,6 +303,21 @@ class LoggingSettings(_Group):
     access_log: bool = Field(default=True, description="one line per request: method, path, status, duration")
 
 
+def check_windows(batching: BatchingSettings, server: ServerSettings) -> None:
+    """The rule between a batching policy and the server's deadlines (``ValueError`` if broken).
+
+    Admission lets a request's wait (its window at the least) take ``admission_headroom`` of its
+    deadline: a longer normal window would refuse every request that keeps the default deadline.
+    """
+    share = batching.admission_headroom
+    if batching.normal.window_ms >= share * server.default_timeout_ms:
+        raise ValueError(
+            "batching.normal.window_ms must be < batching.admission_headroom x server.default_timeout_ms"
+            f" ({share:g} x {server.default_timeout_ms:g} ms): a longer window refuses every request"
+            " that keeps the default deadline"
+        )
+
+
 class Settings(BaseSettings):
     """Everything the service can be told. See the module docstring for precedence."""
 
@@ -322,15 +337,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _windows_fit_in_timeouts(self) -> Settings:
-        # admission lets a request's wait (its window at the least) take this share of its
-        # deadline: a longer window refuses every request that keeps the default deadline
-        share = self.batching.admission_headroom
-        if self.batching.normal.window_ms >= share * self.server.default_timeout_ms:
-            raise ValueError(
-                "batching.normal.window_ms must be < batching.admission_headroom x server.default_timeout_ms"
-                f" ({share:g} x {self.server.default_timeout_ms:g} ms): a longer window refuses every request"
-                " that keeps the default deadline"
-            )
+        check_windows(self.batching, self.server)
         return self
 
     @classmethod

@@ -78,6 +78,9 @@ async def test_a_policy_change_applies_from_the_next_batch(make_settings: Settin
         {"normal": {"window_ms": 90_000}},  # not shorter than the 60 s default deadline
         {"lanes": 3},
         {"urgent_fill": "sometimes"},
+        {"normal": {"max_batch": True}},  # JSON's true: not a batch of 1
+        {"normal": {"window_ms": "10"}},  # a string: not 10 ms
+        {"admission_headroom": True},
     ],
 )
 async def test_an_invalid_change_is_refused_and_the_old_policy_stays(
@@ -201,11 +204,45 @@ async def test_a_file_that_is_not_toml_is_refused_and_the_watcher_goes_on(
         assert not watcher.done()
         reload = await running.client.post("/admin/policy/reload", headers=AUTH)
         assert reload.status_code == 422 and "cannot be read" in reload.json()["message"]
+        # the admin API is the way left to change the policy now: it does not read the file
+        changed = await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 6}})
+        assert changed.status_code == 200, changed.text
+        assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 6
         config.write_text(CONFIG.format(window=12000.0, batch=3))  # the editor finishes
         os.utime(config, (2, 2))
         await policy_becomes(running, 3)
     # and the shutdown ran to its end (an exception out of a dead watcher stopped it before)
     assert running.service.state.value == "stopped"
+
+
+async def test_a_write_in_place_is_read_once_it_is_whole(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An editor that truncates the file and writes it again: a poll between the two sees an
+    empty file, or half of one that is valid TOML (the other fields at their defaults)."""
+    config, settings = watched_config(make_settings, tmp_path, monkeypatch)
+    # polls far apart next to the test's own checks, each made within a poll of the one it follows
+    settings = settings.model_copy(update={"admin": settings.admin.model_copy(update={"config_watch_s": 0.5})})
+    async with running_app(settings) as running:
+        policy = running.app.state.policy
+        assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 2}})).is_success
+        batcher = running.service.models[MODEL_NAME].batcher
+        for partial, when in (("", 1), ("[batching.normal]\nwindow_ms = 12000.0\n", 2)):
+            config.write_text(partial)
+            os.utime(config, (when, when))
+            async with asyncio.timeout(10):
+                while policy._settling != file_stamp(config):  # noqa: ASYNC110 - seen by a poll
+                    await asyncio.sleep(0.01)
+            assert batcher.policy.normal.max_batch == 2, f"applied a file being written: {partial!r}"
+        config.write_text(CONFIG.format(window=12000.0, batch=3) + "\n[logging]\nlevel = 'INFO'\n")
+        os.utime(config, (3, 3))
+        await policy_becomes(running, 3)
+        config.write_text("")  # and an empty file that stays empty: refused, as a missing one is
+        os.utime(config, (4, 4))
+        await watcher_read(running, config)
+        assert batcher.policy.normal.max_batch == 3
+        reload = await running.client.post("/admin/policy/reload", headers=AUTH)
+        assert reload.status_code == 422 and "is empty" in reload.json()["message"]
 
 
 async def test_a_reload_checks_the_batching_against_the_live_settings(
