@@ -34,7 +34,9 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     except ServiceError:
         return None  # a bad header, a body no retry mends: the route answers the 4xx, with its message
     try:
-        service.admit(service.served(model, headers.version), headers.lane, headers.timeout_s)
+        served = service.served(model, headers.version)  # a canary's draw: made once, here
+        service.admit(served, headers.lane, headers.timeout_s)
+        scope["state"]["served"] = served  # the route serves the version this check was of
     except ServiceError as exc:
         if exc.status != 503:
             return None  # e.g. an unknown model: the route answers it

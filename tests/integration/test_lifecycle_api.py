@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import math
+import random
 import shutil
 import weakref
 from pathlib import Path
@@ -122,6 +123,27 @@ async def test_the_canary_split_stays_within_statistical_bounds(repository: Path
             assert refused.status_code == status, (bad, refused.text)
         promoted = await running.client.post("/admin/models/digits/versions/7/promote", headers=AUTH)
         assert promoted.status_code == 404 and promoted.json()["code"] == "version_not_found", "not in the repository"
+
+
+async def test_a_request_draws_the_canary_split_once(repository: Path) -> None:
+    """The overload check before the body and the route serve the version of one draw: two
+    draws would check one version's queue and serve another's (a busy canary refusing requests
+    the default version would have served)."""
+    async with running_app(settings_for(repository)) as running:
+        answer = await running.client.put("/admin/models/digits/canary", headers=AUTH, json={"weights": {"2": 0.5}})
+        assert answer.status_code == 200
+        group = running.service.groups["digits"]
+        draws: list[float] = []
+
+        class Recorded(random.Random):
+            def random(self) -> float:
+                draws.append(value := super().random())
+                return value
+
+        group._rng = Recorded(0)
+        responses = [await running.predict_png(sample_png(i % 10)) for i in range(20)]
+        assert len(draws) == len(responses), "one draw a request"
+        assert [r.json()["version"] for r in responses] == [group.routing.pick(v) for v in draws]
 
 
 async def test_a_version_added_while_serving_can_be_loaded_and_a_corrupt_one_is_refused(repository: Path) -> None:

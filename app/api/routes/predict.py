@@ -80,8 +80,10 @@ async def _predict(name: str | None, request: Request) -> Response:
     headers = predict_headers(request.scope, server)
     check_declared_body(request.scope, server.max_image_bytes, server.max_body_bytes)  # 415, 413: before any 503
     query_top_k = _query_top_k(request)
-    served = service.served(name, headers.version)  # 404 / 503 before reading the body
     state = request.scope["state"]
+    # the version the edge's check drew (a canary is drawn once a request), else drawn now:
+    # 404 / 503 before reading the body
+    served = state.pop("served", None) or service.served(name, headers.version)
     # admitted before the body is read (a refusal stays cheap), holding a seat from then on
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     seat = service.reserve(served, headers.lane, remaining)
