@@ -124,30 +124,50 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
     edge = Edge(app)
 
     class EdgeProtocol(ClosingProtocol):
+        # a refusal's ``on_response`` starts the request pipelined behind it, by calling this
+        # hook again: one refused after another would recurse as deep as the pipeline, so the
+        # hook, called from inside a refusal, leaves the next request to the loop below
+        _refusing = False
+        _next: tuple[RequestResponseCycle, object] | None = None
+
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: object) -> None:
-            if self.transport.is_closing():
-                return  # a request pipelined behind a closing answer is not served (RFC 9112, 9.6)
-            scope = cast(Scope, cycle.scope)
-            refusal = None
-            if app is self.app:  # not uvicorn's own 503 past ``limit_concurrency``
-                try:
-                    # shut down already: this answer closes the connection (ClosingProtocol marks
-                    # the cycle only after this hook ran)
-                    keep_alive = cycle.keep_alive and not self._closing
-                    refusal = edge.refusal(scope, self.server_state.default_headers, keep_alive)
-                except Exception:  # a bug here must not cost the request its answer: the app gives it
-                    log.exception("the edge failed on %s %s; the app serves it", scope["method"], scope["path"])
-            if refusal is None:
-                super()._start_asgi_task(cycle, app)
+            if self._refusing:
+                self._next = (cycle, app)
                 return
-            cycle.keep_alive = refusal.keep_alive
-            cycle.response_started = cycle.response_complete = True  # the body that follows is dropped
-            self._started = cycle  # answered: bytes after it that are not HTTP close, not answer it again
-            self.transport.write(refusal.response)
-            if not cycle.keep_alive:
-                self.transport.close()
-            cycle.on_response()
-            edge.answered(scope, refusal)
+            while True:
+                if self.transport.is_closing():
+                    return  # a request pipelined behind a closing answer is not served (RFC 9112, 9.6)
+                scope = cast(Scope, cycle.scope)
+                refusal = None
+                if app is self.app:  # not uvicorn's own 503 past ``limit_concurrency``
+                    try:
+                        # shut down already: this answer closes the connection (ClosingProtocol
+                        # marks the cycle only after this hook ran)
+                        keep_alive = cycle.keep_alive and not self._closing
+                        refusal = edge.refusal(scope, self.server_state.default_headers, keep_alive)
+                    except Exception:  # a bug here must not cost the request its answer: the app gives it
+                        log.exception("the edge failed on %s %s; the app serves it", scope["method"], scope["path"])
+                if refusal is None:
+                    super()._start_asgi_task(cycle, app)
+                    return
+                cycle.keep_alive = refusal.keep_alive
+                cycle.response_started = cycle.response_complete = True  # the body that follows is dropped
+                self._started = cycle  # answered: bytes after it that are not HTTP close, not answer it again
+                self.transport.write(refusal.response)
+                if not cycle.keep_alive:
+                    self.transport.close()
+                try:
+                    edge.answered(scope, refusal)
+                except Exception:  # the answer is written: a failure to count it must not stop the next
+                    log.exception("counting a refusal failed")
+                self._refusing = True
+                try:
+                    cycle.on_response()  # the next pipelined request, if any, comes back as self._next
+                finally:
+                    self._refusing = False
+                if self._next is None:
+                    return
+                (cycle, app), self._next = self._next, None
 
         def answered_invalid(self, scope: Scope | None, request_id: str, started: float) -> None:
             try:

@@ -189,6 +189,21 @@ async def test_a_refused_body_is_dropped_and_the_connection_serves_on(make_setti
         assert running.reached == ["POST /predict"] * 3
 
 
+async def test_a_long_pipeline_of_refusals_is_answered_and_counted_whole(make_settings: SettingsFactory) -> None:
+    """Each refusal starts the request pipelined behind it: one after another they must not
+    recurse as deep as the pipeline (past Python's recursion limit, requests went unanswered
+    and none of the refusals was counted)."""
+    async with served(make_settings()) as running:
+        await running.exchange(predict())  # a batch timed: a 1 ms deadline is refused at the edge
+        refused = 1200  # a stack frame or three each: far past the default limit of 1000
+        async with asyncio.timeout(60):  # a bound against the hang of unanswered requests, not a timing
+            answers = await running.exchange(predict(), *(predict(X_Request_Timeout="1") for _ in range(refused)))
+        assert [head.status for head, _ in answers] == [200] + [503] * refused
+        metrics = (await running.exchange(build_request("GET", "127.0.0.1", "/metrics", {})))[0][1].decode()
+    requests_total = samples(metrics, f"{PREFIX}_requests_total")
+    assert requests_total[(("code", "would_miss_deadline"), ("status", "503"))] == refused
+
+
 async def test_a_client_that_waits_for_100_continue_gets_the_refusal_instead(make_settings: SettingsFactory) -> None:
     async with served(make_settings()) as running:
         await running.exchange(predict())
