@@ -15,6 +15,7 @@ import pytest
 
 from app.errors import ServiceError
 from app.settings import Settings
+from tests.integration.test_request_ends import Connection
 from tests.support import build_settings, running_app, sample_png, truncate_file
 
 TOKEN = "lifecycle-admin-token-0123456789"
@@ -164,6 +165,27 @@ async def test_a_version_added_while_serving_can_be_loaded_and_a_corrupt_one_is_
         for name, version in (("digits", "..%2F1"), ("..", "1"), ("digits", "77")):
             missing = await running.client.post(f"/admin/models/{name}/versions/{version}/load", headers=AUTH)
             assert missing.status_code == 404, (name, version, missing.text)
+
+
+async def test_a_request_whose_routed_version_is_unloaded_before_its_seat_is_routed_again(
+    repository: Path,
+) -> None:
+    """The edge's overload check routes a request, and its route takes the seat a loop turn
+    later: a version unloaded in between is no reason to answer 'shutting down'."""
+    async with running_app(settings_for(repository)) as running:
+        stale = running.service.groups["digits"].routing.loaded["2"]
+        unloaded = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        assert unloaded.status_code == 200
+        png = sample_png(6)
+        # as the edge leaves it: checked, and routed to version 2 before the unload
+        request = Connection(
+            running,
+            {"content-type": "image/png", "content-length": str(len(png))},
+            state={"shed_checked": True, "served": stale},
+        )
+        request.body(png, more=False)
+        status, reply = await request.answer()
+        assert (status, reply.get("version")) == (200, "1"), reply
 
 
 async def test_unloading_drains_and_the_default_cannot_go(repository: Path) -> None:

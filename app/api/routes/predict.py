@@ -29,7 +29,7 @@ from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
 from app.deadline import within
-from app.errors import SchemaError
+from app.errors import Draining, SchemaError
 from app.service import InferenceService, Outcome
 
 router = APIRouter(tags=["predict"])
@@ -86,7 +86,15 @@ async def _predict(name: str | None, request: Request) -> Response:
     served = state.pop("served", None) or service.served(name, headers.version)
     # admitted before the body is read (a refusal stays cheap), holding a seat from then on
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
-    seat = service.reserve(served, headers.lane, remaining)
+    try:
+        seat = service.reserve(served, headers.lane, remaining)
+    except Draining:
+        if service.draining:
+            raise
+        # the version routed to was unloaded since (the service is not shutting down): routed
+        # again, to what serves now (a pinned version gone is 503 version_not_loaded)
+        served = service.served(name, headers.version)
+        seat = service.reserve(served, headers.lane, remaining)
     try:
         expired = functools.partial(served.batcher.observer.on_dropped, headers.lane, "deadline")
         try:
