@@ -27,9 +27,16 @@ def test_the_headers_are_parsed_and_kept_in_the_request_state() -> None:
     assert predict_headers(request, SERVER) is parsed
 
 
-def test_a_repeated_header_counts_once_the_first_time() -> None:
-    parsed = predict_headers(scope((b"x-urgency", b"high"), (b"x-urgency", b"normal")), SERVER)
+def test_a_header_repeated_with_the_same_value_is_one_value() -> None:
+    parsed = predict_headers(scope((b"x-urgency", b"high"), (b"x-urgency", b" high")), SERVER)
     assert parsed.lane is Lane.URGENT
+
+
+def test_a_header_repeated_with_another_value_is_a_400() -> None:
+    request = scope((b"x-urgency", b"high"), (b"x-urgency", b"normal"))
+    with pytest.raises(BadRequest, match="X-Urgency is given more than once") as refused:
+        predict_headers(request, SERVER)
+    assert refused.value.code == "invalid_header" and "predict_headers" not in request["state"]
 
 
 def test_absent_headers_give_the_normal_lane_and_the_default_timeout() -> None:
