@@ -298,9 +298,10 @@ class InferenceService:
 
     async def release_unloaded(self) -> None:
         """Free what unloaded versions held: the collector (frozen once warm) must look at them
-        again, and on CUDA the freed blocks go back to the driver."""
+        again, and on CUDA the freed blocks go back to the driver (off the loop: it waits for the
+        device, which may be running a batch)."""
         await asyncio.to_thread(self._tuning.collect_unloaded)
-        release_memory(self.device)
+        await asyncio.to_thread(release_memory, self.device)
 
     async def _load(self, name: str, version: str) -> ServedModel:
         folder = self.repository.folder(name, version)
@@ -373,7 +374,8 @@ class InferenceService:
             name=name,
             max_in_flight=self.threads.workers,
             urgent_in_flight=self.threads.urgent,
-            timed=lambda answers: any(answer.top is not None for answer in answers),
+            computed=lambda answers: sum(answer.top is not None for answer in answers),
+            model_epoch=lambda: runner.generation,
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)

@@ -48,14 +48,20 @@ class DualWindowBatcher(Generic[P, R]):
         name: str = "batcher",
         max_in_flight: int = 1,
         urgent_in_flight: int = 0,
-        timed: Callable[[Sequence[R]], bool] = lambda outputs: True,
+        computed: Callable[[Sequence[R]], int] = len,
+        model_epoch: Callable[[], int] = lambda: 0,
     ) -> None:
-        """``timed(outputs)``: whether a batch's run time measures the device (a batch whose
-        requests had all gone before it reached the device ran nothing, and took no time)."""
+        """``computed(outputs)``: how many of a batch's requests the device computed (those gone
+        before it reached the device are left out). A batch that computed none took no time and
+        measures nothing; the memory ceiling climbs back on what the device ran, not on what
+        the batcher sent. ``model_epoch()`` changes when the runner's model is replaced (a CPU
+        fallback): the run times measured of the old one say nothing of the new one, and the
+        batch the replacement loaded in took the load's seconds."""
         if max_in_flight < 1 or urgent_in_flight < 0:
             raise ValueError("max_in_flight must be at least 1, urgent_in_flight at least 0")
         self._runner = runner
-        self._timed = timed
+        self._computed = computed
+        self._model_epoch = model_epoch
         self._max_in_flight = max_in_flight
         self._urgent_in_flight = urgent_in_flight  # more batches in flight, for urgent batches only
         self._observer: BatchObserver = observer or NullObserver()
@@ -385,6 +391,7 @@ class DualWindowBatcher(Generic[P, R]):
 
     async def _execute(self, plan: BatchPlan, batch: list[Pending[P, R]]) -> None:
         started = self._clock.now()
+        epoch = self._model_epoch()
         self.batches += 1
         try:
             outputs = await self._runner([item.payload for item in batch])
@@ -401,10 +408,13 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
-            if self._timed(outputs):
+            computed = self._computed(outputs)
+            if self._model_epoch() != epoch:  # another model now: estimates start again, from its batches
+                self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
+            elif computed:
                 self.observe_batch(plan.lane, run_s)
             self._report(plan, batch, started, run_s, ok=True)
-            self._ceiling.calm(len(batch), self._policy)
+            self._ceiling.calm(computed, self._policy)
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
                     item.future.set_result(

@@ -60,12 +60,12 @@ def device_fault(exc: BaseException) -> Fault | None:
         return Fault.MEMORY
     if not isinstance(exc, RuntimeError):
         return None
-    if isinstance(exc, getattr(torch, "AcceleratorError", ())):
-        return Fault.DEVICE
     text = str(exc)
+    # first: CUDA raises its failed allocations as AcceleratorError too ("CUDA error: out of
+    # memory", cudaErrorMemoryAllocation), and those leave the context usable (split, retry)
     if "out of memory" in text or "can't allocate memory" in text:  # the latter: the CPU's allocator
         return Fault.MEMORY
-    if "CUDA error" in text:
+    if isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in text:
         return Fault.DEVICE
     return None
 
@@ -93,6 +93,11 @@ class ModelRunner:
         self.degraded = False
         self._failing = threading.Lock()
         self._generation = 0  # which model: one more each time the fallback takes over
+
+    @property
+    def generation(self) -> int:
+        """Which model serves: one more each time another (the CPU fallback) took over."""
+        return self._generation
 
     async def __call__(
         self,

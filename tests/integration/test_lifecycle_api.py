@@ -8,6 +8,7 @@ import json
 import math
 import random
 import shutil
+import threading
 import weakref
 from pathlib import Path
 
@@ -186,6 +187,18 @@ async def test_a_request_whose_routed_version_is_unloaded_before_its_seat_is_rou
         request.body(png, more=False)
         status, reply = await request.answer()
         assert (status, reply.get("version")) == (200, "1"), reply
+
+
+async def test_unloading_releases_device_memory_off_the_event_loop(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # empty_cache waits for the device, which may be running another version's batch
+    threads: list[str] = []
+    monkeypatch.setattr("app.service.release_memory", lambda device: threads.append(threading.current_thread().name))
+    async with running_app(settings_for(repository)) as running:
+        unloaded = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        assert unloaded.status_code == 200
+    assert threads and threading.main_thread().name not in threads, threads
 
 
 async def test_unloading_drains_and_the_default_cannot_go(repository: Path) -> None:

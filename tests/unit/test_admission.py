@@ -284,13 +284,62 @@ async def test_urgent_requests_ahead_count_in_urgent_sized_batches() -> None:
     await batcher.close(grace_s=0)
 
 
+async def test_the_ceiling_climbs_back_on_what_the_device_computed() -> None:
+    # batches at the cap whose requests had gone before the device (overload: deadlines passing
+    # there) prove nothing about memory: the cap must not rise on them
+    clock, runner = FakeClock(), FakeRunner()
+    policy = BatchPolicy(LanePolicy(2 * MS, 8, 64), LanePolicy(25 * MS, 8, 64))
+    computed: list[int] = [0]
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, policy, clock=clock, computed=lambda outputs: computed[0]
+    )
+    batcher.start()
+    batcher.recovery_batches = 2
+    batcher.lower_ceiling(8)
+    assert batcher.ceiling == 4
+    for ran in (0, 0, 0, 1, 4, 4):
+        computed[0] = ran
+        await asyncio.gather(*(batcher.submit(i, Lane.NORMAL, 10.0) for i in range(4)))
+        if ran < 4:
+            assert batcher.ceiling == 4, f"raised on a batch of 4 that computed {ran}"
+    assert batcher.ceiling is None, "two batches computed whole at the cap: it doubles back to 8"
+    await batcher.close(0)
+
+
+async def test_a_model_replaced_mid_batch_starts_the_estimates_again() -> None:
+    # the CPU fallback loads inside the batch whose failure brought it (seconds): that batch's
+    # time, and the old model's estimate, would refuse requests the new model can serve
+    clock, runner = FakeClock(), FakeRunner()
+    policy = BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64))
+    epoch = [0]
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, model_epoch=lambda: epoch[0])
+    batcher.start()
+    await run_one_timed_batch(batcher, clock, runner)
+    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1)
+    runner.gate = asyncio.Event()
+    replaced = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 60.0)) for i in range(4)]
+    await settle()
+    await clock.advance(3.0)  # the fallback's load, inside this batch
+    epoch[0] += 1
+    runner.gate.set()
+    await asyncio.gather(*replaced)
+    runner.gate = None
+    assert batcher.batch_s(Lane.NORMAL) is None and batcher.batch_s(Lane.URGENT) is None
+    batcher.admit(Lane.NORMAL, 1.0)  # no estimate: not refused on the old model's, nor the load's
+    await run_one_timed_batch(batcher, clock, runner)
+    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1), "learnt again from the new model's batches"
+    await batcher.close(0)
+
+
 async def test_a_batch_that_ran_nothing_does_not_teach_the_estimate() -> None:
     # every request of a batch went (gone, or past its deadline) before it reached the device: it
     # took no time, and would have pulled the estimate down a fifth
     clock, runner = FakeClock(), FakeRunner()
     policy = BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64))
     ran: list[bool] = [True]
-    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, timed=lambda outputs: ran[0])
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, policy, clock=clock, computed=lambda outputs: len(outputs) if ran[0] else 0
+    )
     batcher.start()
     await run_one_timed_batch(batcher, clock, runner)
     ran[0] = False

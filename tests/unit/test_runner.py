@@ -239,6 +239,8 @@ def test_device_faults_are_told_from_other_errors() -> None:
     assert device_fault(host.value) is Fault.MEMORY
     if hasattr(torch, "AcceleratorError"):
         assert device_fault(torch.AcceleratorError("device-side assert triggered")) is Fault.DEVICE
+        # a failed allocation comes as AcceleratorError too, and leaves the context usable
+        assert device_fault(torch.AcceleratorError("CUDA error: out of memory")) is Fault.MEMORY
     assert device_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert device_fault(ValueError("out of memory")) is None
 
