@@ -51,6 +51,9 @@ QUIET_S = 0.5
 # that stops halfway, so that it cannot hold the process's exit.
 LAST_REQUEST_S = 2.0
 SWEEPS = 4  # of the listeners' backlogs at shutdown: clients that keep connecting cannot hold it
+# uvicorn's wait for open connections once the drain is over: the answers being written, and a
+# closing connection's wait for a request begun (QUIET_S, LAST_REQUEST_S), not a second grace
+DRAINED_CLOSE_S = 3
 
 
 class DrainingServer(uvicorn.Server):
@@ -69,6 +72,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self._loop is None:
+            self.config.timeout_graceful_shutdown = 0  # Ctrl-C: what still runs is answered 503 now
             super().handle_exit(sig, frame)
             return
         # A signal handler runs in whatever context the main thread was in, a request's among
@@ -79,6 +83,7 @@ class DrainingServer(uvicorn.Server):
         # not recorded in _captured_signals: uvicorn would re-raise it and the exit code would be 143
         if self._sigterm or self.should_exit:
             log.warning("second SIGTERM: stopping without waiting for the drain")
+            self.config.timeout_graceful_shutdown = 0  # what still runs is answered 503 draining now
             self.should_exit = True
             return
         self._sigterm = True
@@ -100,6 +105,10 @@ class DrainingServer(uvicorn.Server):
         except Exception:
             log.exception("drain failed; shutting down anyway")
         finally:
+            # the drain took the grace period (or ended with nothing left to wait for): uvicorn's
+            # own wait for open connections gets a second for the answers being written, not a
+            # second grace period; what still runs then is cancelled and answered 503 draining
+            self.config.timeout_graceful_shutdown = DRAINED_CLOSE_S
             self.should_exit = True
 
 

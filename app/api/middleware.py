@@ -8,6 +8,8 @@ log line, and turns an exception nobody handled into a generic 500 envelope. Rou
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import json
 import logging
@@ -21,6 +23,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.errors import retry_after
+from app.api.schemas import ErrorResponse
+from app.errors import Draining
 from app.telemetry.logging import caller_trace_var, request_id_var
 from app.telemetry.metrics import Metrics
 
@@ -82,6 +87,14 @@ def _draining(scope: Scope) -> bool:
     client sends its next request on a connection the server is about to close."""
     service = getattr(getattr(scope.get("app"), "state", None), "service", None)
     return bool(getattr(service, "draining", False))
+
+
+async def _answer_draining(send: Send, request_id: str) -> None:
+    error = Draining("the service shut down before this request was answered")
+    body = ErrorResponse(code=error.code, message=error.message, request_id=request_id)
+    headers = [(b"content-type", b"application/json"), (b"retry-after", str(retry_after(error)).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body.model_dump_json(exclude_none=True).encode()})
 
 
 def identity_headers(request_id: str, trace_id: str | None, close: bool) -> list[tuple[bytes, bytes]]:
@@ -166,6 +179,15 @@ class RequestContextMiddleware:
         try:
             target = (self.direct(scope) if self.direct else None) or self.app
             await target(scope, receive, send_with_id)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when its wait after the drain ends (a stalled upload,
+            # say): the request gets the 503 the drain promises, not uvicorn's plain-text 500
+            if status == 0 and _draining(scope):
+                scope["state"]["error_code"] = "draining"
+                with contextlib.suppress(Exception):  # the connection may be gone too
+                    await _answer_draining(send_with_id, request_id)
+                    status = 503
+            raise
         except Exception as exc:
             _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
             server_span = trace.get_current_span()  # it ends outside, with the status only: tell it why

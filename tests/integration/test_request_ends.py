@@ -220,3 +220,26 @@ async def test_a_request_cancelled_before_its_answer_is_not_counted_ok(make_sett
     unanswered = {labels: v for (name, labels), v in counted.items() if name == "ai_backend_requests_total"}
     assert value(counted, "ai_backend_requests_total", status="0", code="ok") == 0, unanswered
     assert value(counted, "ai_backend_requests_total", status="0", code="unanswered") == 1, unanswered
+
+
+async def test_a_request_cut_off_after_the_drain_gets_503_draining_not_a_500(make_settings: SettingsFactory) -> None:
+    """A stalled upload outlives the drain; uvicorn's wait after it ends by cancelling the
+    request's task. Its client gets the 503 the drain promises."""
+    settings = make_settings(server={"default_timeout_ms": 60_000})
+    async with running_app(settings) as running:
+        connection = png_request(running, **{"x-request-id": "stalled-1"})
+        connection.body(PNG[:10], more=True)  # the rest never comes
+        batcher = running.service.models[MODEL_NAME].batcher
+        async with asyncio.timeout(30):
+            while batcher.depth(Lane.NORMAL) != 1:  # noqa: ASYNC110 (admitted: its seat is held)
+                await asyncio.sleep(0.005)
+        await running.service.drain(0.2)  # the grace ends with it still waiting for its body
+        assert not connection.answered.is_set()
+        connection.task.cancel()  # as uvicorn does once its own wait is over
+        status, body = await connection.answer()
+        await asyncio.gather(connection.task, return_exceptions=True)
+        assert (status, body) == (503, {"code": "draining", "message": body["message"], "request_id": "stalled-1"})
+        start = next(m for m in connection.sent if m["type"] == "http.response.start")
+        assert dict(start["headers"])[b"retry-after"] and dict(start["headers"])[b"connection"] == b"close"
+        counted = await scrape(running)
+    assert value(counted, "ai_backend_requests_total", status="503", code="draining") == 1

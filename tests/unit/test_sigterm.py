@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from starlette.types import Receive, Scope, Send
 
-from app.server import DrainingServer
+from app.server import DRAINED_CLOSE_S, DrainingServer
 from app.telemetry.logging import RequestIdFilter, request_id_var
 
 
@@ -63,8 +63,22 @@ async def test_a_second_sigterm_stops_at_once_even_before_the_drain_has_started(
     assert not server.should_exit and not started.is_set()
     server.handle_exit(signal.SIGTERM, None)
     assert server.should_exit, "the second SIGTERM did not wait for the first one's drain to start"
+    assert server.config.timeout_graceful_shutdown == 0, "nor does uvicorn wait for open requests"
     await started.wait()
     assert server._draining is not None
     server._draining.cancel()
     with pytest.raises(asyncio.CancelledError):
         await server._draining
+
+
+async def test_after_the_drain_uvicorn_waits_for_connections_seconds_not_a_second_grace() -> None:
+    async def drain() -> None:  # the drain took the grace period
+        return
+
+    server = DrainingServer(uvicorn.Config(_app, timeout_graceful_shutdown=31), drain)
+    server._loop = asyncio.get_running_loop()
+    server.handle_exit(signal.SIGTERM, None)
+    async with asyncio.timeout(5):
+        while not server.should_exit:  # noqa: ASYNC110 (the drain task sets it)
+            await asyncio.sleep(0.001)
+    assert server.config.timeout_graceful_shutdown == DRAINED_CLOSE_S < 31
