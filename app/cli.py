@@ -71,7 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     except SystemExit:  # uvicorn's own start-up failure (the port in use, say): logged by it
-        failure.append(f"the server could not start on {settings.server.host}:{settings.server.port}")
+        if not failure:  # the app's own failure was named already
+            failure.append(f"the server could not start on {settings.server.host}:{settings.server.port}")
     if failure:
         print(f"ai-backend: start-up failed: {failure[0]}", file=sys.stderr)
         return EXIT_START_FAILED

@@ -94,7 +94,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service = InferenceService(settings, metrics, tracer)
+        try:
+            service = InferenceService(settings, metrics, tracer)
+        except Exception as exc:  # the device asked for is not here, say: named, not blamed on the port
+            fatal(str(exc))
+            raise
         app.state.service = service
 
         async def start() -> None:

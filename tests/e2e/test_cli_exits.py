@@ -51,6 +51,21 @@ def test_a_port_in_use_exits_with_the_clis_start_up_failure_code() -> None:
     assert "ai-backend: start-up failed" in run.stderr
 
 
+def test_a_device_that_is_not_here_exits_1_naming_it_not_the_port() -> None:
+    import torch  # here: the other tests need no torch in the test process
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    port = free_port()
+    run = _serve(
+        {"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": str(port), "AI_SERVICE_MODEL__DEVICE": "cuda"}
+    )
+    assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ai-backend: start-up failed:") and "CUDA" in last, run.stderr[-1500:]
+    assert str(port) not in last
+
+
 @pytest.mark.parametrize(
     "env",
     [
