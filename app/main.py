@@ -68,6 +68,14 @@ def _on_sighup(handler: Callable[[], object]) -> Iterator[None]:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not back to its default, which ends the process
 
 
+def _new_service(settings: Settings, metrics: Metrics, tracer: trace.Tracer, fatal: FatalHandler) -> InferenceService:
+    try:
+        return InferenceService(settings, metrics, tracer)
+    except Exception as exc:  # the device asked for is not here, say: named, not blamed on the port
+        fatal(str(exc))
+        raise
+
+
 def create_app(
     settings: Settings | None = None,
     on_fatal: FatalHandler | None = None,
@@ -94,11 +102,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:
-            service = InferenceService(settings, metrics, tracer)
-        except Exception as exc:  # the device asked for is not here, say: named, not blamed on the port
-            fatal(str(exc))
-            raise
+        service = _new_service(settings, metrics, tracer, fatal)
         app.state.service = service
 
         async def start() -> None:

@@ -45,8 +45,13 @@ class BoundedSpanProcessor(SpanProcessor):
         batch_size: int = 256,
         schedule_delay_s: float = 1.0,
         on_drop: Callable[[int], None] = lambda count: None,
+        export_timeout_s: float = 1.0,
     ) -> None:
+        """``export_timeout_s``: the exporter's own bound on one export; a shutdown waits that
+        long (and a little) for the export under way before it counts its spans as lost."""
         self._exporter = exporter
+        self._export_timeout_s = export_timeout_s
+        self._exporting = 0  # spans in the export under way on the thread
         self._max_queue = max_queue
         self._batch_size = batch_size
         self._delay = schedule_delay_s
@@ -109,7 +114,9 @@ class BoundedSpanProcessor(SpanProcessor):
             self._wake.wait(self._delay)
             self._wake.clear()
             while batch := self._take():
+                self._exporting = len(batch)
                 self._export(batch)
+                self._exporting = 0
                 if self._stopping:
                     return
 
@@ -125,13 +132,17 @@ class BoundedSpanProcessor(SpanProcessor):
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=1.0)
-        if not self.force_flush(2_000):
+        self._thread.join(timeout=self._export_timeout_s + 0.5)
+        if not self.force_flush(2_000):  # what is queued, beside an export that may still be on
             with self._lock:
                 left = len(self._queue)
                 self._queue.clear()
             self._lost(left)
             log.warning("span export ran out of time at shutdown: %d spans dropped", left)
+        if self._thread.is_alive() and (stuck := self._exporting):
+            # an export past the exporter's own timeout and the flush: the process exits with it
+            self._lost(stuck)
+            log.warning("span export still under way at shutdown: %d spans dropped", stuck)
         self._exporter.shutdown()
 
 
@@ -201,6 +212,7 @@ def build_tracer_provider(
         batch_size=settings.batch_size,
         schedule_delay_s=settings.schedule_delay_ms / 1000,
         on_drop=on_drop,
+        export_timeout_s=settings.export_timeout_s,
     )
     provider.add_span_processor(processor)
     return provider, processor

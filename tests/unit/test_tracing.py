@@ -129,3 +129,29 @@ def test_spans_left_when_shutdown_runs_out_of_time_are_counted_as_dropped() -> N
     processor.shutdown()  # one more batch fits in its flush budget, at most; the rest is lost
     assert processor.dropped >= 3 and sum(drops) == processor.dropped
     assert processor.dropped + exporter.exported == 6
+
+
+class UnfinishedExporter(StuckExporter):
+    """A collector that takes longer than the exporter's timeout, shutdown or not."""
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_spans_still_being_exported_when_the_process_exits_are_counted_as_dropped() -> None:
+    exporter = UnfinishedExporter()
+    drops: list[int] = []
+    processor = BoundedSpanProcessor(
+        exporter, batch_size=2, schedule_delay_s=0.01, on_drop=drops.append, export_timeout_s=0.1
+    )
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    tracer.start_span("first").end()
+    tracer.start_span("second").end()
+    assert exporter.entered.wait(5), "the export thread took both and is sending them"
+    try:
+        processor.shutdown()  # waits the export's timeout and a little, then the process may exit
+        assert processor.dropped == 2 and drops == [2], "the batch the exit cuts off is counted"
+    finally:
+        exporter.release.set()
