@@ -222,6 +222,8 @@ class InferenceService:
             self.default_model = default
             await self._warm_pool()
             self._tuning.freeze()
+            if self.state is not State.STARTING:  # a SIGTERM came while it loaded: nothing is served
+                return
             for served in self.all_served():
                 served.batcher.set_policy(self._policy)  # a change made while later versions loaded
                 served.batcher.start()
@@ -529,7 +531,7 @@ class InferenceService:
     async def drain(self, grace_s: float | None) -> None:
         """Stop taking work (readiness and predictions turn 503 at once) and let queued and
         running requests finish within ``grace_s``; whatever is left then gets 503."""
-        if self.state is State.READY:
+        if self.state in (State.READY, State.STARTING):  # a start still loading never turns ready
             self.state = State.DRAINING
         started = time.perf_counter()
         batchers = [served.batcher for served in (*self.all_served(), *self._retiring)]

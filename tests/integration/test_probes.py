@@ -93,6 +93,24 @@ async def test_not_ready_while_loading_then_ready(make_settings: SettingsFactory
         assert after.status_code == 200 and top_label(after.json()) == "5"
 
 
+async def test_a_drain_while_models_load_keeps_the_service_from_turning_ready(
+    make_settings: SettingsFactory, load_gate: LoadGate
+) -> None:
+    """SIGTERM during start-up: the start may finish before the shutdown cancels it, and must
+    not then turn ready and serve on connections still open."""
+    async with running_app(make_settings(model={"warmup": True}), wait=False) as running:
+        await load_gate.wait_reached()
+        await running.service.drain(0.1)
+        assert running.service.state is State.DRAINING
+        load_gate.open()
+        await running.wait_started()
+        assert running.service.state is State.DRAINING and not running.service.ready
+        assert (await running.client.get("/readyz")).status_code == 503
+        refused = await running.predict_png(sample_png(5))
+        assert (refused.status_code, refused.json()["code"]) == (503, "draining")
+        assert not running.service.models[MODEL_NAME].batcher.running
+
+
 async def test_health_report_when_ready(make_settings: SettingsFactory) -> None:
     async with running_app(make_settings(model={"warmup": True})) as running:
         ready = await running.client.get("/readyz")
