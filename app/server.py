@@ -106,8 +106,8 @@ class DrainingServer(uvicorn.Server):
             log.exception("drain failed; shutting down anyway")
         finally:
             # the drain took the grace period (or ended with nothing left to wait for): uvicorn's
-            # own wait for open connections gets a second for the answers being written, not a
-            # second grace period; what still runs then is cancelled and answered 503 draining
+            # own wait for open connections gets DRAINED_CLOSE_S for the answers being written,
+            # not a second grace period; what still runs then is cancelled and answered 503 draining
             self.config.timeout_graceful_shutdown = DRAINED_CLOSE_S
             self.should_exit = True
 

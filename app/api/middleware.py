@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import retry_after
-from app.api.schemas import ErrorResponse
+from app.api.errors import service_error_response
 from app.errors import Draining
 from app.telemetry.logging import caller_trace_var, request_id_var
 from app.telemetry.metrics import Metrics
@@ -87,14 +87,6 @@ def _draining(scope: Scope) -> bool:
     client sends its next request on a connection the server is about to close."""
     service = getattr(getattr(scope.get("app"), "state", None), "service", None)
     return bool(getattr(service, "draining", False))
-
-
-async def _answer_draining(send: Send, request_id: str) -> None:
-    error = Draining("the service shut down before this request was answered")
-    body = ErrorResponse(code=error.code, message=error.message, request_id=request_id)
-    headers = [(b"content-type", b"application/json"), (b"retry-after", str(retry_after(error)).encode())]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
-    await send({"type": "http.response.body", "body": body.model_dump_json(exclude_none=True).encode()})
 
 
 def identity_headers(request_id: str, trace_id: str | None, close: bool) -> list[tuple[bytes, bytes]]:
@@ -183,10 +175,10 @@ class RequestContextMiddleware:
             # uvicorn cancels what still runs when its wait after the drain ends (a stalled upload,
             # say): the request gets the 503 the drain promises, not uvicorn's plain-text 500
             if status == 0 and _draining(scope):
-                scope["state"]["error_code"] = "draining"
+                cut = Draining("the service shut down before this request was answered")
+                response = await service_error_response(Request(scope), cut)  # the one envelope
                 with contextlib.suppress(Exception):  # the connection may be gone too
-                    await _answer_draining(send_with_id, request_id)
-                    status = 503
+                    await response(scope, receive, send_with_id)
             raise
         except Exception as exc:
             _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])

@@ -82,3 +82,9 @@ async def test_after_the_drain_uvicorn_waits_for_connections_seconds_not_a_secon
         while not server.should_exit:  # noqa: ASYNC110 (the drain task sets it)
             await asyncio.sleep(0.001)
     assert server.config.timeout_graceful_shutdown == DRAINED_CLOSE_S < 31
+
+
+def test_ctrl_c_does_not_wait_for_open_requests() -> None:
+    server = DrainingServer(uvicorn.Config(_app, timeout_graceful_shutdown=31), drain=lambda: asyncio.sleep(0))
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and server.config.timeout_graceful_shutdown == 0
