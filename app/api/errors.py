@@ -16,6 +16,7 @@ from app.telemetry.logging import request_id_var
 
 log = logging.getLogger(__name__)
 
+_UNPARSABLE_BODY = "There was an error parsing the body"  # FastAPI's 400 for a body it could not read
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
 _DESCRIPTIONS = {
     400: "Malformed request: bad JSON, bad base64, undecodable or unsupported image, bad header value",
@@ -81,6 +82,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 400 and exc.detail == _UNPARSABLE_BODY:  # JSON nested past Python's recursion limit, say
+        return envelope(request, 400, "invalid_json", "the body is not valid JSON, or is nested too deeply")
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     response = envelope(request, exc.status_code, code, str(exc.detail))
     response.headers.update(exc.headers or {})  # e.g. Allow on a 405

@@ -433,6 +433,18 @@ async def test_malformed_json_to_the_admin_api_is_a_400_as_to_predict(make_setti
     assert [(a.status_code, a.json()["code"]) for a in answers] == [(400, "invalid_json")] * 3
 
 
+async def test_json_nested_past_the_parsers_depth_is_a_400_invalid_json(make_settings: SettingsFactory) -> None:
+    # json.loads gives up on deep nesting with a RecursionError, which FastAPI answers with its
+    # own 400 "There was an error parsing the body": the envelope names it as any bad JSON
+    deep = b"[" * 5_000 + b"]" * 5_000
+    headers = {**AUTH, "Content-Type": "application/json"}
+    async with running_app(admin_settings(make_settings)) as running:
+        answer = await running.client.put("/admin/policy", content=deep, headers=headers)
+        assert (answer.status_code, answer.json()["code"]) == (400, "invalid_json")
+        assert answer.json()["request_id"] == answer.headers["x-request-id"]
+        assert (await running.client.get("/admin/policy", headers=AUTH)).status_code == 200
+
+
 REVIEWED = """
 [batching.normal]
 window_ms = {window}
