@@ -19,6 +19,10 @@ class Faulty:
         self.manifest, self.device = inner.manifest, inner.device
         self.sizes: list[int] = []
 
+    @property
+    def failed_heads(self) -> dict[str, str]:
+        return self.inner.failed_heads
+
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
         self.sizes.append(len(images))
         if self.always or len(images) >= self.fail_at:

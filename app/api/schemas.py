@@ -83,6 +83,9 @@ class ModelHealth(BaseModel):
     loaded: bool
     batcher_running: bool
     device_failures: int = Field(description="consecutive batches the device failed; the check fails at the limit")
+    failed_heads: dict[str, str] = Field(
+        description="heads that could not load or run on first use, and why; the check fails while any is listed"
+    )
     queue_depth: dict[str, int]
 
 

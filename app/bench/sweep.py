@@ -32,8 +32,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from app.bench.chart import PLOT_SIZE, plot
-from app.inference.device import cpu_cores, plan_threads
-from app.inference.runner import Fault, device_fault
+from app.inference.device import Fault, cpu_cores, device_fault, plan_threads
 
 MIB = 2**20
 

@@ -8,6 +8,7 @@ model instances: with one, a single core does the forward passes while the other
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
@@ -154,3 +155,30 @@ class DeviceThread(WorkerThreads):
 
     def __init__(self, name: str = "device", workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
         super().__init__(name, workers, urgent_workers, normal_nice)
+
+
+class Fault(enum.Enum):
+    MEMORY = "out of memory"
+    DEVICE = "device error"
+
+
+def device_fault(exc: BaseException) -> Fault | None:
+    """What a forward pass's error says of the device; None: not the device's (a bug, bad input).
+
+    TorchScript re-raises an error from inside a graph as a plain ``RuntimeError`` carrying
+    the original message, so CUDA's out-of-memory error from the scripted backbone is known
+    by its text, as is the CPU allocator's (a plain ``RuntimeError`` everywhere). A CUDA
+    error (illegal address, launch failure, ECC) leaves the context unusable.
+    """
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return Fault.MEMORY
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    # first: CUDA raises its failed allocations as AcceleratorError too ("CUDA error: out of
+    # memory", cudaErrorMemoryAllocation), and those leave the context usable (split, retry)
+    if "out of memory" in text or "can't allocate memory" in text:  # the latter: the CPU's allocator
+        return Fault.MEMORY
+    if isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in text:
+        return Fault.DEVICE
+    return None

@@ -1,15 +1,20 @@
 """Layered loading: a version's backbone at start, its heads on first use, exactly once.
 
 Every layer is a TorchScript graph holding code only plus a safetensors file holding
-its tensors. Both are checked against the manifest's sha256 before they are read; the
-weights are cast on the host (fp16 when serving on CUDA) and only then moved to the
-device, put into the graph, and the graph is frozen and optimised for inference.
+its tensors. Each file is read once into memory, checked against the manifest's sha256, and
+built from those same bytes: what is served is what was checked, and owes nothing to the file
+afterwards (a memory-mapped file rewritten in place would change the served weights, and one
+truncated would kill the process with SIGBUS). The weights are cast on the host (fp16 when
+serving on CUDA) and only then moved to the device, put into the graph, and the graph is
+frozen and optimised for inference. A graph and weights that do not fit together fail the
+self-check with a ``ModelLoadError`` naming the folder, as a corrupt file does.
 
 Everything here blocks: it runs on the device thread, never on the event loop.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import warnings
@@ -18,10 +23,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
+from app.inference.device import device_fault
 from app.inference.manifest import Layer, Manifest
-from app.inference.packaging import sha256_file
+from app.inference.packaging import sha256_bytes
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +36,27 @@ class ModelLoadError(RuntimeError):
     """A version cannot be served: the message names the file and the problem."""
 
 
-def _verify(folder: Path, manifest: Manifest, file: str) -> Path:
+def _read_verified(folder: Path, manifest: Manifest, file: str) -> tuple[Path, bytes]:
+    """The file's bytes, read once, if their sha256 is the manifest's."""
     path = folder / file
     if not path.is_file():
         raise ModelLoadError(f"{path}: file is missing")
-    actual = sha256_file(path)
-    expected = manifest.files[file]
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot be read ({exc})") from exc
+    actual, expected = sha256_bytes(data), manifest.files[file]
     if actual != expected:
         raise ModelLoadError(
             f"{path}: sha256 mismatch (manifest says {expected[:12]}..., file has {actual[:12]}...); "
             "the file is corrupt, truncated or not the one the manifest describes"
         )
-    return path
+    return path, data
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first non-empty line (TorchScript's run on with the graph's code)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def _set_tensor(module: torch.jit.ScriptModule, dotted: str, value: torch.Tensor) -> None:
@@ -56,18 +71,19 @@ def load_layer(
     folder: Path, manifest: Manifest, layer: Layer, device: torch.device, dtype: torch.dtype
 ) -> torch.jit.ScriptModule:
     """Verify, read and prepare one layer; raises ``ModelLoadError`` naming the bad file."""
-    graph_path = _verify(folder, manifest, layer.graph)
-    weights_path = _verify(folder, manifest, layer.weights)
+    graph_path, graph_bytes = _read_verified(folder, manifest, layer.graph)
+    weights_path, weights_bytes = _read_verified(folder, manifest, layer.weights)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # "torch.jit.load is deprecated"
-            graph = torch.jit.load(str(graph_path), map_location="cpu")  # type: ignore[no-untyped-call]
+            graph = torch.jit.load(io.BytesIO(graph_bytes), map_location="cpu")  # type: ignore[no-untyped-call]
     except Exception as exc:
         raise ModelLoadError(f"{graph_path}: not a loadable TorchScript graph ({exc})") from exc
     try:
-        weights = load_file(str(weights_path), device="cpu")
+        weights = load_safetensors(weights_bytes)  # tensors of their own: no file mapped
     except (SafetensorError, OSError, ValueError) as exc:
         raise ModelLoadError(f"{weights_path}: not a readable safetensors file ({exc})") from exc
+    del graph_bytes, weights_bytes
 
     expected = set(graph.state_dict())
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
@@ -118,8 +134,8 @@ class LayeredModel:
         """
         backbone = load_layer(folder, manifest, manifest.backbone, device, dtype)
         for head in manifest.heads:
-            _verify(folder, manifest, head.graph)
-            _verify(folder, manifest, head.weights)
+            _read_verified(folder, manifest, head.graph)
+            _read_verified(folder, manifest, head.weights)
         spec = manifest.input
         std = torch.tensor(spec.std, dtype=torch.float32).view(1, -1, 1, 1)
         mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, -1, 1, 1)
@@ -134,6 +150,11 @@ class LayeredModel:
     @property
     def loaded_heads(self) -> tuple[str, ...]:
         return tuple(self._heads)
+
+    @property
+    def failed_heads(self) -> dict[str, str]:
+        """Heads that could not load or run, and why (not tried again: their requests get 503)."""
+        return dict(self._failed)
 
     def head(self, name: str | None = None) -> torch.jit.ScriptModule:
         """The named head, loaded on first use exactly once even under concurrent callers.
@@ -157,7 +178,7 @@ class LayeredModel:
                 try:
                     head = load_layer(self.folder, self.manifest, layer, self.device, self.dtype)
                     with torch.inference_mode():
-                        self._check_head(name, head, self.features(self.dummy_batch(2)))
+                        self._check_head(name, head, self._checked_features(self.dummy_batch(2)))
                 except ModelLoadError as exc:
                     # its text only: the error itself would keep this batch's frames alive
                     self._failed[name] = reason = str(exc)
@@ -194,14 +215,32 @@ class LayeredModel:
     def self_check(self, batch_size: int = 2) -> None:
         """A dummy batch through backbone and every loaded head: right shape, finite values."""
         with torch.inference_mode():
-            features = self.features(self.dummy_batch(batch_size))
-            if not torch.isfinite(features).all():
-                raise ModelLoadError(f"{self.folder}: self-check failed, backbone output is not finite")
+            features = self._checked_features(self.dummy_batch(batch_size))
             for name, head in self._heads.items():
                 self._check_head(name, head, features)
 
+    def _checked_features(self, batch: torch.Tensor) -> torch.Tensor:
+        """The backbone's features of a dummy batch, finite; a graph its weights do not fit
+        (a shape, a dtype) raises ``ModelLoadError`` here, naming the folder."""
+        try:
+            features = self.features(batch)
+        except RuntimeError as exc:
+            raise ModelLoadError(
+                f"{self.folder}: self-check failed, the backbone cannot run: {_first_line(exc)}"
+            ) from None
+        if not torch.isfinite(features).all():
+            raise ModelLoadError(f"{self.folder}: self-check failed, backbone output is not finite")
+        return features
+
     def _check_head(self, name: str, head: torch.jit.ScriptModule, features: torch.Tensor) -> None:
-        logits = head(features)
+        try:
+            logits = head(features)
+        except RuntimeError as exc:  # its weights, or the backbone's features, do not fit its graph
+            if device_fault(exc) is not None:
+                raise
+            raise ModelLoadError(
+                f"{self.folder}: self-check failed, head {name} cannot run: {_first_line(exc)}"
+            ) from None
         expected = (features.shape[0], len(self.manifest.labels))
         if tuple(logits.shape) != expected:
             raise ModelLoadError(

@@ -27,6 +27,11 @@ from app.inference.manifest import (
 )
 
 
+def sha256_bytes(data: bytes) -> str:
+    """The hex sha256 of bytes already read."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     """The hex sha256 of a file, read in chunks."""
     digest = hashlib.sha256()

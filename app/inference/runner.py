@@ -16,7 +16,6 @@ retry: the handler's traceback would keep them, and the device memory with them.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Protocol
 import torch
 
 from app.errors import BatchFailed, DeviceUnavailable, ServiceError, Unavailable
-from app.inference.device import DeviceThread, release_memory
+from app.inference.device import DeviceThread, Fault, device_fault, release_memory
 from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest
 from app.inference.postprocess import TopK
@@ -40,34 +39,10 @@ class Model(Protocol):
     manifest: Manifest
     device: torch.device
 
+    @property
+    def failed_heads(self) -> dict[str, str]: ...
+
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor: ...
-
-
-class Fault(enum.Enum):
-    MEMORY = "out of memory"
-    DEVICE = "device error"
-
-
-def device_fault(exc: BaseException) -> Fault | None:
-    """What a forward pass's error says of the device; None: not the device's (a bug, bad input).
-
-    TorchScript re-raises an error from inside a graph as a plain ``RuntimeError`` carrying
-    the original message, so CUDA's out-of-memory error from the scripted backbone is known
-    by its text, as is the CPU allocator's (a plain ``RuntimeError`` everywhere). A CUDA
-    error (illegal address, launch failure, ECC) leaves the context unusable.
-    """
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return Fault.MEMORY
-    if not isinstance(exc, RuntimeError):
-        return None
-    text = str(exc)
-    # first: CUDA raises its failed allocations as AcceleratorError too ("CUDA error: out of
-    # memory", cudaErrorMemoryAllocation), and those leave the context usable (split, retry)
-    if "out of memory" in text or "can't allocate memory" in text:  # the latter: the CPU's allocator
-        return Fault.MEMORY
-    if isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in text:
-        return Fault.DEVICE
-    return None
 
 
 class ModelRunner:

@@ -104,6 +104,15 @@ class LifecycleManager:
             if version == current:
                 return []
             candidate, default = await asyncio.gather(self._manifest(group, version), self._manifest(group, current))
+            if candidate.files != group.routing.loaded[version].model.manifest.files:
+                # its figures are another export's, and a head not loaded yet would fail its checksum
+                raise Conflict(
+                    f"version {version} of {name} changed on disk since it was loaded; "
+                    "unload and load it again before promoting it",
+                    code="version_changed",
+                )
+            if default.files != (serving := group.routing.loaded[current].model.manifest).files:
+                default = serving  # re-exported on disk since: its figures are not those of what serves
             reasons = self.gate(candidate, default)
             if reasons and not force:
                 raise Conflict("promotion refused: " + " ".join(reasons), code="promotion_refused")
@@ -118,7 +127,8 @@ class LifecycleManager:
 
     async def _manifest(self, group: ModelGroup[ServedModel], version: str) -> Manifest:
         """A loaded version's manifest as on disk now (``ai-backend eval`` records accuracy there);
-        the one it was loaded with when the file cannot be read any more."""
+        the one it was loaded with when the file cannot be read any more. One whose files are
+        no longer those loaded describes another export: the caller tells it by its ``files``."""
         try:
             return await asyncio.to_thread(self._service.repository.manifest, group.name, version)
         except (OSError, ValueError) as exc:

@@ -13,8 +13,11 @@ import weakref
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from app.errors import ServiceError
+from app.inference.manifest import InputSpec, Provenance
+from app.inference.packaging import sha256_file, write_version
 from app.settings import Settings
 from tests.integration.test_request_ends import Connection
 from tests.support import build_settings, running_app, sample_png, truncate_file
@@ -22,6 +25,26 @@ from tests.support import build_settings, running_app, sample_png, truncate_file
 TOKEN = "lifecycle-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def misfit_head(version: Path, tmp: Path) -> None:
+    """Give ``version`` a head that cannot run on its backbone's features (seven inputs where
+    the backbone gives more), with checksums that match: only running it tells."""
+    other = write_version(
+        tmp,
+        name="digits",
+        version="1",
+        backbone=nn.Sequential(nn.Flatten(), nn.Linear(4, 7)).eval(),
+        heads={"classifier": nn.Linear(7, 10).eval()},
+        input_spec=InputSpec(channels=1, height=2, width=2, mean=(0.5,), std=(0.5,)),
+        labels=tuple(str(d) for d in range(10)),
+        provenance=Provenance(source="tests"),
+    )
+    manifest = json.loads((version / "manifest.json").read_text())
+    for file in ("classifier.graph.pt", "classifier.safetensors"):
+        shutil.copy(other / file, version / file)
+        manifest["files"][file] = sha256_file(version / file)
+    (version / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
 def add_version(root: Path, version: str, accuracy: float | None = None) -> Path:
@@ -382,3 +405,47 @@ async def test_promotion_gates_on_the_loaded_manifest_when_the_file_is_gone(repo
         (repository / "digits" / "1" / "manifest.json").unlink()  # the default's folder changed under it
         promoted = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
         assert promoted.status_code == 200, promoted.text
+
+
+async def test_a_version_whose_head_cannot_run_on_its_backbone_is_refused_at_load(
+    repository: Path, tmp_path: Path
+) -> None:
+    async with running_app(settings_for(repository, warmup=True)) as running:
+        misfit_head(add_version(repository, "3"), tmp_path / "other")
+        refused = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+        assert refused.status_code == 409 and refused.json()["code"] == "model_load_failed", refused.text
+        assert "self-check failed, head classifier cannot run" in refused.json()["message"]
+        assert (await running.predict_png(sample_png(5))).status_code == 200
+
+
+async def test_a_lazily_loaded_head_that_fails_turns_the_probes_and_is_not_loaded_again(
+    repository: Path, tmp_path: Path
+) -> None:
+    misfit_head(repository / "digits" / "1", tmp_path / "other")  # the default: start-up cannot tell with warmup off
+    async with running_app(settings_for(repository, warmup=False)) as running:
+        assert (await running.client.get("/readyz")).status_code == 200
+        for _ in range(3):
+            failed = await running.predict_png(sample_png(5))
+            assert failed.status_code == 503 and failed.json()["code"] == "model_unavailable", failed.text
+        assert running.service.models["digits"].model.head_loads == 0
+        ready = await running.client.get("/readyz")
+        assert ready.status_code == 503 and "head failed to load" in ready.json()["message"]
+        health = await running.client.get("/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "failing"
+        assert "cannot run" in health.json()["models"][0]["failed_heads"]["classifier"]
+
+
+async def test_a_version_changed_on_disk_since_its_load_is_not_promoted(repository: Path) -> None:
+    async with running_app(settings_for(repository)) as running:
+        # re-exported in place after its load: the manifest on disk describes other files now
+        # (with better figures, say), while the weights loaded stay what they were
+        folder = repository / "digits" / "2"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        weights = folder / "classifier.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-4] + b"\x00\x00\x00\x00")
+        manifest["files"]["classifier.safetensors"] = sha256_file(weights)
+        (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        for query in ("", "?force=true"):
+            refused = await running.client.post(f"/admin/models/digits/versions/2/promote{query}", headers=AUTH)
+            assert refused.status_code == 409 and refused.json()["code"] == "version_changed", refused.text
+        assert (await running.predict_png(sample_png(3))).json()["version"] == "1"

@@ -132,6 +132,7 @@ async def test_health_report_when_ready(make_settings: SettingsFactory) -> None:
                     "loaded": True,
                     "batcher_running": True,
                     "device_failures": 0,
+                    "failed_heads": {},
                     "queue_depth": {"urgent": 0, "normal": 0},
                 }
             ],

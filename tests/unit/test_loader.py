@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -156,6 +157,61 @@ def test_weights_of_the_wrong_shape_fail_the_self_check(version: Path, tmp_path:
     model = load(version)
     with pytest.raises(ModelLoadError, match="self-check failed, head classifier"):
         model.head()
+
+
+def test_a_head_that_does_not_fit_the_backbone_is_a_load_error_and_is_not_loaded_again(
+    version: Path, tmp_path: Path
+) -> None:
+    # seven inputs where the backbone gives six: TorchScript's RuntimeError is the model's fault,
+    # named as such, and the head is not read, frozen and run again on every batch
+    other = write_version(
+        tmp_path / "other",
+        name="tiny",
+        version="1",
+        backbone=tiny_modules()[0],
+        heads={"classifier": nn.Linear(7, 3)},
+        input_spec=SPEC,
+        labels=("a", "b", "c"),
+        provenance=Provenance(source="tests"),
+    )
+    for file in ("classifier.graph.pt", "classifier.safetensors"):
+        shutil.copy(other / file, version / file)
+        _rewrite_checksum(version, file)
+    model = load(version)
+    for _ in range(3):
+        with pytest.raises(ModelLoadError, match=rf"{version}: self-check failed, head classifier cannot run"):
+            model.head()
+    assert model.head_loads == 0 and model.loaded_heads == ()
+    assert list(model.failed_heads) == ["classifier"]
+
+
+def test_integer_weights_for_a_float_graph_fail_the_self_check_naming_the_folder(version: Path) -> None:
+    weights = version / "backbone.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    tensors["0.weight"] = tensors["0.weight"].to(torch.int32)
+    safetensors.torch.save_file(tensors, str(weights))
+    _rewrite_checksum(version, "backbone.safetensors")
+    with pytest.raises(ModelLoadError, match=rf"{version}: self-check failed, the backbone cannot run"):
+        load(version).self_check()
+
+
+def test_what_serves_owes_nothing_to_the_files_once_loaded(version: Path) -> None:
+    # a file rewritten in place (cp over it, rsync --inplace): a memory-mapped weights file
+    # would change the served weights under the running model, or kill it (SIGBUS) if cut short
+    model = load(version)
+    model.head()
+    images = torch.randint(0, 256, (4, 1, 8, 8), dtype=torch.uint8)
+    with torch.inference_mode():
+        before = model.probabilities(images)
+    for file in ("backbone.safetensors", "classifier.safetensors"):
+        path = version / file
+        header = int.from_bytes(path.read_bytes()[:8], "little") + 8
+        with path.open("r+b") as handle:
+            handle.seek(header)
+            handle.write(b"\xff" * (path.stat().st_size - header))  # every weight NaN
+    with torch.inference_mode():
+        after = model.probabilities(images)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 def test_a_missing_head_file_stops_the_load_even_though_heads_are_lazy(version: Path) -> None:

@@ -19,12 +19,12 @@ from torch import nn
 
 from app.batching import Lane
 from app.errors import DeviceUnavailable, Unavailable
-from app.inference.device import DeviceThread
+from app.inference.device import DeviceThread, Fault, device_fault
 from app.inference.jobs import Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.manifest import Manifest, Provenance
 from app.inference.packaging import write_version
-from app.inference.runner import Fault, ModelRunner, device_fault
+from app.inference.runner import ModelRunner
 from app.training.digits import make_backbone
 from tests.faults import DeviceLost, Faulty, LostAfter, Unfit, out_of_memory_in_graph
 from tests.support import DIGITS_DIR, LABELS, MODEL_NAME

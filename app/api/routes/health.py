@@ -29,6 +29,11 @@ async def livez() -> Status:
 async def readyz(service: Service) -> Status:
     if not service.ready or not all(s.batcher.running for s in service.models.values()):
         raise NotReady(f"the service is {service.state.value}", code="not_ready")
+    # a head loaded lazily (model.warmup off) that failed on first use: that model serves nothing
+    if broken := [s.name for s in service.models.values() if s.runner.model.failed_heads]:
+        raise NotReady(
+            f"model {', '.join(broken)} cannot serve: its head failed to load (see /healthz)", code="not_ready"
+        )
     return Status(status="ready")
 
 
@@ -49,6 +54,7 @@ async def healthz(service: Service) -> JSONResponse:
             loaded=True,
             batcher_running=s.batcher.running,
             device_failures=s.runner.failures,
+            failed_heads=s.runner.model.failed_heads,
             queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
         )
         for s in service.models.values()
@@ -61,7 +67,7 @@ async def healthz(service: Service) -> JSONResponse:
         service.ready
         and memory.ok
         and bool(models)
-        and all(m.batcher_running and m.device_failures < failure_limit for m in models)
+        and all(m.batcher_running and m.device_failures < failure_limit and not m.failed_heads for m in models)
     )
     report = HealthResponse(
         status=("degraded" if service.degraded else "ok") if healthy else "failing",
