@@ -35,7 +35,10 @@ from app.telemetry.tracing import build_tracer_provider
 log = logging.getLogger(__name__)
 
 FatalHandler = Callable[[str], None]
-UNTRACED_PATHS = "/livez,/readyz,/healthz,/metrics"  # probes and scrapes make no spans
+# probes and scrapes make no spans. The instrumentation searches these patterns in
+# scheme://Host-header/path: anchored to the whole path, so that neither a model named
+# "metrics-net" nor a Host header holding "/metrics" takes a prediction out of its trace
+UNTRACED_PATHS = r"^[a-z]+://[^/]*/(livez|readyz|healthz|metrics)$"
 
 
 def _log_fatal(message: str) -> None:

@@ -42,6 +42,9 @@ DEFAULT_CONFIG_FILE = Path("config/default.toml")
 Seconds = Annotated[float, Field(gt=0, le=86_400)]  # a day: longer overflows what waits on it
 
 
+MAX_BATCH = 4096  # the most a lane's max_batch may be (a batch span links at most this many requests)
+
+
 class _Group(BaseModel):
     # no infinity or NaN: an infinite grace or export delay passed "greater than 0", then
     # overflowed where it was used (``int(inf)``, a thread's ``Event.wait``)
@@ -199,7 +202,7 @@ class LaneSettings(_Group):
     window_ms: float = Field(
         ge=0.001, le=60_000, description="a batch goes when its oldest request has waited this long"
     )
-    max_batch: int = Field(ge=1, le=4096, description="a batch goes as soon as it holds this many")
+    max_batch: int = Field(ge=1, le=MAX_BATCH, description="a batch goes as soon as it holds this many")
     max_queue: int = Field(ge=1, le=1_000_000, description="requests waiting beyond this are refused (503 queue_full)")
 
     @model_validator(mode="after")

@@ -77,7 +77,15 @@ class TracedRunner:
         self.runner = runner
         self._tracer = tracer
         self._observer = observer or NullObserver()  # counts the jobs left out at the device
-        self._attributes = {"model.name": model, "model.version": version, "model.dtype": dtype}
+        self._attributes = {"model.name": model, "model.version": version}
+        self._dtype = dtype
+
+    def _served_by(self) -> dict[str, str]:
+        """Where batches run now: the configured device and precision, or the CPU fallback's fp32."""
+        return {
+            "device": str(self.runner.model.device),
+            "model.dtype": "float32" if self.runner.degraded else self._dtype,
+        }
 
     async def __call__(self, jobs: Sequence[Job]) -> list[Answer]:
         links = [Link(job.span_context) for job in jobs if job.span_context is not None and job.span_context.is_valid]
@@ -86,7 +94,7 @@ class TracedRunner:
             **self._attributes,
             "batch.size": len(jobs),
             "batch.lane": lane.value,
-            "device": str(self.runner.model.device),
+            **self._served_by(),
             "request.ids": [job.request_id for job in jobs],
         }
         started_ns = time.time_ns()
@@ -105,6 +113,8 @@ class TracedRunner:
                     jobs[i].left_out = True
                     self._observer.on_dropped(jobs[i].lane, "cancelled" if jobs[i].gone else "deadline")
                 raise
+            if self.runner.degraded:  # the CPU fallback may have taken over during this batch: it computed it
+                span.set_attributes(self._served_by())
             context = span.get_span_context()
             failed = sum(isinstance(top, ServiceError) for top in tops)
             if failed:

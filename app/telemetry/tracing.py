@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import (
     Decision,
@@ -29,7 +29,7 @@ from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.span import TraceState
 from opentelemetry.util.types import Attributes
 
-from app.settings import TelemetrySettings
+from app.settings import MAX_BATCH, TelemetrySettings
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,9 @@ def build_tracer_provider(
     provider = TracerProvider(
         resource=Resource.create({"service.name": settings.service_name}),
         sampler=ParentBased(FollowsLinks(settings.sampling_ratio)),
+        # a batch span links each of its requests: the SDK's default of 128 links would leave
+        # the rest of a larger batch with no way back from it
+        span_limits=SpanLimits(max_links=MAX_BATCH),
     )
     exporter = exporter or make_exporter(settings)
     if exporter is None:

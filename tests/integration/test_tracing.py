@@ -12,8 +12,10 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from opentelemetry.util.http import parse_excluded_urls
 
-from app.main import create_app
+from app.main import UNTRACED_PATHS, create_app
 from tests.conftest import SettingsFactory
 from tests.faults import DeviceLost
 from tests.integration.test_lifecycle_api import AUTH, ROOT, TOKEN, add_version
@@ -234,3 +236,70 @@ async def test_a_failed_batch_leaves_its_error_on_the_inference_span_linked_to_t
     assert "inference" in own, "no span of the request links back to the batch that failed it"
     assert own["inference"].status.status_code.name == "ERROR"
     assert [link.context.span_id for link in own["inference"].links] == [batch.context.span_id]
+
+
+def test_only_the_probe_and_scrape_paths_themselves_are_untraced() -> None:
+    excluded = parse_excluded_urls(UNTRACED_PATHS)  # as the instrumentation reads them: scheme://Host + path
+    for url in ("http://h/livez", "http://h/readyz", "https://h:8000/healthz", "http://h/metrics"):
+        assert excluded.url_disabled(url), url
+    for url in (
+        "http://h/v1/models/metrics-net/predict",  # a model named after a probe
+        "http://h/v1/models/healthz/predict",
+        "http://api.example.com/metrics/predict",  # a Host header holding "/metrics"
+        "http://h/metrics/extra",
+        "http://h/predict",
+    ):
+        assert not excluded.url_disabled(url), url
+
+
+async def test_a_host_header_naming_a_probe_leaves_the_prediction_in_its_trace(make_settings: SettingsFactory) -> None:
+    async with traced_app(make_settings(telemetry={"exporter": "console"})) as (client, exporter, provider):
+        answer = await client.post(
+            "/predict",
+            content=sample_png(3),
+            headers={"Content-Type": "image/png", "Host": "api.example.com/metrics"},
+        )
+        assert answer.status_code == 200 and "x-trace-id" in answer.headers
+        await client.get("/metrics")
+        provider.force_flush()  # type: ignore[attr-defined]
+    spans = exporter.get_finished_spans()
+    servers = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert len(servers) == 1 and servers[0].attributes["request.id"] == answer.headers["x-request-id"]
+    stages = [s for s in spans if s.name in ("preprocess", "queue", "inference", "postprocess")]
+    assert stages and {s.context.trace_id for s in stages} == {servers[0].context.trace_id}
+
+
+async def test_a_batch_of_more_than_128_requests_links_every_one(make_settings: SettingsFactory) -> None:
+    size = 130  # the SDK keeps 128 links a span unless told otherwise
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": size, "max_queue": 2 * size}},
+        telemetry={"exporter": "console"},
+    )
+    async with traced_app(settings) as (client, exporter, provider):
+        png = sample_png(5)
+        answers = await asyncio.gather(
+            *(client.post("/predict", content=png, headers={"Content-Type": "image/png"}) for _ in range(size))
+        )
+        assert {(a.status_code, a.json()["batch_size"]) for a in answers} == {(200, size)}
+        provider.force_flush()  # type: ignore[attr-defined]
+    batch = next(s for s in exporter.get_finished_spans() if s.name == "batch")
+    assert len(batch.links) == size and batch.dropped_links == 0
+
+
+async def test_batch_spans_name_the_precision_that_serves_after_the_cpu_fallback(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(
+        model={"dtype": "float16", "cpu_fallback": True, "fallback_after_failures": 1},
+        telemetry={"exporter": "console"},
+    )
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        served = running.service.models[MODEL_NAME]
+        served.runner.model = DeviceLost(served.model)  # type: ignore[assignment]
+        assert (await running.predict_png(sample_png(3))).status_code == 200
+        running.app.state.tracer_provider.force_flush()
+    batches = [s for s in exporter.get_finished_spans() if s.name == "batch"]
+    # one batch: the lost device failed it, and the fallback, loaded within it, computed it
+    assert [(s.attributes["device"], s.attributes["model.dtype"]) for s in batches] == [("cpu", "float32")]
