@@ -472,7 +472,8 @@ class InferenceService:
             queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             queue_span.end()
             raise
-        dispatched_ns = time.time_ns() - int(done.run_s * 1e9)
+        # the batch's own times, not this coroutine's: requests later in a batch resume later
+        dispatched_ns, ended_ns = done.output.started_ns, done.output.ended_ns
         queue_span.end(end_time=dispatched_ns)
         top = done.output.top
         ran = BatchTrace(done.output.batch_span, dispatched_ns, done.batch_size, done.batch_lane)
@@ -482,9 +483,9 @@ class InferenceService:
                 if top is None
                 else top
             )
-            self._inference_span(ids, ran, error).end()
+            self._inference_span(ids, ran, error).end(end_time=ended_ns)
             raise error
-        self._inference_span(ids, ran, None).end()
+        self._inference_span(ids, ran, None).end(end_time=ended_ns)
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(top, served.labels, top_k)
         return Outcome(

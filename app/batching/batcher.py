@@ -398,7 +398,7 @@ class DualWindowBatcher(Generic[P, R]):
             if len(outputs) != len(batch):
                 raise BatchFailed(f"runner returned {len(outputs)} outputs for {len(batch)} inputs")
         except asyncio.CancelledError:  # closing ran out of grace mid-batch
-            self._fail(batch, Draining("the service shut down while this request ran"))
+            self._cut_off(batch, Draining("the service shut down while this request ran"))
             return
         except ServiceError as exc:
             error: BaseException = exc
@@ -435,6 +435,13 @@ class DualWindowBatcher(Generic[P, R]):
             if not item.future.done():
                 item.future.set_exception(error)
 
+    def _cut_off(self, items: Sequence[Pending[P, R]], error: BaseException) -> None:
+        """Fail requests the close leaves uncomputed, each counted as cancelled."""
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(error)
+                self._observer.on_dropped(item.lane, "cancelled")
+
     async def close(self, grace_s: float | None = None) -> None:
         """Stop taking requests, run what is queued for up to ``grace_s`` (``None``: no limit), fail the rest."""
         self._accepting = False
@@ -450,4 +457,4 @@ class DualWindowBatcher(Generic[P, R]):
                     await self._task
         finally:
             for queue in self._queues.values():
-                self._fail(queue.take(queue.waiting), Draining("the service shut down before this request ran"))
+                self._cut_off(queue.take(queue.waiting), Draining("the service shut down before this request ran"))

@@ -60,6 +60,8 @@ class Answer:
 
     top: TopK | ServiceError | None
     batch_span: SpanContext
+    started_ns: int  # the batch's run, in wall-clock ns: every request of it shows the same times
+    ended_ns: int
 
 
 class TracedRunner:
@@ -122,4 +124,5 @@ class TracedRunner:
         for job, top in zip(jobs, tops, strict=True):
             if top is None:  # left out at the device: its client went, or its deadline passed
                 self._observer.on_dropped(job.lane, "cancelled" if job.gone else "deadline")
-        return [Answer(top, context) for top in tops]
+        ended_ns = time.time_ns()
+        return [Answer(top, context, started_ns, ended_ns) for top in tops]

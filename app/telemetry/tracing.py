@@ -62,6 +62,8 @@ class BoundedSpanProcessor(SpanProcessor):
         self._stopping = False
         self._last_error_log = 0.0
         self.dropped = 0
+        self._overflowed = 0  # of those, spans that found the queue full (told by the export thread)
+        self._overflow_told = 0
         self._thread = threading.Thread(target=self._work, name="span-export", daemon=True)
         self._thread.start()
 
@@ -74,6 +76,7 @@ class BoundedSpanProcessor(SpanProcessor):
         with self._lock:
             if len(self._queue) >= self._max_queue:
                 self.dropped += 1
+                self._overflowed += 1
                 full = True
             else:
                 self._queue.append(span)
@@ -100,9 +103,26 @@ class BoundedSpanProcessor(SpanProcessor):
         if result is SpanExportResult.SUCCESS:
             return
         self._lost(len(batch))  # the collector refused them, or could not be reached
-        if time.monotonic() - self._last_error_log > 60:
-            self._last_error_log = time.monotonic()
-            log.warning("span export failed (%s); %d spans dropped so far", error, self.dropped)
+        self._warn(f"span export failed ({error}); {self.dropped} spans dropped so far")
+
+    def _warn(self, message: str) -> bool:
+        """A warning at most once a minute (on the export thread: never on the request path);
+        True when this one was written."""
+        if time.monotonic() - self._last_error_log <= 60:
+            return False
+        self._last_error_log = time.monotonic()
+        log.warning("%s", message)
+        return True
+
+    def _tell_overflow(self) -> None:
+        """Spans dropped because the queue was full: a collector that answers but too slowly,
+        or spans made faster than any export, lose spans with no failed export to say so."""
+        overflowed = self._overflowed
+        if overflowed > self._overflow_told and self._warn(
+            f"span queue full (telemetry.max_queue={self._max_queue}): {overflowed - self._overflow_told} "
+            f"spans dropped since the last warning, {self.dropped} in all; spans are made faster than they export"
+        ):
+            self._overflow_told = overflowed
 
     def _lost(self, count: int) -> None:
         with self._lock:
@@ -113,6 +133,7 @@ class BoundedSpanProcessor(SpanProcessor):
         while not self._stopping:
             self._wake.wait(self._delay)
             self._wake.clear()
+            self._tell_overflow()
             while batch := self._take():
                 self._exporting = len(batch)
                 self._export(batch)

@@ -303,3 +303,30 @@ async def test_batch_spans_name_the_precision_that_serves_after_the_cpu_fallback
     batches = [s for s in exporter.get_finished_spans() if s.name == "batch"]
     # one batch: the lost device failed it, and the fallback, loaded within it, computed it
     assert [(s.attributes["device"], s.attributes["model.dtype"]) for s in batches] == [("cpu", "float32")]
+
+
+async def test_every_request_of_a_batch_shows_the_batchs_own_times(make_settings: SettingsFactory) -> None:
+    # a request's queue ends, and its inference runs, when its batch did: not when its coroutine
+    # resumed afterwards (later the further down the batch it was)
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 16, "max_queue": 64}},
+        telemetry={"exporter": "console"},
+    )
+    async with traced_app(settings) as (client, exporter, provider):
+        answers = await asyncio.gather(
+            *(
+                client.post("/predict", content=sample_png(i % 10), headers={"Content-Type": "image/png"})
+                for i in range(16)
+            )
+        )
+        assert {(a.status_code, a.json()["batch_size"]) for a in answers} == {(200, 16)}
+        provider.force_flush()  # type: ignore[attr-defined]
+    spans = exporter.get_finished_spans()
+    (batch,) = [s for s in spans if s.name == "batch"]
+    inference = [s for s in spans if s.name == "inference"]
+    queue_ends = {s.end_time for s in spans if s.name == "queue"}
+    assert len(inference) == 16
+    ((started, ended),) = {(s.start_time, s.end_time) for s in inference}
+    assert queue_ends == {started}
+    assert started <= batch.start_time and ended >= batch.end_time  # type: ignore[operator]

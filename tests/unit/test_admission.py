@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
-from app.errors import DeadlineExceeded, WouldMissDeadline
+from app.errors import DeadlineExceeded, Draining, WouldMissDeadline
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
 MS = 0.001
@@ -348,3 +348,16 @@ async def test_a_batch_that_ran_nothing_does_not_teach_the_estimate() -> None:
     await asyncio.gather(*tasks)
     assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1), "a batch that measured nothing"
     await batcher.close(0)
+
+
+async def test_requests_a_close_cuts_off_uncomputed_are_counted_as_cancelled() -> None:
+    batcher, _clock, runner, recorder = make(max_batch=1)
+    runner.gate = asyncio.Event()  # the first batch never ends: the close runs out of grace
+    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(3)]
+    await settle()
+    await batcher.close(grace_s=0)
+    for task in tasks:
+        with pytest.raises(Draining):
+            await task
+    # one cut off mid-batch, two still queued: each counted once
+    assert recorder.dropped == [(Lane.NORMAL, "cancelled")] * 3

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Sequence
 
+import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -155,3 +158,23 @@ def test_spans_still_being_exported_when_the_process_exits_are_counted_as_droppe
         assert processor.dropped == 2 and drops == [2], "the batch the exit cuts off is counted"
     finally:
         exporter.release.set()
+
+
+def test_spans_dropped_on_a_full_queue_are_told_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    # a collector that answers, slowly: no export fails, so only the queue knows spans were lost
+    exporter = StuckExporter()
+    processor, provider, _ = pipeline(exporter)
+    tracer = provider.get_tracer("test")
+    with caplog.at_level(logging.WARNING, logger="app.telemetry.tracing"):
+        tracer.start_span("first").end()
+        assert exporter.entered.wait(5)
+        for i in range(50):
+            tracer.start_span(f"span-{i}").end()
+        exporter.release.set()  # the export thread goes on, and says what the queue dropped
+        deadline = time.monotonic() + 10
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    provider.shutdown()
+    assert processor.dropped == 40
+    (record,) = caplog.records
+    assert "span queue full (telemetry.max_queue=10): 40 spans dropped" in record.getMessage()
