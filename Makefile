@@ -5,5 +5,6 @@ test:
 	python3 -m uv run --frozen pytest
 serve:
 	python3 -m uv run --frozen ai-backend serve
-lint:
-	python3 -m uv run --frozen ruff check app tests && python3 -m uv run --frozen mypy app
+lint:  ## what scripts/check runs before the tests
+	python3 -m uv run --frozen ruff check app tests && python3 -m uv run --frozen ruff format --check app tests \
+		&& python3 -m uv run --frozen mypy app

@@ -11,9 +11,12 @@ with a message naming the setting and the rule.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -390,6 +393,40 @@ def env_name(location: tuple[int | str, ...]) -> str:
     return ENV_PREFIX + "__".join(str(part).upper() for part in location)
 
 
+def _unparsable_variables(environ: Mapping[str, str]) -> list[str]:
+    """The ``AI_SERVICE_*`` variables of list or table settings whose values are not JSON
+    (pydantic-settings names only the group, not the variable)."""
+    found = []
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV:
+            continue
+        model: type[BaseModel] | None = Settings
+        annotation: Any = None
+        for part in name[len(ENV_PREFIX) :].lower().split("__"):
+            field = model.model_fields.get(part) if model is not None else None
+            if field is None:
+                annotation = None
+                break
+            annotation = field.annotation
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if annotation is None or not _is_complex(annotation):
+            continue
+        try:
+            json.loads(value)
+        except ValueError:
+            found.append(name)
+    return found
+
+
+def _is_complex(annotation: Any) -> bool:
+    """A list, tuple, set, dict or model: what pydantic-settings reads from the environment as JSON."""
+    origin = get_origin(annotation)
+    if origin in (Union, UnionType):
+        return any(_is_complex(arg) for arg in get_args(annotation) if arg is not type(None))
+    kind = origin or annotation
+    return isinstance(kind, type) and (issubclass(kind, (list, tuple, set, frozenset, dict, BaseModel)))
+
+
 def config_path() -> Path:
     """The config file: ``AI_SERVICE_CONFIG_FILE``, or ``config/default.toml``."""
     return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
@@ -435,6 +472,7 @@ def load_settings(**overrides: object) -> Settings:
     except SettingsError:
         raise
     except EnvironmentValueError as exc:  # pydantic-settings': a variable that does not parse
-        raise SettingsError(f"an {ENV_PREFIX}* variable cannot be read (lists and tables are JSON): {exc}") from exc
+        named = ", ".join(_unparsable_variables(os.environ)) or f"an {ENV_PREFIX}* variable"
+        raise SettingsError(f"{named} cannot be read: lists and tables are JSON, e.g. '[\"digits\"]' ({exc})") from exc
     except (ValueError, OSError) as exc:  # tomllib.TOMLDecodeError, UnicodeDecodeError, a read error
         raise SettingsError(f"config file {config_path()} cannot be read: {exc}") from exc

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -172,3 +175,16 @@ async def test_every_documented_error_is_the_envelope(running: RunningApp) -> No
                 if status == "422":
                     schema = response["content"]["application/json"]["schema"]
                     assert schema == {"$ref": ERROR_REF}, (method, path, status, schema)
+
+
+async def test_the_shipped_config_serves_a_repository_without_the_bundled_model(tmp_path: Path) -> None:
+    # config/default.toml must not name a model: a repository of other models starts on it
+    target = tmp_path / "mnist" / "1"
+    shutil.copytree(support.MODELS_DIR / "digits" / "1", target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["name"] = "mnist"
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    async with running_app(build_settings(model={"repository": tmp_path})) as running:
+        assert running.service.default_model == "mnist"
+        answer = await running.predict_png(sample_png(7))
+        assert answer.status_code == 200 and answer.json()["model"] == "mnist"

@@ -14,7 +14,7 @@ def test_the_shipped_config_gives_the_design_card_defaults() -> None:
     assert settings.batching.normal.window_ms == 25.0
     assert settings.batching.normal.max_batch == 16
     assert settings.batching.urgent.window_ms == 2.0
-    assert settings.model.default == "digits"
+    assert settings.model.default is None  # the first model by name: the bundled repository's digits, or any other
     assert settings.server.max_image_bytes == 1 << 20
 
 
@@ -153,3 +153,20 @@ def test_a_token_file_that_cannot_be_used_names_its_setting(tmp_path: Path) -> N
             read_secrets(settings)
         assert "admin.token_file (AI_SERVICE_ADMIN__TOKEN_FILE)" in str(refused.value) and why in str(refused.value)
     assert read_secrets(load_settings(admin={"enabled": False, "token_file": tmp_path / "missing"})) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("AI_SERVICE_MODEL__NAMES", "digits"),  # a list, written as a plain word
+        ("AI_SERVICE_MODEL__VERSIONS", "digits=1"),  # a table
+        ("AI_SERVICE_BATCHING__NORMAL", "window_ms=5"),  # a whole group
+    ],
+)
+def test_a_list_or_table_variable_that_is_not_json_is_named(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("AI_SERVICE_SERVER__PORT", "9000")  # a readable one beside it is not named
+    with pytest.raises(SettingsError, match=rf"^{variable} cannot be read: lists and tables are JSON"):
+        load_settings()
