@@ -10,13 +10,18 @@ one), so the default single-process registry is exact.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.batching import Lane
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PREFIX = "ai_backend"
 # up to the longest deadline a request may ask for (server.max_timeout_ms, 120 s by default)
@@ -61,13 +66,23 @@ class _ScrapeTimeGauges(Collector):
             capacity.add_metric([model, version, lane], value)
         yield capacity
         memory = GaugeMetricFamily(f"{PREFIX}_device_memory_bytes", "CUDA memory held by the process", labels=["kind"])
-        for kind, value in self.device_memory():
+        for kind, value in _read_device(self.device_memory):
             memory.add_metric([kind], value)
         yield memory
         total = GaugeMetricFamily(f"{PREFIX}_device_memory_total_bytes", "The CUDA device's total memory")
-        for value in self.device_memory_total():
+        for value in _read_device(self.device_memory_total):
             total.add_metric([], value)
         yield total
+
+
+def _read_device(read: Callable[[], Iterable[T]]) -> list[T]:
+    """A device reading for a scrape; none when the device cannot say (its context lost): the
+    rest of the scrape, which says what went wrong, must still come back."""
+    try:
+        return list(read())
+    except RuntimeError as exc:
+        log.warning("could not read device memory for /metrics: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        return []
 
 
 class Metrics:

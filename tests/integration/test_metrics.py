@@ -106,3 +106,17 @@ async def test_queue_depth_rejections_and_cancellations_are_counted(make_setting
         assert [r.status_code for r in await asyncio.gather(*running_batch)] == [200, 200]
         samples = await scrape(running)
         assert total(samples, "ai_backend_batch_size_count", lane="normal") == 1, "nothing else was computed"
+
+
+async def test_a_device_that_cannot_say_its_memory_leaves_the_rest_of_the_scrape(
+    make_settings: SettingsFactory,
+) -> None:
+    def lost() -> list[tuple[str, int]]:  # what torch.cuda raises once the context is gone
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async with running_app(make_settings()) as running:
+        running.app.state.metrics.scrape_time.device_memory = lost
+        running.app.state.metrics.scrape_time.device_memory_total = lost
+        samples = await scrape(running)  # 200, and parses
+    assert value(samples, "ai_backend_model_info", model="digits", version="1", device="cpu", dtype="float32") == 1
+    assert not [name for name, _ in samples if name.startswith("ai_backend_device_memory")]
