@@ -36,15 +36,20 @@ class ModelLoadError(RuntimeError):
     """A version cannot be served: the message names the file and the problem."""
 
 
+class FileUnreadable(ModelLoadError):
+    """A file missing or unreadable now: perhaps only for now (a volume remounting), so a lazily
+    loaded head is tried again on its next use, unlike one whose files were read and are wrong."""
+
+
 def _read_verified(folder: Path, manifest: Manifest, file: str) -> tuple[Path, bytes]:
     """The file's bytes, read once, if their sha256 is the manifest's."""
     path = folder / file
     if not path.is_file():
-        raise ModelLoadError(f"{path}: file is missing")
+        raise FileUnreadable(f"{path}: file is missing")
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot be read ({exc})") from exc
+        raise FileUnreadable(f"{path}: cannot be read ({exc})") from exc
     actual, expected = sha256_bytes(data), manifest.files[file]
     if actual != expected:
         raise ModelLoadError(
@@ -160,7 +165,8 @@ class LayeredModel:
         """The named head, loaded on first use exactly once even under concurrent callers.
 
         A head that fails to load or its self-check raises ``ModelLoadError``, then and on
-        every later use, without loading it again (seconds on the device thread each time)."""
+        every later use, without loading it again (seconds on the device thread each time);
+        one whose files cannot be read now (``FileUnreadable``) is tried again on its next use."""
         name = name or self.default_head
         head = self._heads.get(name)
         if head is not None:
@@ -179,6 +185,11 @@ class LayeredModel:
                     head = load_layer(self.folder, self.manifest, layer, self.device, self.dtype)
                     with torch.inference_mode():
                         self._check_head(name, head, self._checked_features(self.dummy_batch(2)))
+                except FileUnreadable as exc:  # tried again on its next use
+                    log.error(
+                        "head %s of %s/%s cannot load now: %s", name, self.manifest.name, self.manifest.version, exc
+                    )
+                    raise
                 except ModelLoadError as exc:
                     # its text only: the error itself would keep this batch's frames alive
                     self._failed[name] = reason = str(exc)

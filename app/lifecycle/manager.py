@@ -18,6 +18,7 @@ import torch
 from app.errors import NotFound, ServiceError, Unavailable
 from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest, is_valid_version
+from app.inference.repository import RepositoryError
 from app.lifecycle.gates import Precision, check_promotion
 from app.routing import ModelGroup
 from app.service import InferenceService, ServedModel
@@ -49,7 +50,11 @@ class LifecycleManager:
 
     async def _known_versions(self, group: ModelGroup[ServedModel]) -> tuple[str, ...]:
         """Versions in the repository now (a version added since start-up counts)."""
-        entries = await asyncio.to_thread(self._service.repository.models)
+        try:
+            entries = await asyncio.to_thread(self._service.repository.models)
+        except (RepositoryError, OSError) as exc:  # the volume unmounted, a folder unreadable: not a bug
+            log.warning("model repository unreadable: %s", exc)
+            raise Unavailable(f"the model repository cannot be read now: {exc}", code="repository_unavailable") from exc
         versions = next((e.versions for e in entries if e.name == group.name), group.known_versions)
         group.known_versions = versions
         return versions

@@ -449,3 +449,19 @@ async def test_a_version_changed_on_disk_since_its_load_is_not_promoted(reposito
             refused = await running.client.post(f"/admin/models/digits/versions/2/promote{query}", headers=AUTH)
             assert refused.status_code == 409 and refused.json()["code"] == "version_changed", refused.text
         assert (await running.predict_png(sample_png(3))).json()["version"] == "1"
+
+
+async def test_an_unreadable_repository_is_a_503_to_the_admin_and_serving_goes_on(repository: Path) -> None:
+    async with running_app(settings_for(repository)) as running:
+        assert (await running.predict_png(sample_png(6))).status_code == 200  # its head loaded
+        moved = repository.with_name(repository.name + "-away")
+        repository.rename(moved)  # the volume unmounted under the running service
+        try:
+            refused = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+            assert refused.status_code in (200, 409)  # unloading needs no listing
+            answer = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+            assert answer.status_code == 503 and answer.json()["code"] == "repository_unavailable", answer.text
+            assert "retry-after" in answer.headers
+            assert (await running.predict_png(sample_png(6))).status_code == 200
+        finally:
+            moved.rename(repository)

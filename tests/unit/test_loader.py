@@ -195,6 +195,18 @@ def test_integer_weights_for_a_float_graph_fail_the_self_check_naming_the_folder
         load(version).self_check()
 
 
+def test_a_head_whose_file_is_away_for_now_is_tried_again_on_its_next_use(version: Path) -> None:
+    model = load(version)
+    graph = version / "classifier.graph.pt"
+    away = graph.rename(version / "away")  # a volume remounting, say
+    with pytest.raises(ModelLoadError, match="file is missing"):
+        model.head()
+    assert model.failed_heads == {}
+    away.rename(graph)
+    model.head()
+    assert model.loaded_heads == ("classifier",) and model.head_loads == 1
+
+
 def test_what_serves_owes_nothing_to_the_files_once_loaded(version: Path) -> None:
     # a file rewritten in place (cp over it, rsync --inplace): a memory-mapped weights file
     # would change the served weights under the running model, or kill it (SIGBUS) if cut short
