@@ -455,7 +455,7 @@ async def test_an_unreadable_repository_is_a_503_to_the_admin_and_serving_goes_o
     async with running_app(settings_for(repository)) as running:
         assert (await running.predict_png(sample_png(6))).status_code == 200  # its head loaded
         moved = repository.with_name(repository.name + "-away")
-        repository.rename(moved)  # the volume unmounted under the running service
+        await asyncio.to_thread(repository.rename, moved)  # the volume unmounted under the running service
         try:
             refused = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
             assert refused.status_code in (200, 409)  # unloading needs no listing
@@ -464,4 +464,4 @@ async def test_an_unreadable_repository_is_a_503_to_the_admin_and_serving_goes_o
             assert "retry-after" in answer.headers
             assert (await running.predict_png(sample_png(6))).status_code == 200
         finally:
-            moved.rename(repository)
+            await asyncio.to_thread(moved.rename, repository)
