@@ -18,6 +18,7 @@ listener resets the connections the kernel completed that were not accepted yet:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import fcntl
 import logging
@@ -31,8 +32,9 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Any, cast
 
+import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from app.api.middleware import new_request_id, request_id_from
 from app.api.schemas import ErrorResponse
@@ -54,6 +56,16 @@ SWEEPS = 4  # of the listeners' backlogs at shutdown: clients that keep connecti
 # uvicorn's wait for open connections once the drain is over: the answers being written, and a
 # closing connection's wait for a request begun (QUIET_S, LAST_REQUEST_S), not a second grace
 DRAINED_CLOSE_S = 3
+# A request's line and headers: at most this many bytes (431 past it; httptools would buffer
+# any amount), arriving within this many seconds of its first byte, or of the connection's
+# opening (408, or a quiet close if nothing came): a client trickling a head cannot hold a
+# connection, its memory and a task slot open for ever. The body has the request's deadline.
+MAX_HEAD_BYTES = 64 * 1024
+HEAD_TIMEOUT_S = 15.0
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop parsing a request whose head is refused."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -198,10 +210,17 @@ class ClosingProtocol(HttpToolsProtocol):
     _invalid = False  # bytes that are not HTTP arrived: answered 400 after the requests before them
     _broken: RequestResponseCycle | None = None  # the request whose body broke, if a body did
     _invalid_at = 0.0  # perf_counter when they arrived
+    _invalid_answer = (400, "invalid_http", "the request is not valid HTTP/1.1")  # what they get
     _closing = False  # shut down, answering what had begun to arrive before closing
     _bounded = False  # the wait is already LAST_REQUEST_S, the most a request gets
     _active_at = float("-inf")  # the loop's clock when the connection was opened or last answered
     _linger: asyncio.TimerHandle | None = None
+    _completed: RequestResponseCycle | None = None  # the last request whose bytes all arrived
+    _in_head = False  # between a request's first byte and the end of its headers
+    _head_bytes = 0  # bytes received while in a head (an overcount by at most one read)
+    _head_size = 0  # the head's own bytes, as parsed
+    _head_timer: asyncio.TimerHandle | None = None
+    _upgrade_body_left = 0  # body bytes still due to a request whose Upgrade header is ignored
 
     def shutdown(self) -> None:
         if self.cycle is not None and not self.cycle.response_complete:
@@ -231,20 +250,76 @@ class ClosingProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._active_at = self.loop.time()
+        self._arm_head_timer()  # its first request's head, too, has HEAD_TIMEOUT_S to come
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._receiving = True
+        self._in_head, self._head_bytes, self._head_size = True, 0, 0
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4  # ": " and CRLF
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._cancel_head_timer()
+        if self._head_size > MAX_HEAD_BYTES:  # a head that came whole, in one read
+            self._refuse_head(
+                431, "headers_too_large", f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
+            )
+            raise _HeadRefused  # the parser stops here: its body is not read as anything
         super().on_headers_complete()
         if self._closing and self.cycle is not None:
             self.cycle.keep_alive = False  # the answer says Connection: close and closes it
 
     def on_message_complete(self) -> None:
+        self._completed = self.cycle  # (uvicorn's returns early for a request answered already)
         super().on_message_complete()
         self._receiving = False
         self._close_if_answered()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or (
+            self.cycle is not None and self.cycle is self._started and not self._in_head
+        ):
+            return  # a request is being served, and no other began: its deadline bounds it
+        if not self._in_head:  # connected, and no request began: closed as an idle keep-alive is
+            if not self._unanswered():
+                self.transport.close()
+            return
+        self._refuse_head(408, "request_timeout", f"the request's headers did not arrive within {HEAD_TIMEOUT_S:g} s")
+
+    def _refuse_head(self, status: int, code: str, message: str) -> None:
+        """A request whose head will not do (too slow, too large): answered once the requests
+        before it are, then the connection closes; nothing more is read from it."""
+        if self._invalid:
+            return
+        self._invalid = True
+        self._invalid_at = time.perf_counter()
+        self._invalid_answer = (status, code, message)
+        self.transport.pause_reading()
+        self._broken = None
+        if not self._unanswered():
+            self._answer_invalid()
+            self.transport.close()
+        elif self.cycle is not None:
+            self.cycle.keep_alive = False
 
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
@@ -266,7 +341,63 @@ class ClosingProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._invalid:
             return  # past bytes that are not HTTP, nothing more is read as a request
-        super().data_received(data)
+        if self._upgrade_body_left:
+            data = self._upgrade_body(data)
+            if not data:
+                return
+        try:
+            self._unset_keepalive_if_required()
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._ignore_upgrade(data[exc.args[0] :])
+        except httptools.HttpParserError:
+            if self._invalid:  # refused already (a head too large): nothing more to say
+                return
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+            return
+        if self._in_head and not self._invalid:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                message = f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
+                self._refuse_head(431, "headers_too_large", message)
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """An ``Upgrade`` other than to a WebSocket (``h2c``, which ``curl --http2`` asks for over
+        plain http) is ignored, as RFC 9110 (7.8) allows: httptools ends the request at its headers,
+        with no body, and would read no more; here the body (its Content-Length) is given to the
+        request and a fresh parser reads what follows. A chunked body cannot be told from what
+        follows it: such a request is answered 400 and the connection closes."""
+        cycle = self.cycle
+        headers = dict(cycle.scope["headers"]) if cycle is not None else {}
+        length = headers.get(b"content-length", b"0")
+        if cycle is None or b"transfer-encoding" in headers or not length.isdigit():
+            self.send_400_response("an Upgrade request with a body of unknown length")
+            return
+        self.parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3, as uvicorn does
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self._upgrade_body_left = int(length)
+        if self._upgrade_body_left and not cycle.response_complete:
+            cycle.more_body = True  # httptools said the request ended at its headers: it has not
+        rest = self._upgrade_body(rest)
+        if rest:
+            self.data_received(rest)
+
+    def _upgrade_body(self, data: bytes) -> bytes:
+        """The body bytes due to a request whose Upgrade is ignored go to it; returns the rest."""
+        take, data = data[: self._upgrade_body_left], data[self._upgrade_body_left :]
+        self._upgrade_body_left -= len(take)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.body += take
+            if not self._upgrade_body_left:
+                cycle.more_body = False
+            cycle.message_event.set()
+        return data
 
     def send_400_response(self, msg: str) -> None:
         """Bytes that are not HTTP/1.1 (or a body longer than its Content-Length). uvicorn answers
@@ -278,7 +409,10 @@ class ClosingProtocol(HttpToolsProtocol):
         self._invalid = True
         self._invalid_at = time.perf_counter()
         self.transport.pause_reading()
-        broken = self.cycle if self.cycle is not None and self.cycle.more_body else None  # its body is what broke
+        # its body is what broke (a request answered before its body came, refused at the edge or
+        # by the app, keeps ``more_body`` though its body is whole: ``_completed`` tells)
+        cycle = self.cycle
+        broken = cycle if cycle is not None and cycle.more_body and cycle is not self._completed else None
         self._broken = broken
         if broken is not None and broken is not self._started:  # queued behind another: never run it
             self.pipeline = type(self.pipeline)(entry for entry in self.pipeline if entry[0] is not broken)
@@ -301,13 +435,12 @@ class ClosingProtocol(HttpToolsProtocol):
         state: dict[str, Any] = scope.setdefault("state", {}) if scope is not None else {}
         request_id = state.get("request_id") or (request_id_from(scope) if scope is not None else new_request_id())
         served = broken is not None and broken is self._started  # its app task runs: it counts the answer
+        status, code, message = self._invalid_answer
         if served:
-            state.update(request_id=request_id, answered_as=(400, "invalid_http"))
-        envelope = ErrorResponse(
-            code="invalid_http", message="the request is not valid HTTP/1.1", request_id=request_id
-        )
+            state.update(request_id=request_id, answered_as=(status, code))
+        envelope = ErrorResponse(code=code, message=message, request_id=request_id)
         body = envelope.model_dump_json(exclude_none=True).encode()
-        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head = [STATUS_LINE[status]]
         for name, value in [
             *self.server_state.default_headers,
             (b"content-type", b"application/json"),
@@ -318,9 +451,16 @@ class ClosingProtocol(HttpToolsProtocol):
             head += [name, b": ", value, b"\r\n"]
         self.transport.write(b"".join([*head, b"\r\n", body]))
         if not served:
-            self.answered_invalid(scope, request_id, self._invalid_at)
+            self.answered_invalid(scope, request_id, self._invalid_at, status, code)
 
-    def answered_invalid(self, scope: dict[str, Any] | None, request_id: str, started: float) -> None:
+    def answered_invalid(
+        self,
+        scope: dict[str, Any] | None,
+        request_id: str,
+        started: float,
+        status: int = 400,
+        code: str = "invalid_http",
+    ) -> None:
         """An ``invalid_http`` 400 no app task counts is written (``scope``: the request whose
         body broke, if one did). A protocol that knows the app counts it in its metrics and
         access log; an app task cut off by its own 400 counts it itself (``answered_as``)."""
@@ -333,4 +473,11 @@ class ClosingProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._linger is not None:
             self._linger.cancel()
+        self._cancel_head_timer()
+        # uvicorn tells only the last request parsed; the one running (pipelined requests were
+        # read behind it) must see its client go too, and leave the queue uncomputed
+        running = self._started
+        if running is not None and running is not self.cycle and not running.response_complete:
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)

@@ -93,12 +93,14 @@ class Edge:
         """The refusal's metrics and access line, once it is written."""
         self._record(scope, refusal.status, refusal.request_id, refusal.caller)
 
-    def answered_invalid(self, scope: Scope | None, request_id: str, started: float) -> None:
-        """The metrics and access line of an ``invalid_http`` 400 (``scope``: the request whose body
-        broke; None when the bytes were not a request at all)."""
+    def answered_invalid(
+        self, scope: Scope | None, request_id: str, started: float, status: int = 400, code: str = "invalid_http"
+    ) -> None:
+        """The metrics and access line of an ``invalid_http`` 400, or of a head refused (408, 431)
+        (``scope``: the request whose body broke; None when no request was read whole)."""
         method, path = (scope["method"], scope["path"]) if scope is not None else ("-", "-")
-        state = {"started": started, "error_code": "invalid_http"}
-        self._record({"method": method, "path": path, "state": state}, 400, request_id, None)
+        state = {"started": started, "error_code": code}
+        self._record({"method": method, "path": path, "state": state}, status, request_id, None)
 
     def _record(self, scope: Scope, status: int, request_id: str, caller: tuple[str, str] | None) -> None:
         state = self.app.state
@@ -169,9 +171,11 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                     return
                 (cycle, app), self._next = self._next, None
 
-        def answered_invalid(self, scope: Scope | None, request_id: str, started: float) -> None:
+        def answered_invalid(
+            self, scope: Scope | None, request_id: str, started: float, status: int = 400, code: str = "invalid_http"
+        ) -> None:
             try:
-                edge.answered_invalid(scope, request_id, started)
+                edge.answered_invalid(scope, request_id, started, status, code)
             except Exception:  # the answer is written: a failure to count it must not reach the parser
                 log.exception("counting an invalid_http answer failed")
 

@@ -179,6 +179,10 @@ class RequestContextMiddleware:
                 response = await service_error_response(Request(scope), cut)  # the one envelope
                 with contextlib.suppress(Exception):  # the connection may be gone too
                     await response(scope, receive, send_with_id)
+                # answered: the shutdown that cancelled it is not an error of the app (uvicorn
+                # would log a traceback for a client's stalled upload)
+                _error_log.info("cut off by the shutdown: answered 503 draining")
+                return
             raise
         except Exception as exc:
             _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])

@@ -12,9 +12,12 @@ import asyncio
 import json
 import logging
 import socket
+import struct
 
 import pytest
 
+from app import server
+from app.batching import Lane
 from app.bench.rawhttp import build_request, read_response
 from app.telemetry.logging import RequestIdFilter
 from app.telemetry.metrics import PREFIX
@@ -166,3 +169,117 @@ async def test_an_invalid_http_answer_is_counted_and_logged_once(
         ("-", "-", 400, "invalid_http", head.headers["x-request-id"]),  # type: ignore[attr-defined]
         ("POST", "/predict", 400, "invalid_http", "broken-body"),
     ]
+
+
+UPGRADE = {"Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c", "HTTP2-Settings": "AAMAAABkAARAAAAAAAIAAAAA"}
+
+
+def _upgrade_predict(body: bytes, request_id: str) -> bytes:
+    headers = {"Content-Type": "image/png", "X-Request-ID": request_id, **UPGRADE}
+    return build_request("POST", "127.0.0.1", "/predict", headers, body)
+
+
+async def test_an_upgrade_to_http2_is_ignored_and_the_request_served_with_its_body(
+    make_settings: SettingsFactory,
+) -> None:
+    # what curl --http2 sends over plain http: httptools ends such a request at its headers, so
+    # its body was lost (400 empty_body) and what followed it was never read
+    livez = build_request("GET", "127.0.0.1", "/livez", {"X-Request-ID": "behind"})
+    async with served(make_settings()) as running:
+        (first, body), (second, _) = await running.exchange(_upgrade_predict(sample_png(3), "upgrade"), livez)
+        # the body in a later write than the headers
+        reader, writer = await running.connect()
+        try:
+            head, rest = _upgrade_predict(sample_png(4), "late").split(b"\r\n\r\n", 1)
+            writer.write(head + b"\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(rest)
+            late, late_body = await asyncio.wait_for(read_response(reader), 10)
+        finally:
+            writer.close()
+    assert (first.status, first.headers["x-request-id"]) == (200, "upgrade")  # type: ignore[attr-defined]
+    assert json.loads(body)["predictions"][0]["label"] == "3"
+    assert (second.status, second.headers["x-request-id"]) == (200, "behind")  # type: ignore[attr-defined]
+    assert late.status == 200 and json.loads(late_body)["predictions"][0]["label"] == "4"  # type: ignore[attr-defined]
+
+
+async def test_the_body_of_an_upgrade_request_is_never_read_as_a_request(make_settings: SettingsFactory) -> None:
+    inner = build_request("GET", "127.0.0.1", "/livez", {"X-Request-ID": "smuggled"})
+    after = build_request("GET", "127.0.0.1", "/livez", {"X-Request-ID": "after"})
+    async with served(make_settings()) as running:
+        (outer, _), (next_one, _) = await running.exchange(_upgrade_predict(inner, "outer"), after)
+    assert (outer.status, outer.headers["x-request-id"]) == (400, "outer")  # type: ignore[attr-defined]  # not an image
+    assert (next_one.status, next_one.headers["x-request-id"]) == (200, "after")  # type: ignore[attr-defined]
+
+
+async def test_bytes_that_are_not_http_after_a_request_answered_before_its_body_get_their_400(
+    make_settings: SettingsFactory,
+) -> None:
+    # a 415 is answered at the headers; its body arrives after the answer, then bytes that are not HTTP
+    head, body = predict(content_type="text/plain", X_Request_ID="refused").split(b"\r\n\r\n", 1)
+    async with served(make_settings()) as running:
+        reader, writer = await running.connect()
+        try:
+            writer.write(head + b"\r\n\r\n")
+            first, _ = await asyncio.wait_for(read_response(reader), 10)
+            writer.write(body + GARBAGE)
+            second, second_body = await asyncio.wait_for(read_response(reader), 10)
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        finally:
+            writer.close()
+    assert (first.status, first.headers["x-request-id"]) == (415, "refused")  # type: ignore[attr-defined]
+    assert is_invalid_http(second, second_body)
+
+
+async def test_a_request_head_past_its_limit_is_431_and_the_connection_closes(make_settings: SettingsFactory) -> None:
+    huge = predict(X_Padding="x" * (server.MAX_HEAD_BYTES + 1024), X_Request_ID="huge")
+    async with served(make_settings()) as running:
+        ((head, body),) = await answers_then_close(running, huge, 1)
+        assert running.reached == []
+    envelope = json.loads(body)
+    assert head.status == 431 and head.headers["connection"] == "close"  # type: ignore[attr-defined]
+    assert envelope["code"] == "headers_too_large" and envelope["request_id"] == head.headers["x-request-id"]  # type: ignore[attr-defined]
+
+
+async def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_closes(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "HEAD_TIMEOUT_S", 0.3)
+    async with served(make_settings()) as running:
+        ((head, body),) = await answers_then_close(running, predict().split(b"\r\n")[0] + b"\r\nHost: x\r\n", 1)
+        reader, writer = await running.connect()  # connected, and never a byte
+        try:
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        finally:
+            writer.close()
+        assert running.reached == []
+    assert head.status == 408 and json.loads(body)["code"] == "request_timeout"  # type: ignore[attr-defined]
+
+
+async def test_a_client_gone_while_its_pipelined_request_runs_cancels_it(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # uvicorn flags only the last request parsed as disconnected: the one running (the first of
+    # two pipelined) was computed for nobody, its write failed and was logged as an error
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000}, batching={"normal": {"window_ms": 20_000.0, "max_batch": 4}}
+    )
+    async with served(settings) as running:
+        sock = socket.create_connection(("127.0.0.1", running.port))
+        try:
+            sock.sendall(predict(X_Request_ID="first") + predict(X_Request_ID="second"))
+            batcher = running.service.models["digits"].batcher
+            async with asyncio.timeout(10):
+                while batcher.queued(Lane.NORMAL) != 1:  # noqa: ASYNC110 - no event for it
+                    await asyncio.sleep(0.01)
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+            sock.close()
+        async with asyncio.timeout(10):
+            while batcher.queued(Lane.NORMAL) != 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        text = await _metrics_text(running)
+    assert batcher.batches == 0, "computed for nobody"
+    assert samples(text, f"{PREFIX}_cancellations_total")[(("reason", "cancelled"),)] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
