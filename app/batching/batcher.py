@@ -220,7 +220,10 @@ class DualWindowBatcher(Generic[P, R]):
         if not self._accepting and not (seated and self.running):
             raise Draining("the service is shutting down")
         if timeout_s <= 0:
-            self._observer.on_rejected(lane, "deadline_exceeded")
+            if seated:  # admitted earlier, and its deadline passed on the way (its body, its decode)
+                self._observer.on_dropped(lane, "deadline")
+            else:
+                self._observer.on_rejected(lane, "deadline_exceeded")
             raise DeadlineExceeded("the request's deadline passed before it was queued")
         # a seated request was counted against the bound when it took its seat: a bound lowered
         # since (a policy change) refuses new requests, not one whose image is decoded already
@@ -379,7 +382,9 @@ class DualWindowBatcher(Generic[P, R]):
             return
         if plan.lane is Lane.URGENT:
             self._urgent_waited = False
-        task = asyncio.get_running_loop().create_task(self._execute(plan, batch), name=f"{self._name}-batch")
+        # the fill it is reported against is that of the policy it formed under, not of one set while it runs
+        capacity = self._effective_policy().lane(plan.lane).max_batch
+        task = asyncio.get_running_loop().create_task(self._execute(plan, batch, capacity), name=f"{self._name}-batch")
         self._in_flight.add(task)
         self._running[plan.lane] += 1
         task.add_done_callback(functools.partial(self._batch_done, plan.lane))
@@ -389,7 +394,7 @@ class DualWindowBatcher(Generic[P, R]):
         self._running[lane] -= 1
         self._wakeup.set()
 
-    async def _execute(self, plan: BatchPlan, batch: list[Pending[P, R]]) -> None:
+    async def _execute(self, plan: BatchPlan, batch: list[Pending[P, R]], capacity: int) -> None:
         started = self._clock.now()
         epoch = self._model_epoch()
         self.batches += 1
@@ -398,6 +403,11 @@ class DualWindowBatcher(Generic[P, R]):
             if len(outputs) != len(batch):
                 raise BatchFailed(f"runner returned {len(outputs)} outputs for {len(batch)} inputs")
         except asyncio.CancelledError:  # closing ran out of grace mid-batch
+            for item in batch:  # gone since the batch formed: the device, cut off, will not count them
+                if item.future.cancelled():
+                    self._observer.on_dropped(item.lane, "cancelled")
+                elif item.future.done() and isinstance(item.future.exception(), DeadlineExceeded):
+                    self._observer.on_dropped(item.lane, "deadline")
             self._cut_off(batch, Draining("the service shut down while this request ran"))
             return
         except ServiceError as exc:
@@ -413,7 +423,7 @@ class DualWindowBatcher(Generic[P, R]):
                 self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
             elif computed:
                 self.observe_batch(plan.lane, run_s)
-            self._report(plan, batch, started, run_s, ok=True)
+            self._report(plan, batch, started, run_s, capacity, ok=True)
             self._ceiling.calm(computed, self._policy)
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
@@ -421,12 +431,13 @@ class DualWindowBatcher(Generic[P, R]):
                         Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
                     )
             return
-        self._report(plan, batch, started, self._clock.now() - started, ok=False)
+        self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
         self._fail(batch, error)
 
-    def _report(self, plan: BatchPlan, batch: Sequence[Pending[P, R]], started: float, run_s: float, ok: bool) -> None:
+    def _report(
+        self, plan: BatchPlan, batch: Sequence[Pending[P, R]], started: float, run_s: float, capacity: int, ok: bool
+    ) -> None:
         waits = [(item.lane, started - item.enqueued_at) for item in batch]
-        capacity = self._effective_policy().lane(plan.lane).max_batch
         self._observer.on_batch(plan.lane, len(batch), capacity, waits, run_s, ok)
 
     @staticmethod

@@ -361,3 +361,44 @@ async def test_requests_a_close_cuts_off_uncomputed_are_counted_as_cancelled() -
             await task
     # one cut off mid-batch, two still queued: each counted once
     assert recorder.dropped == [(Lane.NORMAL, "cancelled")] * 3
+
+
+async def test_an_admitted_request_past_its_deadline_at_the_queue_is_a_drop_not_a_refusal() -> None:
+    # admitted, then its deadline passed while its image decoded: cancellations_total{deadline},
+    # not rejections_total, which counts what admission refused
+    batcher, _clock, _runner, recorder = make()
+    batcher.admit(Lane.NORMAL, 1.0, reserve=True)  # the route's seat
+    batcher.release(Lane.NORMAL)  # given back once decoded, as the service does
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit(1, Lane.NORMAL, -0.001, admitted=True)
+    assert recorder.dropped == [(Lane.NORMAL, "deadline")] and recorder.rejected == []
+    await batcher.close(0)
+
+
+async def test_a_batch_is_reported_against_the_max_batch_it_formed_under() -> None:
+    batcher, clock, runner, recorder = make(max_batch=16)
+    runner.gate = asyncio.Event()
+    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await settle()
+    await clock.advance(25 * MS)  # the window closes: 4 of 16 go
+    batcher.set_policy(BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64)))  # while it runs
+    runner.gate.set()
+    await asyncio.gather(*tasks)
+    assert [(lane, size, capacity) for lane, size, capacity in recorder.batches] == [(Lane.NORMAL, 4, 16)]
+    await batcher.close(0)
+
+
+async def test_a_request_gone_from_a_batch_the_close_cuts_off_is_counted_once() -> None:
+    batcher, clock, runner, recorder = make()
+    runner.gate = asyncio.Event()
+    gone = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 10.0))
+    stays = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 10.0))
+    await settle()
+    await clock.advance(25 * MS)
+    assert runner.batches == [[1, 2]]
+    gone.cancel()  # its client went after its batch formed
+    await settle()
+    await batcher.close(grace_s=0)  # the batch never ends: cut off
+    with pytest.raises(Draining):
+        await stays
+    assert recorder.dropped == [(Lane.NORMAL, "cancelled")] * 2
