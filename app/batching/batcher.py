@@ -421,6 +421,7 @@ class DualWindowBatcher(Generic[P, R]):
             computed = self._computed(outputs)
             if self._model_epoch() != epoch:  # another model now: estimates start again, from its batches
                 self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
+                self._ceiling.reset()  # and the old device's memory pressure no longer caps them
             elif computed:
                 self.observe_batch(plan.lane, run_s)
             self._report(plan, batch, started, run_s, capacity, ok=True)

@@ -30,13 +30,24 @@ class Ceiling:
         self._calm = 0
         log.warning("%s: batch ceiling lowered to %d after a failure at %d", self._name, self.value, failed_size)
 
+    def reset(self) -> None:
+        """Another model serves now (the CPU fallback): the old device's pressure says nothing of it."""
+        if self.value is not None:
+            log.info("%s: batch ceiling lifted: another model serves", self._name)
+        self.value, self._calm = None, 0
+
     def calm(self, size: int, policy: BatchPolicy) -> None:
         """A batch of ``size`` ran without failing."""
-        if self.value is None or size != self.value:
+        if self.value is None:
+            return
+        largest = max(policy.urgent.max_batch, policy.normal.max_batch)
+        if self.value >= largest:  # the policy's own sizes went under it since: it caps nothing
+            self.value, self._calm = None, 0
+            return
+        if size != self.value:
             return
         self._calm += 1
         if self._calm >= self.recovery_batches:
-            largest = max(policy.urgent.max_batch, policy.normal.max_batch)
             self.value = None if self.value * 2 >= largest else self.value * 2
             self._calm = 0
             log.info("%s: batch ceiling raised to %s", self._name, self.value or "the policy's max")

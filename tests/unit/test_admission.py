@@ -402,3 +402,31 @@ async def test_a_request_gone_from_a_batch_the_close_cuts_off_is_counted_once() 
     with pytest.raises(Draining):
         await stays
     assert recorder.dropped == [(Lane.NORMAL, "cancelled")] * 2
+
+
+async def test_the_cpu_fallback_is_not_held_under_the_old_devices_ceiling() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    policy = BatchPolicy(LanePolicy(2 * MS, 8, 64), LanePolicy(25 * MS, 8, 64))
+    epoch = [0]
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, model_epoch=lambda: epoch[0])
+    batcher.start()
+    batcher.lower_ceiling(4)  # the GPU ran out of memory at 4
+    assert batcher.ceiling == 2
+    runner.gate = asyncio.Event()
+    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(2)]
+    await settle()
+    await clock.advance(25 * MS)
+    epoch[0] += 1  # the CPU fallback took over inside this batch
+    runner.gate.set()
+    await asyncio.gather(*tasks)
+    assert batcher.ceiling is None
+    await batcher.close(0)
+
+
+async def test_a_ceiling_above_every_lanes_max_batch_is_lifted() -> None:
+    batcher, clock, runner, _ = make(max_batch=16)
+    batcher.lower_ceiling(16)  # capped at 8
+    batcher.set_policy(BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64)))  # both under it now
+    await run_one_timed_batch(batcher, clock, runner)  # batches of 4 never fill a cap of 8: it stayed for ever
+    assert batcher.ceiling is None
+    await batcher.close(0)
