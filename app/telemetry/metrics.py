@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.batching import Lane
+from app.settings import MAX_BATCH
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,16 +27,16 @@ T = TypeVar("T")
 PREFIX = "ai_backend"
 # up to the longest deadline a request may ask for (server.max_timeout_ms, 120 s by default)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = tuple(2**i for i in range(MAX_BATCH.bit_length()))  # 1, 2, 4, ... the largest max_batch
 FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 
 
 def batch_bucket(size: int) -> str:
-    """A bounded label for a batch size: 1, 2, 3-4, 5-8, ... 129+."""
+    """A bounded label for a batch size: 1, 2, 3-4, 5-8, ... up to the largest max_batch (4096)."""
     if size <= 2:
         return str(size)
     upper = 4
-    while upper < size and upper < 256:
+    while upper < size and upper < MAX_BATCH:
         upper *= 2
     return f"{upper // 2 + 1}-{upper}" if size <= upper else f"{upper + 1}+"
 
