@@ -40,17 +40,21 @@ _ids = random.Random()
 os.register_at_fork(after_in_child=_ids.seed)  # a forked worker must not repeat its parent's ids
 
 
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+# W3C Trace Context, as OpenTelemetry's propagator reads it when tracing is on: lower-case hex
+# only, version ff invalid, and version 00 with nothing after its flags
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?$")
 
 
 def caller_trace(scope: Scope) -> tuple[str, str] | None:
     """The trace and parent span ids of a well-formed W3C ``traceparent`` header, if any."""
     for name, value in scope.get("headers", ()):
         if name == b"traceparent":
-            match = _TRACEPARENT.fullmatch(value.decode("latin-1").strip().lower())
-            if match is None or match[1] == "0" * 32 or match[2] == "0" * 16:
+            match = _TRACEPARENT.fullmatch(value.decode("latin-1").strip())
+            if match is None or match[1] == "ff" or (match[1] == "00" and match[4]):
                 return None
-            return match[1], match[2]
+            if match[2] == "0" * 32 or match[3] == "0" * 16:
+                return None
+            return match[2], match[3]
     return None
 
 

@@ -15,7 +15,9 @@ def scope(*headers: tuple[bytes, bytes]) -> dict[str, object]:
 
 def test_a_well_formed_traceparent_gives_its_trace_and_parent() -> None:
     assert caller_trace(scope((b"traceparent", f"00-{TRACE}-{PARENT}-01".encode()))) == (TRACE, PARENT)
-    assert caller_trace(scope((b"traceparent", f" 00-{TRACE.upper()}-{PARENT}-00 ".encode()))) == (TRACE, PARENT)
+    assert caller_trace(scope((b"traceparent", f" 00-{TRACE}-{PARENT}-00 ".encode()))) == (TRACE, PARENT)
+    # a later version may carry more fields: read as the fields this one knows
+    assert caller_trace(scope((b"traceparent", f"01-{TRACE}-{PARENT}-01-more".encode()))) == (TRACE, PARENT)
 
 
 @pytest.mark.parametrize(
@@ -27,6 +29,9 @@ def test_a_well_formed_traceparent_gives_its_trace_and_parent() -> None:
         f"00-{TRACE[:-1]}-{PARENT}-01",
         "garbage",
         "",
+        f"00-{TRACE.upper()}-{PARENT}-01",  # upper-case hex: invalid, as the tracer's own propagator has it
+        f"ff-{TRACE}-{PARENT}-01",  # version ff: invalid
+        f"00-{TRACE}-{PARENT}-01-extra",  # version 00 ends at its flags
     ],
 )
 def test_a_malformed_traceparent_is_ignored(value: str) -> None:
