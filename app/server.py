@@ -315,11 +315,9 @@ class ClosingProtocol(HttpToolsProtocol):
         self._invalid_answer = (status, code, message)
         self.transport.pause_reading()
         self._broken = None
-        if not self._unanswered():
+        if not self._unanswered():  # else once the requests before it are (``on_response_complete``)
             self._answer_invalid()
             self.transport.close()
-        elif self.cycle is not None:
-            self.cycle.keep_alive = False
 
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()

@@ -283,3 +283,13 @@ async def test_a_client_gone_while_its_pipelined_request_runs_cancels_it(
     assert batcher.batches == 0, "computed for nobody"
     assert samples(text, f"{PREFIX}_cancellations_total")[(("reason", "cancelled"),)] == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_head_past_its_limit_behind_a_request_is_answered_after_it(make_settings: SettingsFactory) -> None:
+    huge = predict(X_Padding="x" * (server.MAX_HEAD_BYTES + 1024), X_Request_ID="huge")
+    async with served(make_settings()) as running:
+        (first, first_body), (second, body) = await answers_then_close(running, predict(X_Request_ID="ok") + huge, 2)
+        assert running.reached == ["POST /predict"]
+    assert (first.status, first.headers["x-request-id"]) == (200, "ok")  # type: ignore[attr-defined]
+    assert json.loads(first_body)["predictions"][0]["label"] == "3"
+    assert second.status == 431 and json.loads(body)["code"] == "headers_too_large"  # type: ignore[attr-defined]
