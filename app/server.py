@@ -294,30 +294,24 @@ class ClosingProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def _head_timed_out(self) -> None:
+        # armed at the connection's opening and at each request's first byte, cancelled at the end
+        # of its headers: so either a head is under way, or nothing has come since the connection opened
         self._head_timer = None
-        if self.transport.is_closing() or (
-            self.cycle is not None and self.cycle is self._started and not self._in_head
-        ):
-            return  # a request is being served, and no other began: its deadline bounds it
-        if not self._in_head:  # connected, and no request began: closed as an idle keep-alive is
-            if not self._unanswered():
-                self.transport.close()
+        if self.transport.is_closing():
             return
-        self._refuse_head(408, "request_timeout", f"the request's headers did not arrive within {HEAD_TIMEOUT_S:g} s")
+        if self._in_head:
+            self._refuse_head(
+                408, "request_timeout", f"the request's headers did not arrive within {HEAD_TIMEOUT_S:g} s"
+            )
+        elif not self._unanswered():  # connected, and no request began: closed as an idle keep-alive is
+            self.transport.close()
 
     def _refuse_head(self, status: int, code: str, message: str) -> None:
         """A request whose head will not do (too slow, too large): answered once the requests
         before it are, then the connection closes; nothing more is read from it."""
-        if self._invalid:
-            return
-        self._invalid = True
-        self._invalid_at = time.perf_counter()
-        self._invalid_answer = (status, code, message)
-        self.transport.pause_reading()
-        self._broken = None
-        if not self._unanswered():  # else once the requests before it are (``on_response_complete``)
-            self._answer_invalid()
-            self.transport.close()
+        if not self._invalid:
+            self._invalid_answer = (status, code, message)
+            self._stop_reading(None)
 
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
@@ -404,13 +398,17 @@ class ClosingProtocol(HttpToolsProtocol):
         answer. Here the requests before it are answered first, then the 400, in the envelope."""
         if self._invalid:
             return
-        self._invalid = True
-        self._invalid_at = time.perf_counter()
-        self.transport.pause_reading()
         # its body is what broke (a request answered before its body came, refused at the edge or
         # by the app, keeps ``more_body`` though its body is whole: ``_completed`` tells)
         cycle = self.cycle
-        broken = cycle if cycle is not None and cycle.more_body and cycle is not self._completed else None
+        self._stop_reading(cycle if cycle is not None and cycle.more_body and cycle is not self._completed else None)
+
+    def _stop_reading(self, broken: RequestResponseCycle | None) -> None:
+        """Read nothing more from this connection; answer ``_invalid_answer`` after the requests
+        before it (``broken``, a request whose body broke, gets it as its own answer), then close."""
+        self._invalid = True
+        self._invalid_at = time.perf_counter()
+        self.transport.pause_reading()
         self._broken = broken
         if broken is not None and broken is not self._started:  # queued behind another: never run it
             self.pipeline = type(self.pipeline)(entry for entry in self.pipeline if entry[0] is not broken)

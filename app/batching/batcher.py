@@ -403,11 +403,6 @@ class DualWindowBatcher(Generic[P, R]):
             if len(outputs) != len(batch):
                 raise BatchFailed(f"runner returned {len(outputs)} outputs for {len(batch)} inputs")
         except asyncio.CancelledError:  # closing ran out of grace mid-batch
-            for item in batch:  # gone since the batch formed: the device, cut off, will not count them
-                if item.future.cancelled():
-                    self._observer.on_dropped(item.lane, "cancelled")
-                elif item.future.done() and isinstance(item.future.exception(), DeadlineExceeded):
-                    self._observer.on_dropped(item.lane, "deadline")
             self._cut_off(batch, Draining("the service shut down while this request ran"))
             return
         except ServiceError as exc:
@@ -448,11 +443,17 @@ class DualWindowBatcher(Generic[P, R]):
                 item.future.set_exception(error)
 
     def _cut_off(self, items: Sequence[Pending[P, R]], error: BaseException) -> None:
-        """Fail requests the close leaves uncomputed, each counted as cancelled."""
+        """Fail the requests the close leaves uncomputed, and count each once: taken from the queue
+        or cut off on the device, nothing else will (``_settled`` skips what was taken, and the
+        device counts only what it ran). One already gone (its client, its deadline) counts so."""
         for item in items:
             if not item.future.done():
                 item.future.set_exception(error)
                 self._observer.on_dropped(item.lane, "cancelled")
+            elif item.future.cancelled():
+                self._observer.on_dropped(item.lane, "cancelled")
+            elif isinstance(item.future.exception(), DeadlineExceeded):
+                self._observer.on_dropped(item.lane, "deadline")
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop taking requests, run what is queued for up to ``grace_s`` (``None``: no limit), fail the rest."""

@@ -59,9 +59,15 @@ def _read_verified(folder: Path, manifest: Manifest, file: str) -> tuple[Path, b
     return path, data
 
 
-def _first_line(exc: BaseException) -> str:
-    """An error's first non-empty line (TorchScript's run on with the graph's code)."""
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+def _cannot_run(exc: RuntimeError, folder: Path, what: str) -> Exception:
+    """What a self-check's failed run means: the device's fault (out of memory, say) is raised as
+    it is, not taken for a model that can never serve; anything else is a graph its weights or
+    inputs do not fit, a ``ModelLoadError`` naming the folder and the error's first line
+    (TorchScript's runs on with the graph's code)."""
+    if device_fault(exc) is not None:
+        return exc
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return ModelLoadError(f"{folder}: self-check failed, {what} cannot run: {first}")
 
 
 def _set_tensor(module: torch.jit.ScriptModule, dotted: str, value: torch.Tensor) -> None:
@@ -236,9 +242,7 @@ class LayeredModel:
         try:
             features = self.features(batch)
         except RuntimeError as exc:
-            raise ModelLoadError(
-                f"{self.folder}: self-check failed, the backbone cannot run: {_first_line(exc)}"
-            ) from None
+            raise _cannot_run(exc, self.folder, "the backbone") from None
         if not torch.isfinite(features).all():
             raise ModelLoadError(f"{self.folder}: self-check failed, backbone output is not finite")
         return features
@@ -247,11 +251,7 @@ class LayeredModel:
         try:
             logits = head(features)
         except RuntimeError as exc:  # its weights, or the backbone's features, do not fit its graph
-            if device_fault(exc) is not None:
-                raise
-            raise ModelLoadError(
-                f"{self.folder}: self-check failed, head {name} cannot run: {_first_line(exc)}"
-            ) from None
+            raise _cannot_run(exc, self.folder, f"head {name}") from None
         expected = (features.shape[0], len(self.manifest.labels))
         if tuple(logits.shape) != expected:
             raise ModelLoadError(

@@ -40,14 +40,20 @@ async def traced_app(
             yield client, exporter, app.state.tracer_provider
 
 
+def held_batches(make_settings: SettingsFactory, max_batch: int, max_queue: int):  # type: ignore[no-untyped-def]
+    """Traced settings (the console exporter, replaced by the in-memory one) whose normal batches
+    go when full: a window no test outlasts, under a deadline longer than it."""
+    return make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": max_batch, "max_queue": max_queue}},
+        telemetry={"exporter": "console"},
+    )
+
+
 async def test_a_batch_span_links_every_request_span_and_each_request_has_its_stages(
     make_settings: SettingsFactory,
 ) -> None:
-    settings = make_settings(
-        server={"default_timeout_ms": 60_000},
-        batching={"normal": {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 16}},
-        telemetry={"exporter": "console"},  # replaced by the in-memory exporter
-    )
+    settings = held_batches(make_settings, 4, 16)
     async with traced_app(settings) as (client, exporter, provider):
         ids = [f"req-{i}" for i in range(4)]
         responses = await asyncio.gather(
@@ -105,11 +111,7 @@ async def test_an_incoming_traceparent_is_continued(make_settings: SettingsFacto
 
 
 async def test_a_failed_request_marks_its_queue_span(make_settings: SettingsFactory) -> None:
-    settings = make_settings(
-        server={"default_timeout_ms": 60_000},
-        batching={"normal": {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 16}},
-        telemetry={"exporter": "console"},
-    )
+    settings = held_batches(make_settings, 4, 16)
     async with traced_app(settings) as (client, exporter, provider):
         response = await client.post(
             "/predict",
@@ -271,11 +273,7 @@ async def test_a_host_header_naming_a_probe_leaves_the_prediction_in_its_trace(m
 
 async def test_a_batch_of_more_than_128_requests_links_every_one(make_settings: SettingsFactory) -> None:
     size = 130  # the SDK keeps 128 links a span unless told otherwise
-    settings = make_settings(
-        server={"default_timeout_ms": 60_000},
-        batching={"normal": {"window_ms": 20_000.0, "max_batch": size, "max_queue": 2 * size}},
-        telemetry={"exporter": "console"},
-    )
+    settings = held_batches(make_settings, size, 2 * size)
     async with traced_app(settings) as (client, exporter, provider):
         png = sample_png(5)
         answers = await asyncio.gather(
@@ -308,11 +306,7 @@ async def test_batch_spans_name_the_precision_that_serves_after_the_cpu_fallback
 async def test_every_request_of_a_batch_shows_the_batchs_own_times(make_settings: SettingsFactory) -> None:
     # a request's queue ends, and its inference runs, when its batch did: not when its coroutine
     # resumed afterwards (later the further down the batch it was)
-    settings = make_settings(
-        server={"default_timeout_ms": 60_000},
-        batching={"normal": {"window_ms": 20_000.0, "max_batch": 16, "max_queue": 64}},
-        telemetry={"exporter": "console"},
-    )
+    settings = held_batches(make_settings, 16, 64)
     async with traced_app(settings) as (client, exporter, provider):
         answers = await asyncio.gather(
             *(

@@ -306,14 +306,19 @@ async def test_the_ceiling_climbs_back_on_what_the_device_computed() -> None:
     await batcher.close(0)
 
 
+def with_model_epoch(max_batch: int) -> tuple[DualWindowBatcher[int, int], FakeClock, FakeRunner, list[int]]:
+    """A started batcher whose runner's model is replaced when a test bumps ``epoch[0]``."""
+    clock, runner, epoch = FakeClock(), FakeRunner(), [0]
+    policy = BatchPolicy(LanePolicy(2 * MS, max_batch, 64), LanePolicy(25 * MS, max_batch, 64))
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, model_epoch=lambda: epoch[0])
+    batcher.start()
+    return batcher, clock, runner, epoch
+
+
 async def test_a_model_replaced_mid_batch_starts_the_estimates_again() -> None:
     # the CPU fallback loads inside the batch whose failure brought it (seconds): that batch's
     # time, and the old model's estimate, would refuse requests the new model can serve
-    clock, runner = FakeClock(), FakeRunner()
-    policy = BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64))
-    epoch = [0]
-    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, model_epoch=lambda: epoch[0])
-    batcher.start()
+    batcher, clock, runner, epoch = with_model_epoch(max_batch=4)
     await run_one_timed_batch(batcher, clock, runner)
     assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1)
     runner.gate = asyncio.Event()
@@ -405,11 +410,7 @@ async def test_a_request_gone_from_a_batch_the_close_cuts_off_is_counted_once() 
 
 
 async def test_the_cpu_fallback_is_not_held_under_the_old_devices_ceiling() -> None:
-    clock, runner = FakeClock(), FakeRunner()
-    policy = BatchPolicy(LanePolicy(2 * MS, 8, 64), LanePolicy(25 * MS, 8, 64))
-    epoch = [0]
-    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, model_epoch=lambda: epoch[0])
-    batcher.start()
+    batcher, clock, runner, epoch = with_model_epoch(max_batch=8)
     batcher.lower_ceiling(4)  # the GPU ran out of memory at 4
     assert batcher.ceiling == 2
     runner.gate = asyncio.Event()

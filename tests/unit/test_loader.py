@@ -16,6 +16,7 @@ from app.inference.device import resolve_device, resolve_dtype
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.manifest import MANIFEST_FILE, Evaluation, InputSpec, Manifest, Provenance
 from app.inference.packaging import sha256_file, write_version
+from tests.faults import out_of_memory_in_graph
 
 SPEC = InputSpec(channels=1, height=8, width=8, mean=(0.25,), std=(0.5,))
 
@@ -183,6 +184,17 @@ def test_a_head_that_does_not_fit_the_backbone_is_a_load_error_and_is_not_loaded
             model.head()
     assert model.head_loads == 0 and model.loaded_heads == ()
     assert list(model.failed_heads) == ["classifier"]
+
+
+def test_the_device_out_of_memory_in_a_self_check_is_not_taken_for_a_broken_model(version: Path) -> None:
+    # the device's fault, raised through the graph as a plain RuntimeError: it passes, and may
+    # pass; the head is not marked as one that can never serve
+    model = out_of_memory_in_graph(load(version), fail_at=1)
+    for check in (model.self_check, model.head):
+        with pytest.raises(RuntimeError, match="out of memory") as raised:
+            check()
+        assert not isinstance(raised.value, ModelLoadError)
+    assert model.failed_heads == {}
 
 
 def test_integer_weights_for_a_float_graph_fail_the_self_check_naming_the_folder(version: Path) -> None:
