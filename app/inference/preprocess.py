@@ -18,6 +18,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
+from app.inference.jpeg import decode_reduced
 from app.inference.manifest import InputSpec
 
 ACCEPTED_FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
@@ -174,6 +175,15 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
     A JPEG is decoded at a reduced scale when that still leaves at least
     ``draft_tolerance`` of the pixels the resize needs (1.0: never enlarge afterwards).
     """
+    # the common case, a JPEG photo, in one call without the GIL (app.inference.jpeg); what it
+    # does not take, Pillow decodes below, with the same pixels (fit_content: see the draft below)
+    if spec.resize.mode != "fit_content" and len(data) <= limits.max_bytes:
+        pixels = decode_reduced(
+            data, spec.channels, lambda w, h: draft_size(w, h, spec, draft_tolerance), limits.max_pixels
+        )
+        if pixels is not None:
+            image = Image.fromarray(pixels[:, :, 0] if spec.channels == 1 else pixels)
+            return _tensor(_resize(image, spec, limits.max_pixels))
     image = _open(data, limits)
     try:
         # a photo stored on its side says so in its EXIF (as phones write them): upright it
@@ -191,6 +201,10 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
         image = _resize(_to_mode(image, spec.channels), spec, limits.max_pixels)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
+    return _tensor(image)
+
+
+def _tensor(image: Image.Image) -> torch.Tensor:
     array = np.asarray(image, dtype=np.uint8)
     if array.ndim == 2:
         array = array[:, :, None]

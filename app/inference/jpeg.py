@@ -1,0 +1,113 @@
+"""A JPEG photo decoded at a reduced scale in one call that lets go of the GIL.
+
+Pillow's path to a JPEG's pixels is Python until the very end: ``Image.open`` walks the
+markers, ``getexif`` parses the EXIF, ``draft`` picks a scale, ``load`` feeds the decoder,
+and each of those steps needs the GIL. In the service the decode thread shares the GIL with
+the event loop, and every time it needs it back it waits for the loop to let go (up to the
+switch interval, then a wake-up): beside a busy Python thread that cost more on the clock than
+the decoding itself (docs/performance.md, seventeenth pass). Here simplejpeg (libjpeg-turbo)
+reads the header and decodes at the reduced scale in one call, without the GIL.
+
+Only an image whose pixels come out exactly as Pillow's would takes this path: a YCbCr or
+grey JPEG with no orientation to apply (no EXIF orientation other than 1, no XMP, which Pillow
+also reads an orientation from), decoded at the scale Pillow's draft mode picks (1/1, 1/2,
+1/4 or 1/8), with libjpeg's default DCT and upsampling, as Pillow asks for them. Anything
+else, and any JPEG libjpeg-turbo warns about, gets None: Pillow decides, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+import simplejpeg
+
+SOI, SOS, EOI, APP1 = 0xD8, 0xDA, 0xD9, 0xE1
+EXIF, XMP = b"Exif\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00"
+ORIENTATION, SHORT = 0x0112, 3
+BYTE_ORDERS: dict[bytes, Literal["little", "big"]] = {b"II": "little", b"MM": "big"}
+# the colour spaces simplejpeg's header reports that convert as Pillow converts them
+COLOURS = {"YCbCr", "Gray"}
+
+
+def decode_reduced(
+    data: bytes, channels: int, wanted: Callable[[int, int], tuple[int, int]], max_pixels: int
+) -> np.ndarray | None:
+    """``data``'s pixels (``H x W x channels`` uint8), decoded at the largest reduction that
+    leaves at least ``wanted(width, height)`` pixels, or None: Pillow's path decodes it (not
+    such a JPEG, more than ``max_pixels``, broken, or anything this path does not do alike)."""
+    if data[:2] != b"\xff\xd8" or _orientation(data) != 1:
+        return None
+    try:
+        height, width, colour, _ = simplejpeg.decode_jpeg_header(data)
+        if colour not in COLOURS or width * height > max_pixels:
+            return None
+        scale = draft_scale(width, height, wanted(width, height))
+        size = math.ceil(height / scale), math.ceil(width / scale)
+        pixels = simplejpeg.decode_jpeg(
+            data, "GRAY" if channels == 1 else "RGB", min_height=size[0], min_width=size[1], strict=True
+        )
+    except ValueError:  # simplejpeg's word for anything it could not read, warnings included
+        return None
+    return pixels if pixels.shape == (*size, channels) else None
+
+
+def draft_scale(width: int, height: int, wanted: tuple[int, int]) -> int:
+    """The reduction Pillow's ``JpegImageFile.draft`` picks for ``wanted``: the largest of
+    8, 4 and 2 that both sides allow, else 1 (an image smaller than wanted)."""
+    most = min(width // wanted[0], height // wanted[1])
+    return next((scale for scale in (8, 4, 2) if most >= scale), 1)
+
+
+def _orientation(data: bytes) -> int | None:
+    """The EXIF orientation of a JPEG (1 without one), or None where it cannot be told here
+    (an XMP packet, malformed markers or EXIF): Pillow then reads it."""
+    at, end, found = 2, len(data), 1
+    exif_seen = False
+    while at + 4 <= end:
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in (SOS, EOI):
+            return found  # the markers before the first scan are all Pillow reads
+        if marker == SOI or 0xD0 <= marker <= 0xD7 or marker == 0x01:  # no length follows
+            at += 2
+            continue
+        length = int.from_bytes(data[at + 2 : at + 4], "big")
+        if length < 2:
+            return None
+        if marker == APP1:
+            segment = data[at + 4 : at + 2 + length]
+            if segment.startswith(XMP):
+                return None
+            if segment.startswith(EXIF) and not exif_seen:  # Pillow reads the first EXIF only
+                exif_seen = True
+                orientation = _tiff_orientation(segment[len(EXIF) :])
+                if orientation is None:
+                    return None
+                found = orientation
+        at += 2 + length
+    return None
+
+
+def _tiff_orientation(tiff: bytes) -> int | None:
+    """The orientation tag in a TIFF header's first IFD (1 without one), or None if malformed."""
+    order = BYTE_ORDERS.get(tiff[:2])
+    if order is None or len(tiff) < 8 or int.from_bytes(tiff[2:4], order) != 42:
+        return None
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return None
+    for entry in range(ifd + 2, ifd + 2 + 12 * int.from_bytes(tiff[ifd : ifd + 2], order), 12):
+        if entry + 12 > len(tiff):
+            return None
+        if int.from_bytes(tiff[entry : entry + 2], order) == ORIENTATION:
+            if int.from_bytes(tiff[entry + 2 : entry + 4], order) != SHORT:
+                return None
+            return int.from_bytes(tiff[entry + 8 : entry + 10], order)
+    return 1

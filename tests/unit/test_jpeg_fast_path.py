@@ -1,0 +1,165 @@
+"""The JPEG fast path (simplejpeg, one call without the GIL) gives Pillow's pixels, or stands aside."""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from app.bench.limit import synthetic_photo
+from app.errors import PayloadTooLarge
+from app.inference import jpeg, preprocess
+from app.inference.jpeg import decode_reduced, draft_scale
+from app.inference.manifest import InputSpec, ResizeSpec
+from app.inference.preprocess import ImageLimits, decode, draft_size
+from tests.unit.test_preprocess import IMAGENET
+
+SPECS = [
+    IMAGENET,
+    InputSpec(channels=1, height=16, width=24, mean=(0.5,), std=(0.5,)),  # stretch, grey
+    InputSpec(channels=3, height=48, width=64, resize=ResizeSpec(filter="bicubic"), mean=(0.5,) * 3, std=(0.5,) * 3),
+    InputSpec(
+        channels=1,
+        height=32,
+        width=32,
+        resize=ResizeSpec(mode="shorter_side_then_center_crop", resize_to=36),
+        mean=(0.5,),
+        std=(0.5,),
+    ),
+]
+LIMITS = ImageLimits(max_bytes=1 << 22, max_pixels=16_000_000)
+
+
+def photo(width: int, height: int, seed: int) -> Image.Image:
+    return Image.open(io.BytesIO(synthetic_photo(seed, width, height))).convert("RGB")
+
+
+def encode(image: Image.Image, **options: object) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="JPEG", **options)
+    return out.getvalue()
+
+
+def pillow_only(data: bytes, spec: InputSpec, tolerance: float, monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
+    with monkeypatch.context() as patch:
+        patch.setattr(preprocess, "decode_reduced", lambda *args: None)
+        return decode(data, spec, LIMITS, draft_tolerance=tolerance).numpy()
+
+
+def exif_jpeg(orientation: bytes, order: str = "<", xmp: bool = False) -> bytes:
+    """A 320x240 photo whose EXIF holds one entry, Orientation (``order``: < little, > big endian)."""
+    mark = b"II" if order == "<" else b"MM"
+    entry = struct.pack(f"{order}HHI", 0x0112, 3, 1) + orientation.ljust(4, b"\0")
+    tiff = mark + struct.pack(f"{order}HI", 42, 8) + struct.pack(f"{order}H", 1) + entry + struct.pack(f"{order}I", 0)
+    options: dict[str, object] = {"exif": b"Exif\x00\x00" + tiff, "quality": 90}
+    if xmp:
+        options["xmp"] = b'<x:xmpmeta xmlns:x="adobe:ns:meta/"></x:xmpmeta>'
+    return encode(photo(320, 240, 3), **options)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.integers(16, 900),
+    height=st.integers(16, 900),
+    grey=st.booleans(),
+    subsampling=st.sampled_from([0, 1, 2]),
+    progressive=st.booleans(),
+    spec=st.sampled_from(SPECS),
+    tolerance=st.sampled_from([0.9, 1.0, 0.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_fast_path_gives_exactly_the_pixels_of_pillows_path(
+    width: int,
+    height: int,
+    grey: bool,
+    subsampling: int,
+    progressive: bool,
+    spec: InputSpec,
+    tolerance: float,
+    seed: int,
+) -> None:
+    image = photo(width, height, seed)
+    data = encode(image.convert("L") if grey else image, quality=85, subsampling=subsampling, progressive=progressive)
+    wanted = draft_size(width, height, spec, tolerance)
+    assert decode_reduced(data, spec.channels, lambda w, h: wanted, LIMITS.max_pixels) is not None  # it was taken
+    fast = decode(data, spec, LIMITS, draft_tolerance=tolerance).numpy()
+    with pytest.MonkeyPatch.context() as patch:
+        assert np.array_equal(fast, pillow_only(data, spec, tolerance, patch))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    width=st.integers(1, 5000), height=st.integers(1, 5000), wanted_w=st.integers(1, 600), wanted_h=st.integers(1, 600)
+)
+def test_the_scale_is_the_one_pillows_draft_mode_picks(width: int, height: int, wanted_w: int, wanted_h: int) -> None:
+    image = Image.new("RGB", (width, height))
+    data = encode(image)
+    opened = Image.open(io.BytesIO(data))
+    opened.draft("RGB", (wanted_w, wanted_h))
+    scale = draft_scale(width, height, (wanted_w, wanted_h))
+    assert opened.size == (math.ceil(width / scale), math.ceil(height / scale))
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_an_exif_orientation_of_1_keeps_the_fast_path_and_any_other_leaves_it_to_pillow(order: str) -> None:
+    upright = exif_jpeg(struct.pack(f"{order}H", 1), order)
+    turned = exif_jpeg(struct.pack(f"{order}H", 6), order)
+    assert decode_reduced(upright, 3, lambda w, h: (w // 2, h // 2), LIMITS.max_pixels) is not None
+    assert decode_reduced(turned, 3, lambda w, h: (w // 2, h // 2), LIMITS.max_pixels) is None
+    assert tuple(decode(turned, IMAGENET, LIMITS).shape) == (3, 224, 224)  # Pillow turned it
+
+
+def test_an_xmp_packet_leaves_the_orientation_to_pillow() -> None:
+    """Pillow also reads an orientation from XMP: a JPEG that has one is not this path's."""
+    data = exif_jpeg(struct.pack("<H", 1), xmp=True)
+    assert b"http://ns.adobe.com/xap/1.0/\x00" in data
+    assert decode_reduced(data, 3, lambda w, h: (w, h), LIMITS.max_pixels) is None
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        lambda d: d[: len(d) // 2],  # truncated
+        lambda d: d[:2] + b"\xff\xe1\x00\x01" + d[2:],  # a segment length under 2
+        lambda d: d.replace(b"II*\x00", b"II+\x00"),  # not TIFF
+        lambda d: d.replace(b"II*\x00\x08", b"II*\x00\xf8"),  # the IFD past the end
+    ],
+    ids=["truncated", "bad-length", "not-tiff", "ifd-past-end"],
+)
+def test_a_broken_jpeg_or_exif_leaves_it_to_pillow(broken: object) -> None:
+    data = broken(exif_jpeg(struct.pack("<H", 1)))  # type: ignore[operator]
+    assert decode_reduced(data, 3, lambda w, h: (w, h), LIMITS.max_pixels) is None
+
+
+def test_cmyk_png_and_too_many_pixels_are_left_to_pillow() -> None:
+    cmyk = encode(Image.new("CMYK", (64, 48), (10, 200, 30, 0)))
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(png, "PNG")
+    photo_jpeg = encode(photo(640, 480, 1))
+    for data in (cmyk, png.getvalue()):
+        assert decode_reduced(data, 3, lambda w, h: (w, h), LIMITS.max_pixels) is None
+    assert decode_reduced(photo_jpeg, 3, lambda w, h: (w, h), 640 * 480 - 1) is None
+    with pytest.raises(PayloadTooLarge):  # and Pillow's path refuses it as before
+        decode(photo_jpeg, IMAGENET, ImageLimits(max_bytes=1 << 22, max_pixels=640 * 480 - 1))
+
+
+def test_the_photos_the_benchmarks_send_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 640x480 photos of `ai-backend limit` and the load tools: decoded at 1/2 scale here."""
+    taken: list[tuple[int, ...]] = []
+    real = jpeg.simplejpeg.decode_jpeg
+
+    def spy(*args: object, **kwargs: object) -> np.ndarray:
+        pixels: np.ndarray = real(*args, **kwargs)
+        taken.append(pixels.shape)
+        return pixels
+
+    monkeypatch.setattr(jpeg.simplejpeg, "decode_jpeg", spy)
+    data = synthetic_photo(3)
+    assert tuple(decode(data, IMAGENET, LIMITS).shape) == (3, 224, 224)
+    assert taken == [(240, 320, 3)]
