@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Server variants side by side at twice their own saturation, interleaved. Usage:
+#   scripts/bench_overload.sh OUT_DIR ROUNDS "label:ENV=V ENV2=V2;label2:ENV=V"
+# Each round serves every variant in turn (ai-backend serve with its settings as environment
+# variables) and measures, against it: saturation (closed loop, 64 clients, 10 s), then open loop
+# (Poisson) at twice that rate for OVERLOAD_SECONDS (30), every request with a deadline of
+# DEADLINE_MS (1000); both with 10% urgent requests. Prints one line per variant and round: the
+# share of its saturation answered, the mean batch per lane, the answers later than their deadline,
+# and the cores each group of the server's threads used (and waited for). The bench reports go to
+# OUT_DIR. Loopback only, bounded in time. Knobs (environment): REPOSITORY (a model repository
+# holding MODEL, default mobilenet_v3_small: exported there when missing), IMAGES (default
+# out/images, made by `ai-backend limit`), MAX_BATCH (16, the normal lane's), PORT (8944).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=$1 rounds=$2
+IFS=';' read -ra variants <<<"$3"
+mkdir -p "$out"
+py="$root/.venv/bin/python"
+port=${PORT:-8944}
+images=${IMAGES:-out/images}
+BENCH_NAME=overload
+# shellcheck source=scripts/bench_common.sh
+source "$root/scripts/bench_common.sh"
+export_model
+[ -d "$images" ] || logged "$out/limit.log" "$py" -m app.bench.limit --repository "$repo" --model "$model" \
+  --images-out "$images" --batch-sizes 1 --seconds 0.1 --pipeline-seconds 0 --every-core-seconds 0 \
+  --out "$out/limit.json" >/dev/null
+export AI_SERVICE_MODEL__REPOSITORY="$repo" AI_SERVICE_MODEL__NAMES="[\"$model\"]" AI_SERVICE_MODEL__DEFAULT="$model"
+export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${MAX_BATCH:-16}"
+bench() {
+  "$py" -m app.cli bench --url "http://127.0.0.1:$port" --client raw --images "$images" --server-pid "$server_pid" \
+    --urgent-fraction 0.1 --out "$@" >/dev/null
+}
+for round in $(seq 1 "$rounds"); do
+  for variant in "${variants[@]}"; do
+    label=${variant%%:*}
+    read -ra assignments <<<"${variant#*:}"
+    refuse_taken_port
+    env "${assignments[@]}" "$py" -m app.cli serve --port "$port" >"$out/server-$label.log" 2>&1 &
+    server_pid=$!
+    wait_ready "$out/server-$label.log"
+    bench "$out/saturation-$label-$round.json" --concurrency 64 --duration 10 --warmup 3
+    rate=$(field "$out/saturation-$label-$round.json" "round(2 * r['throughput_rps'], 1)")
+    bench "$out/overload-$label-$round.json" --rate "$rate" --deadline-ms "${DEADLINE_MS:-1000}" \
+      --duration "${OVERLOAD_SECONDS:-30}" --warmup 3
+    stop_server
+    "$py" - "$out" "$label" "$round" <<'PY'
+import json
+import sys
+
+out, label, round_ = sys.argv[1:]
+sat = json.load(open(f"{out}/saturation-{label}-{round_}.json"))
+over = json.load(open(f"{out}/overload-{label}-{round_}.json"))
+threads = " ".join(
+    f"{name} {t['cpu_cores']:.2f} (waited {t['runnable_waiting_cores']:.2f})"
+    for name, t in over.get("server_threads", {}).items()
+    if t["cpu_cores"] > 0.01
+)
+print(
+    f"{label} round {round_}: saturation {sat['throughput_rps']:.1f}/s | at {over['rate_rps']}/s: answered "
+    f"{over['throughput_rps']:.1f}/s = {over['throughput_rps'] / sat['throughput_rps']:.3f}, mean batch "
+    f"{over['mean_batch_size_by_lane']}, late {over.get('ok_past_deadline')} | cores: {threads}",
+    flush=True,
+)
+PY
+  done
+done
