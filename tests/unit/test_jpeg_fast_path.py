@@ -163,3 +163,15 @@ def test_the_photos_the_benchmarks_send_take_the_fast_path(monkeypatch: pytest.M
     data = synthetic_photo(3)
     assert tuple(decode(data, IMAGENET, LIMITS).shape) == (3, 224, 224)
     assert taken == [(240, 320, 3)]
+
+
+def test_threads_decoding_at_once_each_get_their_own_pixels() -> None:
+    """The decode pool runs one thread per core, each in simplejpeg without the GIL at the same time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    photos = [synthetic_photo(seed, 320 + 16 * seed, 240) for seed in range(6)]
+    alone = [decode(data, IMAGENET, LIMITS).numpy() for data in photos]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            together = list(pool.map(lambda data: decode(data, IMAGENET, LIMITS).numpy(), photos * 4))
+            assert all(np.array_equal(got, alone[i % 6]) for i, got in enumerate(together))
