@@ -72,7 +72,7 @@ class ServerSettings(_Group):
     max_top_k: int = Field(default=20, ge=1, le=1000, description="largest top_k accepted (also capped by the labels)")
     default_timeout_ms: int = Field(default=30_000, ge=1, description="deadline without X-Request-Timeout")
     max_timeout_ms: int = Field(default=120_000, ge=1, description="largest X-Request-Timeout accepted")
-    preprocess_workers: int = Field(default=0, ge=0, le=64, description="threads decoding images; 0: one per core")
+    preprocess_workers: int = Field(default=0, ge=0, le=64, description="threads decoding images; 0: half the cores")
     api_key: SecretStr | None = Field(
         default=None,
         description="if set (16+ characters), prediction routes need Authorization: Bearer <key> (off by default)",

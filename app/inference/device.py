@@ -84,13 +84,9 @@ def plan_threads(
     A GPU gets one worker: it serialises device work. A CPU of two or more cores gets two,
     and the cores are shared among them: on small models one batch cannot keep several
     cores busy (and OpenMP threads spin against the decode pool), while two batches at
-    once keep every core on the forward pass. Decoding gets a thread per core: a JPEG is
-    decoded without the GIL (``app.inference.jpeg``), so decode threads share the cores as
-    the forward passes do, and under overload the decode stage, not the device, sets the
-    pace (measured on 2 cores at twice the saturation rate: two decode threads answered
-    0.86-0.88 of saturation in full batches of 16, one answered 0.77-0.78 in batches of 9-10,
-    with saturation itself unchanged; before that path, when Pillow held the GIL through
-    most of a decode, one thread beat two).
+    once keep every core on the forward pass. Decoding gets half the cores: more runnable
+    threads than cores only trade CPU for context switches (measured on 2 cores: one decode
+    thread beat two by 0.6 to 0.7 of the limit).
 
     A CPU of two or more cores also gets one thread for urgent batches only, and the normal
     workers run at a lower OS priority (``model.normal_nice``): an urgent batch then neither
@@ -99,7 +95,7 @@ def plan_threads(
     lowered priority the third forward pass competed as an equal and cost throughput (0.54
     of the limit against 0.65). A GPU runs one batch at a time anyway: none there.
     """
-    decode = decode or max(1, cores)
+    decode = decode or max(1, cores // 2)
     if device.type != "cpu":
         return Threads(workers or 1, intra_op, decode, urgent or 0)
     workers = workers or (2 if cores >= 2 else 1)
