@@ -12,7 +12,9 @@ Only an image whose pixels come out exactly as Pillow's would takes this path: a
 grey JPEG with no orientation to apply (no EXIF orientation other than 1, no XMP, which Pillow
 also reads an orientation from), decoded at the scale Pillow's draft mode picks (1/1, 1/2,
 1/4 or 1/8), with libjpeg's default DCT and upsampling, as Pillow asks for them. Anything
-else, and any JPEG libjpeg-turbo warns about, gets None: Pillow decides, as before.
+else, and any JPEG libjpeg-turbo warns about, gets None: Pillow decides, as before. One difference
+is kept: a few headers Pillow's own parser refuses or trips over (a bare ``JFIF`` APP0 or ``Adobe``
+APP14, a TEM marker, an EXIF resolution of the wrong type) but libjpeg-turbo reads are decoded here.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Literal
 import numpy as np
 import simplejpeg
 
-SOI, SOS, EOI, APP1 = 0xD8, 0xDA, 0xD9, 0xE1
-EXIF, XMP = b"Exif\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00"
+SOI, SOS, EOI, APP1, APP2 = 0xD8, 0xDA, 0xD9, 0xE1, 0xE2
+EXIF, XMP, MPF = b"Exif\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00", b"MPF\x00"
 ORIENTATION, SHORT = 0x0112, 3
 BYTE_ORDERS: dict[bytes, Literal["little", "big"]] = {b"II": "little", b"MM": "big"}
 # the colour spaces simplejpeg's header reports that convert as Pillow converts them
@@ -45,11 +47,15 @@ def decode_reduced(
         if colour not in COLOURS or width * height > max_pixels:
             return None
         scale = draft_scale(width, height, wanted(width, height))
+        if scale > 1 and max(width, height) < 8:
+            return None  # libjpeg-turbo may pick 3/8 or 5/8 here, where Pillow asks for 1/scale
         size = math.ceil(height / scale), math.ceil(width / scale)
         pixels = simplejpeg.decode_jpeg(
             data, "GRAY" if channels == 1 else "RGB", min_height=size[0], min_width=size[1], strict=True
         )
-    except ValueError:  # simplejpeg's word for anything it could not read, warnings included
+    # ValueError for what it cannot read (warnings included), and whatever else it raises (a KeyError
+    # for a 4:4:1 header's subsampling): Pillow's path then decides
+    except Exception:
         return None
     return pixels if pixels.shape == (*size, channels) else None
 
@@ -81,6 +87,8 @@ def _orientation(data: bytes) -> int | None:
         length = int.from_bytes(data[at + 2 : at + 4], "big")
         if length < 2:
             return None
+        if marker == APP2 and data[at + 4 : at + 8] == MPF:
+            return None  # Pillow opens a multi-picture file as MPO, and decodes it without a draft
         if marker == APP1:
             segment = data[at + 4 : at + 2 + length]
             if segment.startswith(XMP):
@@ -96,18 +104,28 @@ def _orientation(data: bytes) -> int | None:
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:
-    """The orientation tag in a TIFF header's first IFD (1 without one), or None if malformed."""
+    """The orientation tag in a TIFF header's first IFD (1 without one), or None if malformed or
+    not told plainly: one entry, a SHORT, count 1 (Pillow skips an entry whose data it cannot
+    read, count 0 say, and reads the next one with the same tag)."""
     order = BYTE_ORDERS.get(tiff[:2])
     if order is None or len(tiff) < 8 or int.from_bytes(tiff[2:4], order) != 42:
         return None
     ifd = int.from_bytes(tiff[4:8], order)
     if ifd + 2 > len(tiff):
         return None
+    found: list[int] = []
     for entry in range(ifd + 2, ifd + 2 + 12 * int.from_bytes(tiff[ifd : ifd + 2], order), 12):
         if entry + 12 > len(tiff):
             return None
-        if int.from_bytes(tiff[entry : entry + 2], order) == ORIENTATION:
-            if int.from_bytes(tiff[entry + 2 : entry + 4], order) != SHORT:
-                return None
-            return int.from_bytes(tiff[entry + 8 : entry + 10], order)
-    return 1
+        if int.from_bytes(tiff[entry : entry + 2], order) != ORIENTATION:
+            continue
+        kind, count = (
+            int.from_bytes(tiff[entry + 2 : entry + 4], order),
+            int.from_bytes(tiff[entry + 4 : entry + 8], order),
+        )
+        if kind != SHORT or count != 1:
+            return None
+        found.append(int.from_bytes(tiff[entry + 8 : entry + 10], order))
+    if len(found) > 1:
+        return None
+    return found[0] if found else 1

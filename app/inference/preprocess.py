@@ -178,9 +178,9 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
     # the common case, a JPEG photo, in one call without the GIL (app.inference.jpeg); what it
     # does not take, Pillow decodes below, with the same pixels (fit_content: see the draft below)
     if spec.resize.mode != "fit_content" and len(data) <= limits.max_bytes:
-        pixels = decode_reduced(
-            data, spec.channels, lambda w, h: draft_size(w, h, spec, draft_tolerance), limits.max_pixels
-        )
+        # Image.open refuses more than twice Pillow's own bomb limit, whatever max_pixels allows
+        most = min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else limits.max_pixels
+        pixels = decode_reduced(data, spec.channels, lambda w, h: draft_size(w, h, spec, draft_tolerance), most)
         if pixels is not None:
             image = Image.fromarray(pixels[:, :, 0] if spec.channels == 1 else pixels)
             return _tensor(_resize(image, spec, limits.max_pixels))

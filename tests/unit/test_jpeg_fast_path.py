@@ -175,3 +175,64 @@ def test_threads_decoding_at_once_each_get_their_own_pixels() -> None:
         for _ in range(5):
             together = list(pool.map(lambda data: decode(data, IMAGENET, LIMITS).numpy(), photos * 4))
             assert all(np.array_equal(got, alone[i % 6]) for i, got in enumerate(together))
+
+
+def exif_entries(*entries: tuple[int, int, int, bytes]) -> bytes:
+    """A 320x240 photo whose EXIF IFD0 holds ``entries`` (tag, type, count, value), little-endian."""
+    body = struct.pack("<H", len(entries))
+    body += b"".join(
+        struct.pack("<HHI", tag, kind, count) + value.ljust(4, b"\0") for tag, kind, count, value in entries
+    )
+    tiff = b"II" + struct.pack("<HI", 42, 8) + body + struct.pack("<I", 0)
+    return encode(photo(320, 240, 3), exif=b"Exif\x00\x00" + tiff, quality=90)
+
+
+def same_as_pillow(data: bytes, spec: InputSpec, monkeypatch: pytest.MonkeyPatch) -> bool:
+    return bool(np.array_equal(decode(data, spec, LIMITS).numpy(), pillow_only(data, spec, 0.9, monkeypatch)))
+
+
+def test_an_orientation_entry_pillow_skips_does_not_hide_the_one_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: Pillow skips an Orientation entry whose data it cannot read (count 0) and
+    reads the next with the same tag: here 6, a quarter turn. The first entry's 1 is not the answer."""
+    data = exif_entries((0x0112, 3, 0, struct.pack("<H", 1)), (0x0112, 3, 1, struct.pack("<H", 6)))
+    assert decode_reduced(data, 3, lambda w, h: (w // 2, h // 2), LIMITS.max_pixels) is None
+    assert same_as_pillow(data, IMAGENET, monkeypatch)
+
+
+def test_a_multi_picture_file_is_decoded_as_pillow_decodes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: Pillow opens a JPEG with an MPF segment (cameras' and phones' multi-picture
+    files) as MPO, and decodes it at full size: a reduced decode here gave other pixels."""
+    out = io.BytesIO()
+    photo(640, 480, 2).save(out, "MPO", save_all=True, append_images=[photo(160, 120, 3)], quality=90)
+    assert decode_reduced(out.getvalue(), 3, lambda w, h: (w // 2, h // 2), LIMITS.max_pixels) is None
+    assert same_as_pillow(out.getvalue(), IMAGENET, monkeypatch)
+
+
+def test_anything_simplejpeg_raises_leaves_the_image_to_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: simplejpeg 1.9 raises KeyError for a 4:4:1 header's subsampling, which
+    reached the route as a 500; Pillow decodes such a JPEG."""
+
+    def unknown_subsampling(data: bytes) -> tuple[int, int, str, str]:
+        raise KeyError(6)
+
+    monkeypatch.setattr(jpeg.simplejpeg, "decode_jpeg_header", unknown_subsampling)
+    data = synthetic_photo(4)
+    assert decode_reduced(data, 3, lambda w, h: (w // 2, h // 2), LIMITS.max_pixels) is None
+    assert tuple(decode(data, IMAGENET, LIMITS).shape) == (3, 224, 224)
+
+
+def test_pillows_own_bomb_limit_still_refuses_when_max_pixels_allows_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: with ``server.max_image_pixels`` above twice Pillow's MAX_IMAGE_PIXELS, Pillow
+    refuses the image (413) and the fast path must not decode it instead."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100_000)  # 640x480 is over twice this
+    with pytest.raises(PayloadTooLarge):
+        decode(synthetic_photo(5), IMAGENET, LIMITS)
+
+
+def test_a_tiny_image_is_not_decoded_at_a_scale_pillow_would_not_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: under 8 pixels a side libjpeg-turbo's nearest scale can be 3/8 where Pillow asks 1/4."""
+    spec = InputSpec(channels=3, height=1, width=1, mean=(0.5,) * 3, std=(0.5,) * 3)
+    pixels = np.random.default_rng(2).integers(0, 256, (5, 5, 3), dtype=np.uint8)
+    data = encode(Image.fromarray(pixels), quality=100, subsampling=0)
+    assert decode_reduced(data, 3, lambda w, h: (1, 1), LIMITS.max_pixels) is None
+    assert same_as_pillow(data, spec, monkeypatch)
