@@ -29,6 +29,8 @@ import simplejpeg
 SOI, SOS, EOI, APP1, APP2 = 0xD8, 0xDA, 0xD9, 0xE1, 0xE2
 EXIF, XMP, MPF = b"Exif\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00", b"MPF\x00"
 ORIENTATION, SHORT = 0x0112, 3
+# markers and fill bytes walked before the first scan: a camera's header has a few dozen
+MAX_STEPS = 512
 BYTE_ORDERS: dict[bytes, Literal["little", "big"]] = {b"II": "little", b"MM": "big"}
 # the colour spaces simplejpeg's header reports that convert as Pillow converts them
 COLOURS = {"YCbCr", "Gray"}
@@ -69,10 +71,14 @@ def draft_scale(width: int, height: int, wanted: tuple[int, int]) -> int:
 
 def _orientation(data: bytes) -> int | None:
     """The EXIF orientation of a JPEG (1 without one), or None where it cannot be told here
-    (an XMP packet, malformed markers or EXIF): Pillow then reads it."""
+    (an XMP packet, malformed markers or EXIF, or more steps than a photo's header takes): Pillow
+    then reads it. The walk holds the GIL, so it is bounded: a crafted megabyte of fill bytes or
+    empty segments would otherwise keep the event loop waiting for tens of milliseconds."""
     at, end, found = 2, len(data), 1
     exif_seen = False
-    while at + 4 <= end:
+    for _ in range(MAX_STEPS):
+        if at + 4 > end:
+            return None
         if data[at] != 0xFF:
             return None
         marker = data[at + 1]
@@ -100,7 +106,7 @@ def _orientation(data: bytes) -> int | None:
                     return None
                 found = orientation
         at += 2 + length
-    return None
+    return None  # MAX_STEPS markers and no scan yet: not a photo's header
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:

@@ -236,3 +236,22 @@ def test_a_tiny_image_is_not_decoded_at_a_scale_pillow_would_not_pick(monkeypatc
     data = encode(Image.fromarray(pixels), quality=100, subsampling=0)
     assert decode_reduced(data, 3, lambda w, h: (1, 1), LIMITS.max_pixels) is None
     assert same_as_pillow(data, spec, monkeypatch)
+
+
+def test_the_marker_walk_is_bounded_and_a_longer_header_goes_to_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the walk holds the GIL, and a crafted header of a megabyte of fill bytes or
+    empty segments kept it for about 80 ms. It stops after MAX_STEPS and leaves the file to Pillow."""
+    steps: list[int] = []
+
+    class Counting(bytes):  # counts the walk's one-byte reads
+        def __getitem__(self, key):  # type: ignore[no-untyped-def,override]
+            if isinstance(key, int):
+                steps.append(key)
+            return bytes.__getitem__(self, key)
+
+    base = synthetic_photo(6)
+    padded = Counting(base[:2] + b"\xff\xfe\x00\x02" * 100_000 + base[2:])  # 100,000 empty comments
+    assert jpeg._orientation(padded) is None
+    assert len(steps) <= 3 * jpeg.MAX_STEPS
+    assert jpeg._orientation(base[:2] + b"\xff\xfe\x00\x02" * 20 + base[2:]) == 1  # a few are walked
+    assert tuple(decode(bytes(padded), IMAGENET, LIMITS).shape) == (3, 224, 224)  # Pillow decodes it
