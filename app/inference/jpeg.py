@@ -36,12 +36,24 @@ BYTE_ORDERS: dict[bytes, Literal["little", "big"]] = {b"II": "little", b"MM": "b
 COLOURS = {"YCbCr", "Gray"}
 
 
+class HeaderTooLong(ValueError):
+    """A JPEG with more markers before its image data than any encoder writes: refused before
+    either walk (this module's or Pillow's, both in Python, holding the GIL) goes through it."""
+
+
+def check_header(data: bytes) -> None:
+    """Raises ``HeaderTooLong`` for a JPEG whose header is longer than a photo's."""
+    if data[:2] == b"\xff\xd8":
+        _orientation(data)
+
+
 def decode_reduced(
     data: bytes, channels: int, wanted: Callable[[int, int], tuple[int, int]], max_pixels: int
 ) -> np.ndarray | None:
     """``data``'s pixels (``H x W x channels`` uint8), decoded at the largest reduction that
     leaves at least ``wanted(width, height)`` pixels, or None: Pillow's path decodes it (not
-    such a JPEG, more than ``max_pixels``, broken, or anything this path does not do alike)."""
+    such a JPEG, more than ``max_pixels``, broken, or anything this path does not do alike).
+    Raises ``HeaderTooLong`` (see ``check_header``)."""
     if data[:2] != b"\xff\xd8" or _orientation(data) != 1:
         return None
     try:
@@ -71,9 +83,9 @@ def draft_scale(width: int, height: int, wanted: tuple[int, int]) -> int:
 
 def _orientation(data: bytes) -> int | None:
     """The EXIF orientation of a JPEG (1 without one), or None where it cannot be told here
-    (an XMP packet, malformed markers or EXIF, or more steps than a photo's header takes): Pillow
-    then reads it. The walk holds the GIL, so it is bounded: a crafted megabyte of fill bytes or
-    empty segments would otherwise keep the event loop waiting for tens of milliseconds."""
+    (an XMP packet, malformed markers or EXIF): Pillow then reads it. ``HeaderTooLong`` past
+    ``MAX_STEPS`` markers: the walk holds the GIL, and a crafted megabyte of fill bytes or empty
+    segments kept the event loop waiting for 80 ms here (Pillow's own walk of it, 230-350 ms)."""
     at, end, found = 2, len(data), 1
     exif_seen = False
     for _ in range(MAX_STEPS):
@@ -106,7 +118,7 @@ def _orientation(data: bytes) -> int | None:
                     return None
                 found = orientation
         at += 2 + length
-    return None  # MAX_STEPS markers and no scan yet: not a photo's header
+    raise HeaderTooLong(f"more than {MAX_STEPS} markers before the image data")
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:

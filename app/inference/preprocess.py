@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
-from app.inference.jpeg import decode_reduced
+from app.inference.jpeg import HeaderTooLong, check_header, decode_reduced
 from app.inference.manifest import InputSpec
 
 ACCEPTED_FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
@@ -175,12 +175,11 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
     A JPEG is decoded at a reduced scale when that still leaves at least
     ``draft_tolerance`` of the pixels the resize needs (1.0: never enlarge afterwards).
     """
-    # the common case, a JPEG photo, in one call without the GIL (app.inference.jpeg); what it
-    # does not take, Pillow decodes below, with the same pixels (fit_content: see the draft below)
-    if spec.resize.mode != "fit_content" and len(data) <= limits.max_bytes:
-        # Image.open refuses more than twice Pillow's own bomb limit, whatever max_pixels allows
-        most = min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else limits.max_pixels
-        pixels = decode_reduced(data, spec.channels, lambda w, h: draft_size(w, h, spec, draft_tolerance), most)
+    if len(data) <= limits.max_bytes:  # (beyond it, _open refuses it before any work)
+        try:
+            pixels = _decode_reduced(data, spec, limits, draft_tolerance)
+        except HeaderTooLong as exc:
+            raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
         if pixels is not None:
             image = Image.fromarray(pixels[:, :, 0] if spec.channels == 1 else pixels)
             return _tensor(_resize(image, spec, limits.max_pixels))
@@ -202,6 +201,18 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
     return _tensor(image)
+
+
+def _decode_reduced(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: float) -> np.ndarray | None:
+    """The common case, a JPEG photo, in one call without the GIL (``app.inference.jpeg``), or
+    None: Pillow decodes it, with the same pixels. fit_content crops a box of unknown size first,
+    so it never drafts (see ``decode``); its JPEGs' headers are checked all the same."""
+    if spec.resize.mode == "fit_content":
+        check_header(data)
+        return None
+    # Image.open refuses more than twice Pillow's own bomb limit, whatever max_pixels allows
+    most = min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else limits.max_pixels
+    return decode_reduced(data, spec.channels, lambda w, h: draft_size(w, h, spec, draft_tolerance), most)
 
 
 def _tensor(image: Image.Image) -> torch.Tensor:

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from app.bench.limit import synthetic_photo
-from app.errors import PayloadTooLarge
+from app.errors import BadRequest, PayloadTooLarge
 from app.inference import jpeg, preprocess
 from app.inference.jpeg import decode_reduced, draft_scale
 from app.inference.manifest import InputSpec, ResizeSpec
 from app.inference.preprocess import ImageLimits, decode, draft_size
 from tests.unit.test_preprocess import IMAGENET
+from tests.unit.test_preprocess_inputs import DIGITS  # fit_content: the bundled model's spec
 
 SPECS = [
     IMAGENET,
@@ -238,9 +239,11 @@ def test_a_tiny_image_is_not_decoded_at_a_scale_pillow_would_not_pick(monkeypatc
     assert same_as_pillow(data, spec, monkeypatch)
 
 
-def test_the_marker_walk_is_bounded_and_a_longer_header_goes_to_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found in review: the walk holds the GIL, and a crafted header of a megabyte of fill bytes or
-    empty segments kept it for about 80 ms. It stops after MAX_STEPS and leaves the file to Pillow."""
+def test_a_jpeg_header_longer_than_any_encoder_writes_is_refused_before_it_is_walked() -> None:
+    """Found in review: both marker walks (this path's and Pillow's) run in Python holding the GIL,
+    and a crafted 400 KB header of empty comments kept the event loop waiting for tens of
+    milliseconds, hundreds in Pillow's. The walk stops after MAX_STEPS markers, and the image is a
+    400 for every input spec, fit_content (which never takes the fast path) included."""
     steps: list[int] = []
 
     class Counting(bytes):  # counts the walk's one-byte reads
@@ -250,8 +253,12 @@ def test_the_marker_walk_is_bounded_and_a_longer_header_goes_to_pillow(monkeypat
             return bytes.__getitem__(self, key)
 
     base = synthetic_photo(6)
-    padded = Counting(base[:2] + b"\xff\xfe\x00\x02" * 100_000 + base[2:])  # 100,000 empty comments
-    assert jpeg._orientation(padded) is None
+    padded = base[:2] + b"\xff\xfe\x00\x02" * 100_000 + base[2:]  # 100,000 empty comments
+    with pytest.raises(jpeg.HeaderTooLong):
+        jpeg.check_header(Counting(padded))
     assert len(steps) <= 3 * jpeg.MAX_STEPS
+    for spec in (IMAGENET, DIGITS):
+        with pytest.raises(BadRequest) as refused:
+            decode(padded, spec, LIMITS)
+        assert refused.value.code == "undecodable_image"
     assert jpeg._orientation(base[:2] + b"\xff\xfe\x00\x02" * 20 + base[2:]) == 1  # a few are walked
-    assert tuple(decode(bytes(padded), IMAGENET, LIMITS).shape) == (3, 224, 224)  # Pillow decodes it
