@@ -83,41 +83,43 @@ def draft_scale(width: int, height: int, wanted: tuple[int, int]) -> int:
 
 def _orientation(data: bytes) -> int | None:
     """The EXIF orientation of a JPEG (1 without one), or None where it cannot be told here
-    (an XMP packet, malformed markers or EXIF): Pillow then reads it. ``HeaderTooLong`` past
-    ``MAX_STEPS`` markers: the walk holds the GIL, and a crafted megabyte of fill bytes or empty
-    segments kept the event loop waiting for 80 ms here (Pillow's own walk of it, 230-350 ms)."""
-    at, end, found = 2, len(data), 1
+    (an XMP packet, a multi-picture file, malformed markers or EXIF): Pillow then reads it.
+
+    The walk goes on to the first scan even once the answer is None, stepping over what
+    Pillow's walk steps over (junk bytes one at a time, fill bytes, segments), so that
+    ``HeaderTooLong`` bounds both: they run in Python holding the GIL, and a crafted megabyte
+    of junk or empty segments kept the event loop waiting for 80 ms here, 230-350 ms in Pillow."""
+    at, end, found, sure = 2, len(data), 1, True
     exif_seen = False
     for _ in range(MAX_STEPS):
-        if at + 4 > end:
-            return None
-        if data[at] != 0xFF:
-            return None
+        if at + 2 > end:
+            return None  # no scan: Pillow refuses it
+        if data[at] != 0xFF:  # junk, skipped a byte at a time by Pillow too
+            sure, at = False, at + 1
+            continue
         marker = data[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
             continue
         if marker in (SOS, EOI):
-            return found  # the markers before the first scan are all Pillow reads
-        if marker == SOI or 0xD0 <= marker <= 0xD7 or marker == 0x01:  # no length follows
-            at += 2
+            return found if sure else None  # the markers before the first scan are all Pillow reads
+        if marker in (SOI, 0x00, 0x01) or 0xD0 <= marker <= 0xD7:  # no length follows
+            sure, at = sure and marker != 0x00, at + 2
             continue
         length = int.from_bytes(data[at + 2 : at + 4], "big")
-        if length < 2:
-            return None
         if marker == APP2 and data[at + 4 : at + 8] == MPF:
-            return None  # Pillow opens a multi-picture file as MPO, and decodes it without a draft
-        if marker == APP1:
+            sure = False  # Pillow opens a multi-picture file as MPO, and decodes it without a draft
+        elif marker == APP1 and length >= 2:
             segment = data[at + 4 : at + 2 + length]
             if segment.startswith(XMP):
-                return None
-            if segment.startswith(EXIF) and not exif_seen:  # Pillow reads the first EXIF only
+                sure = False
+            elif segment.startswith(EXIF) and not exif_seen:  # Pillow reads the first EXIF only
                 exif_seen = True
                 orientation = _tiff_orientation(segment[len(EXIF) :])
-                if orientation is None:
-                    return None
-                found = orientation
-        at += 2 + length
+                sure, found = sure and orientation is not None, orientation or 1
+        if length < 2:
+            sure = False
+        at += 2 + max(length, 2)
     raise HeaderTooLong(f"more than {MAX_STEPS} markers before the image data")
 
 
