@@ -5,6 +5,10 @@
 # variables) and measures, against it: saturation (closed loop, 64 clients, 10 s) and open loop
 # (Poisson) at RATE requests/s for STEADY_SECONDS (25), both with 10% urgent requests. Prints one
 # line per variant and round; the bench reports go to OUT_DIR. Loopback only, bounded in time.
+# RATE "2x": the open loop runs at twice each variant's own saturation, for OVERLOAD_SECONDS (30),
+# every request with a deadline of DEADLINE_MS (1000), and the line gives the share of saturation
+# answered, the mean batch per lane, the answers later than their deadline and the cores each group
+# of the server's threads used (and waited for).
 # Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
 # exported there when missing), IMAGES (default out/images, made by `ai-backend limit`), MAX_BATCH
 # (24, the normal lane's), PORT (8943).
@@ -39,22 +43,39 @@ for round in $(seq 1 "$rounds"); do
     server_pid=$!
     wait_ready "$out/server-$label.log"
     bench "$out/saturation-$label-$round.json" --concurrency 64 --duration 10 --warmup 3
-    bench "$out/steady-$label-$round.json" --rate "$rate" --duration "${STEADY_SECONDS:-25}" --warmup 3
+    if [ "$rate" = 2x ]; then
+      twice=$(field "$out/saturation-$label-$round.json" "round(2 * r['throughput_rps'], 1)")
+      bench "$out/steady-$label-$round.json" --rate "$twice" --deadline-ms "${DEADLINE_MS:-1000}" \
+        --duration "${OVERLOAD_SECONDS:-30}" --warmup 3
+    else
+      bench "$out/steady-$label-$round.json" --rate "$rate" --duration "${STEADY_SECONDS:-25}" --warmup 3
+    fi
     stop_server
-    "$py" - "$out" "$label" "$round" <<'PY'
+    "$py" - "$out" "$label" "$round" "$rate" <<'PY'
 import json
 import sys
 
-out, label, round_ = sys.argv[1:]
+out, label, round_, rate = sys.argv[1:]
 sat = json.load(open(f"{out}/saturation-{label}-{round_}.json"))
 steady = json.load(open(f"{out}/steady-{label}-{round_}.json"))
-urgent, normal = steady["latency"]["urgent"], steady["latency"]["normal"]
-print(
-    f"{label} round {round_}: saturation {sat['throughput_rps']:.1f}/s | at {steady['rate_rps']}/s: urgent p50/p99 "
-    f"{urgent['p50_ms']:.1f}/{urgent['p99_ms']:.1f} ms, normal p50/p99 {normal['p50_ms']:.1f}/{normal['p99_ms']:.1f} ms, "
-    f"mean batch {steady['mean_batch_size']}",
-    flush=True,
-)
+line = f"{label} round {round_}: saturation {sat['throughput_rps']:.1f}/s | at {steady['rate_rps']}/s: "
+if rate == "2x":
+    threads = " ".join(
+        f"{name} {t['cpu_cores']:.2f} (waited {t['runnable_waiting_cores']:.2f})"
+        for name, t in steady.get("server_threads", {}).items()
+        if t["cpu_cores"] > 0.01
+    )
+    line += (
+        f"answered {steady['throughput_rps']:.1f}/s = {steady['throughput_rps'] / sat['throughput_rps']:.3f}, "
+        f"mean batch {steady['mean_batch_size_by_lane']}, late {steady.get('ok_past_deadline')} | cores: {threads}"
+    )
+else:
+    urgent, normal = steady["latency"]["urgent"], steady["latency"]["normal"]
+    line += (
+        f"urgent p50/p99 {urgent['p50_ms']:.1f}/{urgent['p99_ms']:.1f} ms, normal p50/p99 "
+        f"{normal['p50_ms']:.1f}/{normal['p99_ms']:.1f} ms, mean batch {steady['mean_batch_size']}"
+    )
+print(line, flush=True)
 PY
   done
 done

@@ -27,6 +27,7 @@ import numpy as np
 import simplejpeg
 
 SOI, SOS, EOI, APP1, APP2 = 0xD8, 0xDA, 0xD9, 0xE1, 0xE2
+JPEG_START = b"\xff\xd8"  # SOI, every JPEG's first two bytes
 EXIF, XMP, MPF = b"Exif\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00", b"MPF\x00"
 ORIENTATION, SHORT = 0x0112, 3
 # markers and fill bytes walked before the first scan: a camera's header has a few dozen
@@ -43,7 +44,7 @@ class HeaderTooLong(ValueError):
 
 def check_header(data: bytes) -> None:
     """Raises ``HeaderTooLong`` for a JPEG whose header is longer than a photo's."""
-    if data[:2] == b"\xff\xd8":
+    if data.startswith(JPEG_START):
         _orientation(data)
 
 
@@ -54,7 +55,7 @@ def decode_reduced(
     leaves at least ``wanted(width, height)`` pixels, or None: Pillow's path decodes it (not
     such a JPEG, more than ``max_pixels``, broken, or anything this path does not do alike).
     Raises ``HeaderTooLong`` (see ``check_header``)."""
-    if data[:2] != b"\xff\xd8" or _orientation(data) != 1:
+    if not data.startswith(JPEG_START) or _orientation(data) != 1:
         return None
     try:
         height, width, colour, _ = simplejpeg.decode_jpeg_header(data)
