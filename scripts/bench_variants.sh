@@ -11,7 +11,7 @@
 # of the server's threads used (and waited for).
 # Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
 # exported there when missing), IMAGES (default out/images, made by `ai-backend limit`), MAX_BATCH
-# (24, the normal lane's), PORT (8943).
+# (24, the normal lane's), PORT (8943). A variant's SERVER_TREE=/path serves that checkout instead of this one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -38,8 +38,12 @@ for round in $(seq 1 "$rounds"); do
   for variant in "${variants[@]}"; do
     label=${variant%%:*}
     read -ra assignments <<<"${variant#*:}"
+    tree=$root  # SERVER_TREE=/path serves another checkout (a git worktree of the base commit, say)
+    for assignment in "${assignments[@]}"; do
+      case $assignment in SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;; esac
+    done
     refuse_taken_port
-    env "${assignments[@]}" "$py" -m app.cli serve --port "$port" >"$out/server-$label.log" 2>&1 &
+    (cd "$tree" && exec env "${assignments[@]}" "$py" -m app.cli serve --port "$port") >"$out/server-$label.log" 2>&1 &
     server_pid=$!
     wait_ready "$out/server-$label.log"
     bench "$out/saturation-$label-$round.json" --concurrency 64 --duration 10 --warmup 3

@@ -25,6 +25,7 @@ from typing import Literal
 
 import numpy as np
 import simplejpeg
+from PIL import Image
 
 SOI, SOS, EOI, APP1, APP2 = 0xD8, 0xDA, 0xD9, 0xE1, 0xE2
 JPEG_START = b"\xff\xd8"  # SOI, every JPEG's first two bytes
@@ -51,10 +52,14 @@ def check_header(data: bytes) -> None:
 def decode_reduced(
     data: bytes, channels: int, wanted: Callable[[int, int], tuple[int, int]], max_pixels: int
 ) -> np.ndarray | None:
-    """``data``'s pixels (``H x W x channels`` uint8), decoded at the largest reduction that
-    leaves at least ``wanted(width, height)`` pixels, or None: Pillow's path decodes it (not
-    such a JPEG, more than ``max_pixels``, broken, or anything this path does not do alike).
-    Raises ``HeaderTooLong`` (see ``check_header``)."""
+    """``data``'s pixels, uint8, decoded at the largest reduction that leaves at least
+    ``wanted(width, height)`` pixels, or None: Pillow's path decodes it (not such a JPEG, more
+    than ``max_pixels``, broken, or anything this path does not do alike). Raises
+    ``HeaderTooLong`` (see ``check_header``).
+
+    Grey is ``H x W x 1``; colour is ``H x W x 4``, RGB and a padding byte, the layout Pillow
+    keeps RGB in (four bytes a pixel): Pillow takes it as it is (``pillow_image``), without the
+    copy that spreading three bytes a pixel out to four costs, holding the GIL."""
     if not data.startswith(JPEG_START) or _orientation(data) != 1:
         return None
     try:
@@ -66,13 +71,21 @@ def decode_reduced(
             return None  # libjpeg-turbo may pick 3/8 or 5/8 here, where Pillow asks for 1/scale
         size = math.ceil(height / scale), math.ceil(width / scale)
         pixels = simplejpeg.decode_jpeg(
-            data, "GRAY" if channels == 1 else "RGB", min_height=size[0], min_width=size[1], strict=True
+            data, "GRAY" if channels == 1 else "RGBX", min_height=size[0], min_width=size[1], strict=True
         )
     # ValueError for what it cannot read (warnings included), and whatever else it raises (a KeyError
     # for a 4:4:1 header's subsampling): Pillow's path then decides
     except Exception:
         return None
-    return pixels if pixels.shape == (*size, channels) else None
+    return pixels if pixels.shape == (*size, 1 if channels == 1 else 4) else None
+
+
+def pillow_image(pixels: np.ndarray) -> Image.Image:
+    """``decode_reduced``'s pixels as a Pillow image that reads them where they are (grey as
+    ``L``, colour as ``RGBX``: their bands are RGB's, resized alike), not a copy."""
+    height, width, bands = pixels.shape
+    mode = "L" if bands == 1 else "RGBX"
+    return Image.frombuffer(mode, (width, height), pixels, "raw", mode, 0, 1)
 
 
 def draft_scale(width: int, height: int, wanted: tuple[int, int]) -> int:

@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
-from app.inference.jpeg import HeaderTooLong, check_header, decode_reduced
+from app.inference.jpeg import HeaderTooLong, check_header, decode_reduced, pillow_image
 from app.inference.manifest import InputSpec
 
 ACCEPTED_FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
@@ -181,8 +181,7 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
         except HeaderTooLong as exc:
             raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
         if pixels is not None:
-            image = Image.fromarray(pixels[:, :, 0] if spec.channels == 1 else pixels)
-            return _tensor(_resize(image, spec, limits.max_pixels))
+            return _tensor(_resize(pillow_image(pixels), spec, limits.max_pixels))
     image = _open(data, limits)
     try:
         # a photo stored on its side says so in its EXIF (as phones write them): upright it
@@ -219,6 +218,8 @@ def _tensor(image: Image.Image) -> torch.Tensor:
     array = np.asarray(image, dtype=np.uint8)
     if array.ndim == 2:
         array = array[:, :, None]
+    elif image.mode == "RGBX":  # the fast path's colour: the padding byte goes
+        array = array[:, :, :3]
     return torch.from_numpy(array.transpose(2, 0, 1).copy())
 
 

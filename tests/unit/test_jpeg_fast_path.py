@@ -15,7 +15,7 @@ from PIL import Image
 from app.bench.limit import synthetic_photo
 from app.errors import BadRequest, PayloadTooLarge
 from app.inference import jpeg, preprocess
-from app.inference.jpeg import decode_reduced, draft_scale
+from app.inference.jpeg import decode_reduced, draft_scale, pillow_image
 from app.inference.manifest import InputSpec, ResizeSpec
 from app.inference.preprocess import ImageLimits, decode, draft_size
 from tests.unit.test_preprocess import IMAGENET
@@ -163,7 +163,7 @@ def test_the_photos_the_benchmarks_send_take_the_fast_path(monkeypatch: pytest.M
     monkeypatch.setattr(jpeg.simplejpeg, "decode_jpeg", spy)
     data = synthetic_photo(3)
     assert tuple(decode(data, IMAGENET, LIMITS).shape) == (3, 224, 224)
-    assert taken == [(240, 320, 3)]
+    assert taken == [(240, 320, 4)]  # RGB and a padding byte, as Pillow holds RGB
 
 
 def test_threads_decoding_at_once_each_get_their_own_pixels() -> None:
@@ -283,3 +283,17 @@ def test_the_bound_holds_past_what_makes_the_fast_path_stand_aside(prefix: bytes
     else:
         assert decode_reduced(data, 3, lambda w, h: (w // 2, h // 2), LIMITS.max_pixels) is None
         assert tuple(decode(data, IMAGENET, LIMITS).shape) == (3, 224, 224)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_pillow_reads_the_decoded_pixels_where_they_are(channels: int) -> None:
+    """The decoder's buffer becomes the Pillow image as it is: spreading RGB's three bytes a pixel
+    out to Pillow's four was a copy of every pixel, made holding the GIL."""
+    data = synthetic_photo(5)
+    pixels = decode_reduced(data, channels, lambda w, h: (w // 2, h // 2), LIMITS.max_pixels)
+    assert pixels is not None
+    image = pillow_image(pixels)
+    assert image.size == (320, 240) and image.mode == ("L" if channels == 1 else "RGBX")
+    pixels[7, 11, 0] = 255 - pixels[7, 11, 0]  # a change to the buffer is a change to the image
+    seen = image.getpixel((11, 7))
+    assert (seen if channels == 1 else seen[0]) == pixels[7, 11, 0]  # type: ignore[index]
