@@ -26,21 +26,30 @@ class ClientClosed(ServiceError):
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first."""
-    task = asyncio.ensure_future(work)
+    """Await ``work``, cancelling it if the client disconnects first.
+
+    ``work`` runs in the caller's own task (a task of its own was one more to create, schedule
+    and finish for every prediction, on the event loop): the watcher cancels the caller's task,
+    and the cancellation it asked for comes out as ``ClientClosed``."""
+    caller = asyncio.current_task()
+    assert caller is not None, "awaited outside a task"
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                task.cancel()
+                gone = True
+                caller.cancel()
                 return
 
     watcher = asyncio.ensure_future(watch())
     try:
-        return await task
+        return await work
     except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled():
+        if gone:
+            caller.uncancel()  # this cancellation is answered here: nothing outside asked for it
             raise ClientClosed("the client disconnected") from None
         raise
     finally:
