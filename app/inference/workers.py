@@ -20,14 +20,75 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
 URGENT, NORMAL = 0, 1
 # what a thread takes, in the order it looks
 ANY, URGENT_ONLY, NORMAL_ONLY = (URGENT, NORMAL), (URGENT,), (NORMAL,)
-Call = tuple[Callable[[], Any], "Future[Any]"]
+
+
+class Outcome(Protocol):
+    """Where a call's result goes, as ``concurrent.futures.Future`` takes it."""
+
+    def set_running_or_notify_cancel(self) -> bool: ...
+    def set_result(self, result: Any) -> None: ...
+    def set_exception(self, exception: BaseException) -> None: ...
+    def cancel(self) -> bool: ...
+
+
+Call = tuple[Callable[[], Any], Outcome]
+
+
+class LoopOutcome:
+    """A call's result delivered straight to an asyncio future on its event loop: what
+    ``asyncio.wrap_future`` of a ``concurrent.futures.Future`` does, without the second future,
+    its lock and the callbacks that chain the two (on the event loop, 9-14 against 3-5 µs a call).
+
+    The worker reads whether the awaiting side cancelled (a plain read: one cancelled just
+    after still runs, as a started ``Future`` does) and hands the result to the loop, which
+    drops it if the future is done by then."""
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return not self.future.cancelled()
+
+    def set_result(self, result: Any) -> None:
+        self._settle(result, None)
+
+    def set_exception(self, exception: BaseException) -> None:
+        self._settle(None, exception)
+
+    def cancel(self) -> bool:
+        self._settle(_CANCELLED, None)
+        return True
+
+    def _settle(self, result: Any, exception: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits it any more
+            self.loop.call_soon_threadsafe(_settle, self.future, result, exception)
+
+
+_CANCELLED = object()  # what ``close`` settles a call it calls off with
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exception: BaseException | None) -> None:
+    """On the loop: the call's result, its exception, or its cancellation by ``close``."""
+    if future.done():
+        return
+    if isinstance(exception, StopIteration):  # an asyncio future refuses it (a coroutine's own signal)
+        future.set_exception(RuntimeError(f"the call raised {exception!r}"))
+    elif exception is not None:
+        future.set_exception(exception)
+    elif result is _CANCELLED:
+        future.cancel()
+    else:
+        future.set_result(result)
 
 
 class WorkerThreads:
@@ -68,24 +129,31 @@ class WorkerThreads:
         return len(self._threads) - self.urgent_workers
 
     def submit(self, fn: Callable[[], T], urgent: bool = False) -> Future[T]:
+        """Run ``fn`` on a worker; its ``concurrent.futures.Future`` (from any thread)."""
         future: Future[T] = Future()
+        self._put(fn, future, urgent)
+        return future
+
+    def _put(self, fn: Callable[[], Any], outcome: Outcome, urgent: bool) -> None:
         with self._ready:
             if self._closing:
                 raise RuntimeError("the worker threads are closed")
-            self._queues[URGENT if urgent else NORMAL].append((fn, future))
+            self._queues[URGENT if urgent else NORMAL].append((fn, outcome))
             # every thread wakes when threads differ in what they take: one woken for a call it
             # does not take would go back to sleep and the call would wait
             if self.urgent_workers:
                 self._ready.notify_all()
             else:
                 self._ready.notify()
-        return future
 
     async def run(self, fn: Callable[[], T], urgent: bool = False) -> T:
         """Run ``fn`` on a worker, in the caller's context (what it logs carries the request's
-        id, and the batch's trace), and await its result without blocking the event loop."""
-        context = contextvars.copy_context()
-        return await asyncio.wrap_future(self.submit(functools.partial(context.run, fn), urgent))
+        id, and the batch's trace), and await its result without blocking the event loop.
+        Cancelled while it waits for a worker, it never runs."""
+        outcome = LoopOutcome(asyncio.get_running_loop())
+        self._put(functools.partial(contextvars.copy_context().run, fn), outcome, urgent)
+        result: T = await outcome.future
+        return result
 
     def _next(self, kind: tuple[int, ...]) -> Call | None:
         for priority in kind:

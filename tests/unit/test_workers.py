@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -173,3 +174,55 @@ async def test_a_call_runs_in_its_callers_context() -> None:
     finally:
         request_id_var.reset(token)
         workers.close()
+
+
+async def test_run_delivers_results_and_errors_to_the_loop_without_a_second_future() -> None:
+    workers = WorkerThreads("test", 1)
+    try:
+        assert await workers.run(lambda: 42) == 42
+        with pytest.raises(ZeroDivisionError):
+            await workers.run(lambda: 1 / 0)
+
+        def stop() -> None:
+            raise StopIteration  # an asyncio future refuses it: the caller still gets an answer
+
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await asyncio.wait_for(workers.run(stop), 10)
+        assert await workers.run(lambda: "still serving") == "still serving"
+    finally:
+        workers.close()
+
+
+async def test_a_run_cancelled_while_it_waits_for_a_worker_never_runs() -> None:
+    workers = WorkerThreads("test", 1)
+    gate, ran = threading.Event(), []
+    try:
+        blocker = workers.submit(gate.wait)
+        doomed = asyncio.ensure_future(workers.run(lambda: ran.append("doomed")))
+        await asyncio.sleep(0.01)
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        gate.set()
+        assert await workers.run(lambda: ran.append("after")) is None
+        assert blocker.result(10) and ran == ["after"]
+    finally:
+        workers.close()
+
+
+async def test_close_cancels_the_runs_still_waiting() -> None:
+    workers = WorkerThreads("test", 1)
+    gate, started = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        started.set()
+        return gate.wait()
+
+    running = asyncio.ensure_future(workers.run(hold))
+    waiting = asyncio.ensure_future(workers.run(lambda: "never"))
+    assert await asyncio.to_thread(started.wait, 10)
+    threading.Timer(0.05, gate.set).start()
+    await asyncio.to_thread(workers.close, 10.0, True)
+    assert await asyncio.wait_for(running, 10) is True
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, 10)
