@@ -169,14 +169,24 @@ class InferenceService:
         return [served for group in self.groups.values() for served in group.routing.loaded.values()]
 
     def _queue_depths(self) -> list[tuple[str, str, str, int]]:
-        return [(s.name, s.version, lane.value, s.batcher.depth(lane)) for s in self.all_served() for lane in Lane]
+        """Each version's queues, an unloaded one's too while they drain (its requests still wait
+        there); a version loaded again meanwhile has both copies' requests in one series."""
+        depths: dict[tuple[str, str, str], int] = {}
+        for served in (*self.all_served(), *self._retiring):
+            for lane in Lane:
+                key = (served.name, served.version, lane.value)
+                depths[key] = depths.get(key, 0) + served.batcher.depth(lane)
+        return [(*key, depth) for key, depth in depths.items()]
 
     def _queue_capacities(self) -> list[tuple[str, str, str, int]]:
-        return [
-            (s.name, s.version, lane.value, s.batcher.policy.lane(lane).max_queue)
-            for s in self.all_served()
-            for lane in Lane
-        ]
+        """Each version's queue bounds, an unloaded one's while it drains (a loaded copy's first)."""
+        capacities: dict[tuple[str, str, str], int] = {}
+        for served in (*self.all_served(), *self._retiring):
+            for lane in Lane:
+                capacities.setdefault(
+                    (served.name, served.version, lane.value), served.batcher.policy.lane(lane).max_queue
+                )
+        return [(*key, capacity) for key, capacity in capacities.items()]
 
     def _cuda_memory_total(self) -> list[int]:
         return [torch.cuda.get_device_properties(self.device).total_memory]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from app.batching import Lane
 from app.errors import ServiceError
 from app.inference.manifest import InputSpec, Provenance
 from app.inference.packaging import sha256_file, write_version
@@ -465,3 +466,49 @@ async def test_an_unreadable_repository_is_a_503_to_the_admin_and_serving_goes_o
             assert (await running.predict_png(sample_png(6))).status_code == 200
         finally:
             await asyncio.to_thread(moved.rename, repository)
+
+
+async def test_an_unloaded_versions_queue_is_scraped_while_it_drains(repository: Path) -> None:
+    """Its requests still wait in its queue: a scrape that left it out read an empty queue while
+    they did (an autoscaler on the queue depth would have scaled down under them)."""
+    async with running_app(settings_for(repository)) as running:
+        service = running.service
+        served = service.groups["digits"].routing.loaded["2"]
+        runner, release = served.batcher._runner, asyncio.Event()
+
+        async def held_runner(payloads):  # type: ignore[no-untyped-def]  # v2's device holds its queue
+            await release.wait()
+            return await runner(payloads)
+
+        served.batcher._runner = held_runner  # type: ignore[assignment]
+        headers = {"X-Model-Version": "2", "X-Request-Timeout": "20000"}
+        requests = [asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(40)]
+        async with asyncio.timeout(10):
+            while served.batcher.depth(Lane.NORMAL) < 8:  # noqa: ASYNC110 (batches out, the rest queued)
+                await asyncio.sleep(0.005)
+        unload = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH))
+        async with asyncio.timeout(10):
+            while "2" in service.groups["digits"].routing.loaded:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        scraped = (await running.client.get("/metrics")).text
+        depth = [
+            line
+            for line in scraped.splitlines()
+            if line.startswith("ai_backend_queue_depth{") and 'version="2"' in line
+        ]
+        bound = [
+            line
+            for line in scraped.splitlines()
+            if line.startswith("ai_backend_queue_capacity{") and 'version="2"' in line
+        ]
+        release.set()
+        responses = await asyncio.gather(*requests)
+        assert (await unload).status_code == 200
+        assert {r.status_code for r in responses} == {200}
+        normal = [line for line in depth if 'lane="normal"' in line]
+        assert len(normal) == 1 and float(normal[0].rsplit(" ", 1)[1]) >= 8, depth
+        assert len(bound) == 2, bound
+        after = (await running.client.get("/metrics")).text
+        assert not any(
+            line.startswith("ai_backend_queue_depth{") and 'version="2"' in line for line in after.splitlines()
+        )
