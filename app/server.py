@@ -36,7 +36,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-from app.api.middleware import new_request_id, request_id_from
+from app.api.middleware import ARRIVED, new_request_id, request_id_from
 from app.api.schemas import ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -254,6 +254,7 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["state"][ARRIVED] = time.perf_counter()  # the request's clock (and deadline) start here
         self._receiving = True
         self._in_head, self._head_bytes, self._head_size = True, 0, 0
         self._arm_head_timer()

@@ -31,7 +31,7 @@ from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from app.api.errors import retry_after
-from app.api.middleware import caller_trace, finish, identity_headers, request_id_from
+from app.api.middleware import ARRIVED, caller_trace, finish, identity_headers, request_id_from
 from app.api.routes.predict import predict_call
 from app.api.schemas import ErrorResponse
 from app.api.shedding import shed
@@ -65,7 +65,7 @@ class Edge:
         state = self.app.state
         if call is None or getattr(state, "tracing", True):
             return None
-        started = time.perf_counter()
+        started = scope["state"].get(ARRIVED) or time.perf_counter()
         refused = shed(state, scope, call.name)
         if refused is None:
             scope["state"]["shed_checked"] = True  # the app's direct path need not ask again

@@ -33,6 +33,7 @@ log = logging.getLogger("app.access")
 _error_log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+ARRIVED = "arrived"  # scope["state"] key: perf_counter() when the request's first byte was parsed
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # Request ids need to be unique, not secret: 128 random bits from a seeded PRNG look like a
 # uuid4 hex and cost a tenth of one (uuid4 reads the OS entropy pool on every call).
@@ -154,11 +155,13 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
-        scope.setdefault("state", {})
-        request_id = scope["state"].get("request_id") or request_id_from(scope)  # the protocol's, if it answered
-        scope["state"]["request_id"] = request_id
-        scope["state"]["started"] = started
+        state = scope.setdefault("state", {})
+        # the request's clock starts when its first byte arrived, where the HTTP protocol noted it
+        # (``ARRIVED``): under load its task starts later, and its deadline runs from the client's send
+        started = state.get(ARRIVED) or time.perf_counter()
+        request_id = state.get("request_id") or request_id_from(scope)  # the protocol's, if it answered
+        state["request_id"] = request_id
+        state["started"] = started
         token = request_id_var.set(request_id)
         status = 0
         trace_id, caller_token = _trace_of(scope, request_id)

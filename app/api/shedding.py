@@ -13,11 +13,14 @@ key configured it sheds nothing, so that credentials are checked first.
 
 from __future__ import annotations
 
+import time
+
 from starlette.datastructures import State
 from starlette.types import Scope
 
 from app.api.body import check_declared_body
 from app.api.deps import predict_headers
+from app.api.middleware import ARRIVED
 from app.errors import ServiceError
 
 
@@ -33,9 +36,15 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
         check_declared_body(scope, server.max_image_bytes, server.max_body_bytes)
     except ServiceError:
         return None  # a bad header, a body no retry mends: the route answers the 4xx, with its message
+    # the deadline runs from the request's first byte (the route's clock, or the protocol's): one
+    # that passed on the way (a head that came slowly, a place far down a pipeline) is refused as
+    # such. Otherwise the predicted wait is weighed against the whole deadline, so that the answer
+    # (its message says the deadline) is the same from the edge and from the route
+    since = scope["state"].get("started") or scope["state"].get(ARRIVED)
+    remaining = headers.timeout_s - (time.perf_counter() - since) if since else headers.timeout_s
     try:
         served = service.served(model, headers.version)  # a canary's draw: made once, here
-        service.admit(served, headers.lane, headers.timeout_s)
+        service.admit(served, headers.lane, remaining if remaining <= 0 else headers.timeout_s)
         scope["state"]["served"] = served  # the route serves the version this check was of
     except ServiceError as exc:
         if exc.status != 503:
