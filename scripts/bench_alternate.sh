@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Server variants measured in alternation, every one serving at once. Usage:
+#   scripts/bench_alternate.sh OUT_DIR ROUNDS "label:ENV=V ENV2=V2;label2:ENV=V"
+# The host under these machines drifts by a quarter within minutes, so a variant measured a minute
+# after another is measured on another machine. Here every variant's server starts first (each on
+# its own port; an idle server costs nothing), then each round measures them one after the other
+# at saturation (closed loop, CONCURRENCY clients, 10% urgent, DURATION seconds each), a few seconds apart,
+# and each variant's throughput is divided by the first variant's in the same round: the drift
+# between rounds cancels in that ratio. Prints one line per round and a summary (median ratio and
+# its range); every other round runs them in reverse order. The bench reports go to OUT_DIR. A variant's SERVER_TREE=/path serves that checkout.
+# Run it with the same variant twice ("a:X=1;b:X=2") to see the spread when nothing differs.
+# Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
+# exported there when missing), IMAGES (default out/images, made by `ai-backend limit`), MAX_BATCH
+# (24, the normal lane's), CONCURRENCY (64), DURATION (6), WARMUP (2), URGENT_FRACTION (0.1), PORT
+# (8953: the first variant's; the next ones count up). Loopback only, bounded in time.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=$1 rounds=$2
+IFS=';' read -ra variants <<<"$3"
+mkdir -p "$out"
+py="$root/.venv/bin/python"
+images=${IMAGES:-out/images}
+BENCH_NAME=alternate
+# shellcheck source=scripts/bench_common.sh
+source "$root/scripts/bench_common.sh"
+pids=()
+stop_all() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  cleanup
+}
+trap stop_all EXIT
+export_model
+[ -d "$images" ] || logged "$out/limit.log" "$py" -m app.bench.limit --repository "$repo" --model "$model" \
+  --images-out "$images" --batch-sizes 1 --seconds 0.1 --pipeline-seconds 0 --every-core-seconds 0 \
+  --out "$out/limit.json" >/dev/null
+export AI_SERVICE_MODEL__REPOSITORY="$repo" AI_SERVICE_MODEL__NAMES="[\"$model\"]" AI_SERVICE_MODEL__DEFAULT="$model"
+export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${MAX_BATCH:-24}"
+first_port=${PORT:-8953}
+labels=() ports=()
+for i in "${!variants[@]}"; do
+  variant=${variants[$i]}
+  label=${variant%%:*}
+  read -ra assignments <<<"${variant#*:}"
+  tree=$root
+  for assignment in "${assignments[@]}"; do
+    case $assignment in SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;; esac
+  done
+  port=$((first_port + i))
+  refuse_taken_port
+  (cd "$tree" && exec env "${assignments[@]}" "$py" -m app.cli serve --port "$port") >"$out/server-$label.log" 2>&1 &
+  server_pid=$!
+  pids+=("$server_pid")
+  wait_ready "$out/server-$label.log"
+  labels+=("$label") ports+=("$port")
+done
+server_pid=""  # stop_all stops them all
+for round in $(seq 1 "$rounds"); do
+  reports=()
+  order=("${!labels[@]}")
+  if ((round % 2 == 0)); then  # every other round in reverse (A B, B A): going first or second is no one's
+    for ((j = 0, k = ${#order[@]} - 1; j < k; j++, k--)); do
+      swap=${order[$j]} order[j]=${order[$k]} order[k]=$swap
+    done
+  fi
+  for i in "${order[@]}"; do
+    report="$out/${labels[$i]}-$round.json"
+    "$py" -m app.cli bench --url "http://127.0.0.1:${ports[$i]}" --client raw --images "$images" \
+      --server-pid "${pids[$i]}" --urgent-fraction "${URGENT_FRACTION:-0.1}" --concurrency "${CONCURRENCY:-64}" \
+      --duration "${DURATION:-6}" --warmup "${WARMUP:-2}" --out "$report" >/dev/null
+    reports+=("${labels[$i]}=$report")
+  done
+  "$py" - "$round" "$(IFS=,; echo "${labels[*]}")" "${reports[@]}" <<'PY'
+import json
+import sys
+
+round_, order, *pairs = sys.argv[1:]
+labels = order.split(",")
+runs = sorted(  # in the variants' order, whichever went first
+    ((label, json.load(open(path))) for label, path in (pair.split("=", 1) for pair in pairs)),
+    key=lambda run: labels.index(run[0]),
+)
+base = runs[0][1]["throughput_rps"]
+print(
+    f"round {round_}: "
+    + ", ".join(
+        f"{label} {r['throughput_rps']:.1f}/s ({r['throughput_rps'] / base:.3f}; "
+        f"{r['cpu']['server_ms_per_request']:.2f} ms CPU a request)"
+        for label, r in runs
+    ),
+    flush=True,
+)
+PY
+done
+"$py" - "$out" "$rounds" "${labels[@]}" <<'PY'
+import json
+import statistics
+import sys
+
+out, rounds, *labels = sys.argv[1:]
+rps = {label: [json.load(open(f"{out}/{label}-{n}.json"))["throughput_rps"] for n in range(1, int(rounds) + 1)] for label in labels}
+cpu = {
+    label: [json.load(open(f"{out}/{label}-{n}.json"))["cpu"]["server_ms_per_request"] for n in range(1, int(rounds) + 1)]
+    for label in labels
+}
+base = labels[0]
+summary = {}
+for label in labels:
+    ratios = [mine / theirs for mine, theirs in zip(rps[label], rps[base], strict=True)]
+    cpu_ratios = [mine / theirs for mine, theirs in zip(cpu[label], cpu[base], strict=True)]
+    summary[label] = {
+        "requests_per_s": rps[label],
+        "median_rps": statistics.median(rps[label]),
+        "ratio_to_first": [round(r, 3) for r in ratios],
+        "median_ratio": round(statistics.median(ratios), 3),
+        "cpu_ms_per_request": cpu[label],
+        "median_cpu_ratio": round(statistics.median(cpu_ratios), 3),
+    }
+    print(
+        f"{label}: median {statistics.median(rps[label]):.1f} requests/s; against {base} in the same round: "
+        f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
+        f"CPU a request median {statistics.median(cpu_ratios):.3f} of {base}'s"
+    )
+json.dump(summary, open(f"{out}/alternate.json", "w"), indent=2)
+PY
