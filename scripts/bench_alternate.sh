@@ -12,7 +12,9 @@
 # Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
 # exported there when missing), IMAGES (default out/images, made by `ai-backend limit`), MAX_BATCH
 # (24, the normal lane's), CONCURRENCY (64), DURATION (6), WARMUP (2), URGENT_FRACTION (0.1), PORT
-# (8953: the first variant's; the next ones count up). Loopback only, bounded in time.
+# (8953: the first variant's; the next ones count up). RATE (requests/s) measures open loop at that
+# rate instead (Poisson arrivals, every request with a deadline of DEADLINE_MS, 1000): twice saturation
+# compares what variants answer under overload. Loopback only, bounded in time.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -56,6 +58,11 @@ for i in "${!variants[@]}"; do
   labels+=("$label") ports+=("$port")
 done
 server_pid=""  # stop_all stops them all
+if [ -n "${RATE:-}" ]; then
+  load=(--rate "$RATE" --deadline-ms "${DEADLINE_MS:-1000}")
+else
+  load=(--concurrency "${CONCURRENCY:-64}")
+fi
 for round in $(seq 1 "$rounds"); do
   reports=()
   order=("${!labels[@]}")
@@ -67,7 +74,7 @@ for round in $(seq 1 "$rounds"); do
   for i in "${order[@]}"; do
     report="$out/${labels[$i]}-$round.json"
     "$py" -m app.cli bench --url "http://127.0.0.1:${ports[$i]}" --client raw --images "$images" \
-      --server-pid "${pids[$i]}" --urgent-fraction "${URGENT_FRACTION:-0.1}" --concurrency "${CONCURRENCY:-64}" \
+      --server-pid "${pids[$i]}" --urgent-fraction "${URGENT_FRACTION:-0.1}" "${load[@]}" \
       --duration "${DURATION:-6}" --warmup "${WARMUP:-2}" --out "$report" >/dev/null
     reports+=("${labels[$i]}=$report")
   done

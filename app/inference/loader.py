@@ -9,6 +9,16 @@ serving on CUDA) and only then moved to the device, put into the graph, and the 
 frozen and optimised for inference. A graph and weights that do not fit together fail the
 self-check with a ``ModelLoadError`` naming the folder, as a corrupt file does.
 
+A layer with convolutions (4-D weights) is served channels-last: its weights and its input batch
+laid out N x H x W x C, which oneDNN's convolutions (and cuDNN's tensor cores) run without
+reordering every activation, and frozen without ``optimize_for_inference`` (whose MKL-DNN layout
+reorders at every op that does not take it). The exported mobilenet_v3_small's backbone on one CPU
+thread: 1.46 and 1.40 against 1.75 and 1.81 ms an image at batches of 16 and 32, 2.7 against 4.6 ms
+alone; the whole pass (normalisation, backbone, head, softmax) 0.91 and 0.95 of the time it took at
+16 and 32, 0.75 alone, measured in alternation in one process; torchvision's resnet18, 20.9 against
+25.9 ms an image at 16 (docs/performance.md, nineteenth pass). Layers without convolutions (a linear
+head) are optimised for inference as before.
+
 Everything here blocks: it runs on the device thread, never on the event loop.
 """
 
@@ -78,9 +88,17 @@ def _set_tensor(module: torch.jit.ScriptModule, dotted: str, value: torch.Tensor
     setattr(owner, leaf, value)
 
 
+@dataclass(frozen=True)
+class PreparedLayer:
+    """A layer ready to run, and whether it takes its input channels-last (it has convolutions)."""
+
+    module: torch.jit.ScriptModule
+    channels_last: bool
+
+
 def load_layer(
     folder: Path, manifest: Manifest, layer: Layer, device: torch.device, dtype: torch.dtype
-) -> torch.jit.ScriptModule:
+) -> PreparedLayer:
     """Verify, read and prepare one layer; raises ``ModelLoadError`` naming the bad file."""
     graph_path, graph_bytes = _read_verified(folder, manifest, layer.graph)
     weights_path, weights_bytes = _read_verified(folder, manifest, layer.weights)
@@ -102,9 +120,12 @@ def load_layer(
         raise ModelLoadError(
             f"{weights_path}: does not match {graph_path.name} (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+    convolutional = any(tensor.dim() == 4 and tensor.is_floating_point() for tensor in weights.values())
     for key, tensor in weights.items():
         # cast on the host, before the copy to the device
         host = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        if convolutional and host.dim() == 4:
+            host = host.contiguous(memory_format=torch.channels_last)
         _set_tensor(graph, key, host.to(device))
     graph.eval()
     with warnings.catch_warnings():
@@ -112,12 +133,14 @@ def load_layer(
         # make CPU inference several times faster, which nothing else here does.
         warnings.simplefilter("ignore")
         frozen: torch.jit.ScriptModule = torch.jit.freeze(graph)
+        if convolutional:  # channels-last convolutions run faster as frozen than as MKL-DNN's
+            return PreparedLayer(frozen, channels_last=True)
         try:
             optimized: torch.jit.ScriptModule = torch.jit.optimize_for_inference(frozen)
-            return optimized
+            return PreparedLayer(optimized, channels_last=False)
         except Exception:  # some graphs (or devices) reject the extra passes
             log.warning("optimize_for_inference failed for %s; serving the frozen graph", layer.name)
-            return frozen
+            return PreparedLayer(frozen, channels_last=False)
 
 
 @dataclass
@@ -131,6 +154,7 @@ class LayeredModel:
     backbone: torch.jit.ScriptModule
     _scale: torch.Tensor
     _shift: torch.Tensor
+    channels_last: bool = False  # the backbone takes its batch laid out N x H x W x C
     _heads: dict[str, torch.jit.ScriptModule] = field(default_factory=dict)
     _failed: dict[str, str] = field(default_factory=dict)  # why heads did not load: not tried again
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -152,7 +176,9 @@ class LayeredModel:
         mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, -1, 1, 1)
         # (x / 255 - mean) / std as one multiply-add on the uint8 batch
         scale, shift = (1.0 / (255.0 * std)), (-mean / std)
-        return cls(folder, manifest, device, dtype, backbone, scale.to(device), shift.to(device))
+        return cls(
+            folder, manifest, device, dtype, backbone.module, scale.to(device), shift.to(device), backbone.channels_last
+        )
 
     @property
     def default_head(self) -> str:
@@ -188,7 +214,7 @@ class LayeredModel:
                 if layer is None:
                     raise KeyError(name)
                 try:
-                    head = load_layer(self.folder, self.manifest, layer, self.device, self.dtype)
+                    head = load_layer(self.folder, self.manifest, layer, self.device, self.dtype).module
                     with torch.inference_mode():
                         self._check_head(name, head, self._checked_features(self.dummy_batch(2)))
                 except FileUnreadable as exc:  # tried again on its next use
@@ -214,8 +240,24 @@ class LayeredModel:
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """Backbone features of a ``N x C x H x W`` uint8 batch."""
-        x = images.to(self.device, non_blocking=True).float().mul_(self._scale).add_(self._shift)
+        x = images.to(self.device, non_blocking=True)
+        if self.channels_last and x.dim() == 4:
+            x = self._normalised_channels_last(x)
+        else:
+            x = x.float().mul_(self._scale).add_(self._shift)
         return self.backbone(x.to(self.dtype))  # type: ignore[no-any-return]
+
+    def _normalised_channels_last(self, images: torch.Tensor) -> torch.Tensor:
+        """The uint8 batch normalised, laid out N x H x W x C (its N x C x H x W view returned).
+
+        The layout changes on the uint8 batch (a quarter of the float's bytes), and each image
+        row is then normalised as one run of W x C values against the per-channel factors
+        repeated W times: broadcast per channel over a channels-last tensor, the same multiply-add
+        ran an inner loop of C = 3 values and cost five times as much."""
+        n, c, h, w = images.shape
+        rows = images.permute(0, 2, 3, 1).contiguous().view(n * h, w * c)  # no copy if channels-last already
+        normalised = rows.float().mul_(self._scale.view(c).repeat(w)).add_(self._shift.view(c).repeat(w))
+        return normalised.view(n, h, w, c).permute(0, 3, 1, 2)
 
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
         """Class probabilities (fp32) for a uint8 batch."""

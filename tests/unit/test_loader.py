@@ -32,20 +32,24 @@ def tiny_modules(seed: int = 0) -> tuple[nn.Module, nn.Module]:
     return backbone.eval(), nn.Linear(6, 3).eval()
 
 
-@pytest.fixture
-def version(tmp_path: Path) -> Path:
-    backbone, head = tiny_modules()
+def write_modules(folder: Path, name: str, backbone: nn.Module, head: nn.Module, spec: InputSpec) -> Path:
     return write_version(
-        tmp_path,
-        name="tiny",
+        folder,
+        name=name,
         version="1",
         backbone=backbone,
         heads={"classifier": head},
-        input_spec=SPEC,
+        input_spec=spec,
         labels=("a", "b", "c"),
         provenance=Provenance(source="tests", seed=0),
         evaluation=Evaluation(dataset="none", samples=1, accuracy={"fp32": 1.0}),
     )
+
+
+@pytest.fixture
+def version(tmp_path: Path) -> Path:
+    backbone, head = tiny_modules()
+    return write_modules(tmp_path, "tiny", backbone, head, SPEC)
 
 
 def load(folder: Path, dtype: torch.dtype = torch.float32) -> LayeredModel:
@@ -286,3 +290,42 @@ def test_device_and_precision_resolution() -> None:
         assert resolve_device("auto") == cpu
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_a_convolutional_backbone_runs_channels_last_and_answers_as_its_modules(tmp_path: Path) -> None:
+    """Convolutions are served channels-last (weights and batch laid out N x H x W x C), and the
+    per-channel normalisation done row by row on that layout gives the modules' own answers,
+    whichever layout the batch comes in."""
+    spec = InputSpec(channels=3, height=6, width=5, mean=(0.1, 0.5, 0.9), std=(0.2, 0.4, 0.8))
+    torch.manual_seed(1)
+    backbone = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(120, 6)
+    )
+    head = nn.Linear(6, 3)
+    with torch.no_grad():
+        backbone[1].running_mean.uniform_(-0.5, 0.5)
+        backbone[1].running_var.uniform_(0.5, 2.0)
+    backbone.eval(), head.eval()
+    folder = write_modules(tmp_path, "colour", backbone, head, spec)
+    model = load(folder)
+    assert model.channels_last
+    images = torch.randint(0, 256, (4, 3, 6, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    mean, std = torch.tensor(spec.mean).view(1, 3, 1, 1), torch.tensor(spec.std).view(1, 3, 1, 1)
+    with torch.no_grad():
+        expected = torch.softmax(head(backbone((images.float() / 255 - mean) / std)), dim=1)
+    with torch.inference_mode():
+        for batch in (images, images.contiguous(memory_format=torch.channels_last)):
+            torch.testing.assert_close(model.probabilities(batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_backbone_without_convolutions_keeps_its_layout(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    backbone, head = nn.Sequential(nn.Flatten(), nn.Linear(64, 6)).eval(), nn.Linear(6, 3).eval()
+    folder = write_modules(tmp_path, "flat", backbone, head, SPEC)
+    model = load(folder)
+    assert not model.channels_last
+    images = torch.randint(0, 256, (3, 1, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = torch.softmax(head(backbone((images.float() / 255 - 0.25) / 0.5)), dim=1)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.probabilities(images), expected, rtol=1e-5, atol=1e-6)
