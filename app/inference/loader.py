@@ -11,13 +11,13 @@ self-check with a ``ModelLoadError`` naming the folder, as a corrupt file does.
 
 A layer with convolutions (4-D weights) is served channels-last: its weights and its input batch
 laid out N x H x W x C, which oneDNN's convolutions (and cuDNN's tensor cores) run without
-reordering every activation, and frozen without ``optimize_for_inference`` (whose MKL-DNN layout
-reorders at every op that does not take it). The exported mobilenet_v3_small's backbone on one CPU
-thread: 1.46 and 1.40 against 1.75 and 1.81 ms an image at batches of 16 and 32, 2.7 against 4.6 ms
-alone; the whole pass (normalisation, backbone, head, softmax) 0.91 and 0.95 of the time it took at
-16 and 32, 0.75 alone, measured in alternation in one process; torchvision's resnet18, 20.9 against
-25.9 ms an image at 16 (docs/performance.md, nineteenth pass). Layers without convolutions (a linear
-head) are optimised for inference as before.
+reordering every activation, frozen without ``optimize_for_inference`` (whose MKL-DNN layout
+reorders at every op that does not take it) and, on the CPU in fp32, with every convolution sent to
+oneDNN whatever the batch size. The exported mobilenet_v3_small on one CPU thread, batches of 1 to
+32 mixed, in alternation in one process: 0.76 of the time a forward pass took before; in the service
+at saturation (64 clients, 10% urgent, ten rounds against the commit before, both servers up): the
+device threads 2.03 against 2.23 ms a request, 1.069 of its throughput (docs/performance.md,
+nineteenth pass). Layers without convolutions (a linear head) are optimised for inference as before.
 
 Everything here blocks: it runs on the device thread, never on the event loop.
 """
@@ -88,6 +88,31 @@ def _set_tensor(module: torch.jit.ScriptModule, dotted: str, value: torch.Tensor
     setattr(owner, leaf, value)
 
 
+# every 2-D convolution of a frozen graph, as oneDNN's (its arguments in that op's order)
+_CONV2D = """
+graph(%input, %weight, %bias, %stride, %padding, %dilation, %groups):
+    %out = aten::conv2d(%input, %weight, %bias, %stride, %padding, %dilation, %groups)
+    return (%out)"""
+_ONEDNN_CONV2D = """
+graph(%input, %weight, %bias, %stride, %padding, %dilation, %groups):
+    %out = aten::mkldnn_convolution(%input, %weight, %bias, %padding, %stride, %dilation, %groups)
+    return (%out)"""
+
+
+def _convolutions_by_onednn(frozen: torch.jit.ScriptModule, name: str) -> None:
+    """Run every convolution through oneDNN, whatever the batch size.
+
+    On one thread, ATen sends a 1x1 convolution of a batch under 16 to its own im2col and
+    matrix-multiply path instead (faster once, for N x C x H x W tensors): channels-last, that
+    path copies each activation to that layout and back, and cost the exported mobilenet_v3_small
+    1.13 times its old time at batches of 2 to 15, where oneDNN's takes 0.66-0.85 of it. A graph
+    the rewrite cannot take keeps ATen's choice."""
+    try:
+        torch._C._jit_pass_custom_pattern_based_rewrite_graph(_CONV2D, _ONEDNN_CONV2D, frozen.graph)
+    except RuntimeError:
+        log.warning("the convolutions of %s keep ATen's choice of kernel", name)
+
+
 @dataclass(frozen=True)
 class PreparedLayer:
     """A layer ready to run, and whether it takes its input channels-last (it has convolutions)."""
@@ -134,6 +159,8 @@ def load_layer(
         warnings.simplefilter("ignore")
         frozen: torch.jit.ScriptModule = torch.jit.freeze(graph)
         if convolutional:  # channels-last convolutions run faster as frozen than as MKL-DNN's
+            if device.type == "cpu" and dtype == torch.float32:  # oneDNN's half precision needs CPU support
+                _convolutions_by_onednn(frozen, layer.name)
             return PreparedLayer(frozen, channels_last=True)
         try:
             optimized: torch.jit.ScriptModule = torch.jit.optimize_for_inference(frozen)

@@ -316,6 +316,14 @@ def test_a_convolutional_backbone_runs_channels_last_and_answers_as_its_modules(
     with torch.inference_mode():
         for batch in (images, images.contiguous(memory_format=torch.channels_last)):
             torch.testing.assert_close(model.probabilities(batch), expected, rtol=1e-5, atol=1e-6)
+        for size in (1, 2, 17):  # oneDNN's kernels whatever the batch size, ATen's choice before
+            torch.testing.assert_close(
+                model.probabilities(images.repeat(5, 1, 1, 1)[:size]), expected.repeat(5, 1)[:size]
+            )
+    kinds = {node.kind() for node in model.backbone.graph.nodes()}
+    assert "aten::mkldnn_convolution" in kinds and "aten::conv2d" not in kinds
+    half = load(folder, torch.float16)  # oneDNN's half precision needs CPU support: ATen keeps them
+    assert "aten::conv2d" in {node.kind() for node in half.backbone.graph.nodes()}
 
 
 def test_a_backbone_without_convolutions_keeps_its_layout(tmp_path: Path) -> None:
