@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,6 +22,9 @@ class Faulty:
     @property
     def failed_heads(self) -> dict[str, str]:
         return self.inner.failed_heads
+
+    def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.inner.batch(images)
 
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
         self.sizes.append(len(images))

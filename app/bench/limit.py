@@ -201,9 +201,9 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def make_batch(tensors: Sequence[torch.Tensor], size: int) -> torch.Tensor:
-    """A uint8 batch of ``size`` of the decoded images, cycling through them."""
-    return torch.stack([tensors[i % len(tensors)] for i in range(size)])
+def make_batch(model: LayeredModel, tensors: Sequence[torch.Tensor], size: int) -> torch.Tensor:
+    """A uint8 batch of ``size`` of the decoded images, cycling through them, laid out as the model takes it."""
+    return model.batch([tensors[i % len(tensors)] for i in range(size)])
 
 
 def measure_forward(
@@ -230,7 +230,7 @@ def measure_forward(
     wall: dict[int, list[float]] = {size: [] for size in sizes}
     passes = dict.fromkeys(sizes, 0)
     with torch_threads(threads), torch.inference_mode():
-        batches = {size: make_batch(tensors, size) for size in sizes}
+        batches = {size: make_batch(model, tensors, size) for size in sizes}
         for batch in batches.values():
             model.probabilities(batch)  # the first pass at a new shape pays for its plan
         for _ in range(max(1, rounds)):
@@ -294,10 +294,10 @@ def measure_pipeline(
     done = 0
     try:
         with torch_threads(1), torch.inference_mode():
-            model.probabilities(make_batch([ready.get()], batch_size))  # warm, and wait for the decoders
+            model.probabilities(make_batch(model, [ready.get()], batch_size))  # warm, and wait for the decoders
             started = time.perf_counter()
             while time.perf_counter() - started < seconds:
-                batch = torch.stack([ready.get() for _ in range(batch_size)])
+                batch = model.batch([ready.get() for _ in range(batch_size)])
                 model.probabilities(batch).topk(k, dim=1)
                 done += batch_size
             elapsed = time.perf_counter() - started
@@ -351,7 +351,7 @@ def _core_loop(
         spec, k = model.manifest.input, min(5, len(model.manifest.labels))
 
         def one_batch(offset: int) -> None:
-            batch = torch.stack(
+            batch = model.batch(
                 [
                     preprocess.decode_payload(encoded[(offset + i) % len(encoded)], spec, LIMITS)
                     for i in range(batch_size)

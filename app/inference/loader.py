@@ -28,6 +28,7 @@ import io
 import logging
 import threading
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,6 +265,14 @@ class LayeredModel:
     def load_all_heads(self) -> None:
         for layer in self.manifest.heads:
             self.head(layer.name)
+
+    def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``C x H x W`` images as one ``N x C x H x W`` batch laid out as the backbone takes it:
+        ``N x H x W x C`` when channels-last (decoded images are laid out ``H x W x C``: each is
+        copied once, in order), else ``N x C x H x W``."""
+        if self.channels_last:
+            return torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
+        return torch.stack(list(images))
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """Backbone features of a ``N x C x H x W`` uint8 batch."""

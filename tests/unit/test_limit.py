@@ -121,6 +121,9 @@ class _RecordingModel:
     def __init__(self) -> None:
         self.calls: list[int] = []
 
+    def batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(images)
+
     def probabilities(self, batch: torch.Tensor) -> torch.Tensor:
         self.calls.append(batch.shape[0])
         return torch.softmax(torch.ones(batch.shape[0], 3), dim=1)

@@ -322,6 +322,9 @@ def test_a_convolutional_backbone_runs_channels_last_and_answers_as_its_modules(
             )
     kinds = {node.kind() for node in model.backbone.graph.nodes()}
     assert "aten::mkldnn_convolution" in kinds and "aten::conv2d" not in kinds
+    decoded = [image.permute(1, 2, 0).contiguous().permute(2, 0, 1) for image in images]  # as the decode leaves them
+    batch = model.batch(decoded)
+    assert batch.is_contiguous(memory_format=torch.channels_last) and torch.equal(batch, images)
     half = load(folder, torch.float16)  # oneDNN's half precision needs CPU support: ATen keeps them
     assert "aten::conv2d" in {node.kind() for node in half.backbone.graph.nodes()}
 
@@ -332,6 +335,9 @@ def test_a_backbone_without_convolutions_keeps_its_layout(tmp_path: Path) -> Non
     folder = write_modules(tmp_path, "flat", backbone, head, SPEC)
     model = load(folder)
     assert not model.channels_last
+    decoded = [torch.arange(60, dtype=torch.uint8).view(4, 5, 3).permute(2, 0, 1) + i for i in range(2)]
+    batch = model.batch(decoded)  # N x C x H x W, from images laid out H x W x C
+    assert batch.is_contiguous() and torch.equal(batch, torch.stack([image.contiguous() for image in decoded]))
     images = torch.randint(0, 256, (3, 1, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = torch.softmax(head(backbone((images.float() / 255 - 0.25) / 0.5)), dim=1)

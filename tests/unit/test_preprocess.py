@@ -54,6 +54,18 @@ def test_each_accepted_format_becomes_the_input_grid(fmt: str) -> None:
     assert 190 <= int(tensor.float().mean()) <= 210
 
 
+@pytest.mark.parametrize(("fmt", "pixel"), [("JPEG", 4), ("PNG", 3)])
+def test_the_pixels_come_laid_out_as_decoded_without_a_transposing_copy(fmt: str, pixel: int) -> None:
+    """A ``C x H x W`` tensor over ``H x W x C`` memory, as Pillow held it (a JPEG's fast path keeps
+    its padding byte: four bytes a pixel), writable, and the same pixels as a contiguous copy."""
+    image = Image.effect_noise((320, 240), 60).convert("RGB")
+    tensor = decode(encode(image, fmt), IMAGENET, LIMITS)
+    assert tensor.shape == (3, 224, 224)
+    assert tensor.stride() == (1, 224 * pixel, pixel)
+    assert torch.equal(tensor, tensor.contiguous())
+    tensor[0, 0, 0] = 7  # torch shares only writable memory
+
+
 def test_a_wide_image_is_resized_then_centre_cropped_for_imagenet_models() -> None:
     image = Image.new("RGB", (640, 320), (0, 0, 0))
     image.paste((255, 0, 0), (0, 0, 160, 320))  # the left quarter is red and falls outside the crop
