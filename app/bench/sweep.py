@@ -3,9 +3,10 @@
 The version is loaded through the real loader (verified, cast, frozen, every head
 loaded), then timed at batch sizes 1, 2, 4, ... up to ``--max-batch``: a few warm-up
 passes, then timed passes until ``--iterations`` or ``--seconds-per-size`` runs out.
-A pass is ``model.probabilities`` on a uint8 dummy batch that starts on the host, so the
-copy to the device is counted, as it is when serving; on CUDA the device is synchronised
-around every pass. An out-of-memory at a size is recorded and ends the sweep there.
+A pass is ``model.probabilities`` on a uint8 dummy batch that starts on the host, laid out as
+the service lays a batch out (``LayeredModel.batch``), so the copy to the device is counted, as
+it is when serving; on CUDA the device is synchronised around every pass. An out-of-memory at
+a size is recorded and ends the sweep there.
 
 The knee is where batching stops paying: the smallest size beyond which no doubling
 raises throughput by ``--knee-gain`` or more. The recommended max batch is the knee,
@@ -373,7 +374,7 @@ def _run(args: argparse.Namespace, model: Any, load_s: float) -> dict[str, Any]:
     load_before = os.getloadavg()
     results = sweep(
         forward,
-        model.dummy_batch,
+        lambda size: model.batch(list(model.dummy_batch(size))),
         batch_sizes(args.max_batch),
         probe,
         limits,
