@@ -28,7 +28,7 @@ import io
 import logging
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +100,14 @@ graph(%input, %weight, %bias, %stride, %padding, %dilation, %groups):
     return (%out)"""
 
 
+def _nodes(block: torch._C.Graph | torch._C.Block) -> Iterator[torch._C.Node]:
+    """Every node of a graph, those in nested blocks (an ``if``'s branches, a loop's body) included."""
+    for node in block.nodes():
+        yield node
+        for inner in node.blocks():
+            yield from _nodes(inner)
+
+
 def _convolutions_by_onednn(frozen: torch.jit.ScriptModule, name: str) -> None:
     """Run every convolution through oneDNN, whatever the batch size.
 
@@ -107,7 +115,11 @@ def _convolutions_by_onednn(frozen: torch.jit.ScriptModule, name: str) -> None:
     matrix-multiply path instead (faster once, for N x C x H x W tensors): channels-last, that
     path copies each activation to that layout and back, and cost the exported mobilenet_v3_small
     1.13 times its old time at batches of 2 to 15, where oneDNN's takes 0.66-0.85 of it. A graph
-    the rewrite cannot take keeps ATen's choice."""
+    the rewrite cannot take keeps ATen's choice, as does one with a convolution padded by name
+    (``padding="same"``): oneDNN's op takes only explicit padding."""
+    convolutions = [node for node in _nodes(frozen.graph) if node.kind() == "aten::conv2d"]
+    if any(not isinstance(node.inputsAt(4).type(), torch._C.ListType) for node in convolutions):
+        return
     try:
         torch._C._jit_pass_custom_pattern_based_rewrite_graph(_CONV2D, _ONEDNN_CONV2D, frozen.graph)
     except RuntimeError:

@@ -343,3 +343,19 @@ def test_a_backbone_without_convolutions_keeps_its_layout(tmp_path: Path) -> Non
         expected = torch.softmax(head(backbone((images.float() / 255 - 0.25) / 0.5)), dim=1)
     with torch.inference_mode():
         torch.testing.assert_close(model.probabilities(images), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_convolution_padded_by_name_keeps_aten_and_still_serves(tmp_path: Path) -> None:
+    """oneDNN's op takes only explicit padding: rewritten, a ``padding="same"`` convolution would
+    make a graph that cannot run, and the version would fail its self-check."""
+    torch.manual_seed(5)
+    backbone = nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"), nn.ReLU(), nn.Flatten(), nn.Linear(128, 6)).eval()
+    head = nn.Linear(6, 3).eval()
+    model = load(write_modules(tmp_path, "same", backbone, head, SPEC))
+    assert model.channels_last
+    assert "aten::conv2d" in {node.kind() for node in model.backbone.graph.nodes()}
+    images = torch.randint(0, 256, (3, 1, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = torch.softmax(head(backbone((images.float() / 255 - 0.25) / 0.5)), dim=1)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.probabilities(images), expected, rtol=1e-5, atol=1e-6)
