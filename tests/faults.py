@@ -54,7 +54,7 @@ def out_of_memory_in_graph(model: LayeredModel, fail_at: int) -> LayeredModel:
     """The model with a TorchScript graph in front of its backbone that runs out of memory for
     batches of ``fail_at`` or more: TorchScript re-raises that as a plain ``RuntimeError``."""
     gate, backbone = torch.jit.script(_Gate(fail_at)), model.backbone
-    return dataclasses.replace(model, backbone=lambda x: backbone(gate(x)))
+    return dataclasses.replace(model, backbone=lambda x: backbone(gate(x)), batched_backbone=None)
 
 
 class DeviceLost(Faulty):

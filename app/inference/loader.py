@@ -28,7 +28,7 @@ import io
 import logging
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,22 +108,34 @@ def _nodes(block: torch._C.Graph | torch._C.Block) -> Iterator[torch._C.Node]:
             yield from _nodes(inner)
 
 
-def _convolutions_by_onednn(frozen: torch.jit.ScriptModule, name: str) -> None:
-    """Run every convolution through oneDNN, whatever the batch size.
+ONEDNN_FROM_BATCH = 4  # below it ATen's kernels, from it oneDNN's (mobilenet_v3_small: they cross at 3)
+
+
+def _convolutions_by_onednn(frozen: torch.jit.ScriptModule, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The frozen graph again, with every convolution run by oneDNN whatever the batch size; the
+    copy shares the graph's tensors (its weights), so it costs no memory. None when it cannot be.
 
     On one thread, ATen sends a 1x1 convolution of a batch under 16 to its own im2col and
     matrix-multiply path instead (faster once, for N x C x H x W tensors): channels-last, that
     path copies each activation to that layout and back, and cost the exported mobilenet_v3_small
-    1.13 times its old time at batches of 2 to 15, where oneDNN's takes 0.66-0.85 of it. A graph
-    the rewrite cannot take keeps ATen's choice, as does one with a convolution padded by name
-    (``padding="same"``): oneDNN's op takes only explicit padding."""
-    convolutions = [node for node in _nodes(frozen.graph) if node.kind() == "aten::conv2d"]
-    if any(not isinstance(node.inputsAt(4).type(), torch._C.ListType) for node in convolutions):
-        return
+    1.13 times its old time at batches of 2 to 15, where oneDNN's takes 0.66-0.85 of it. Under
+    ``ONEDNN_FROM_BATCH`` images ATen's choice is the faster (oneDNN's kernels for the
+    squeeze-excitation 1x1s of one image cost more: 3.78 against 2.89 ms an image alone), so the
+    frozen graph serves those. A graph the rewrite cannot take keeps ATen's choice, as does one with
+    a convolution padded by name (``padding="same"``): oneDNN's op takes only explicit padding."""
+    graph = frozen.graph.copy()
+    convolutions = [node for node in _nodes(graph) if node.kind() == "aten::conv2d"]
+    if not convolutions or any(not isinstance(node.inputsAt(4).type(), torch._C.ListType) for node in convolutions):
+        return None
+    if next(iter(graph.inputs())).uses():  # frozen, the module itself is no longer read: it cannot be
+        return None
     try:
-        torch._C._jit_pass_custom_pattern_based_rewrite_graph(_CONV2D, _ONEDNN_CONV2D, frozen.graph)
+        graph.eraseInput(0)
+        torch._C._jit_pass_custom_pattern_based_rewrite_graph(_CONV2D, _ONEDNN_CONV2D, graph)
+        return torch._C._create_function_from_graph(f"{name}_onednn", graph)
     except RuntimeError:
         log.warning("the convolutions of %s keep ATen's choice of kernel", name)
+        return None
 
 
 @dataclass(frozen=True)
@@ -132,6 +144,7 @@ class PreparedLayer:
 
     module: torch.jit.ScriptModule
     channels_last: bool
+    batched: Callable[[torch.Tensor], torch.Tensor] | None = None  # the module by oneDNN, for larger batches
 
 
 def load_layer(
@@ -172,9 +185,10 @@ def load_layer(
         warnings.simplefilter("ignore")
         frozen: torch.jit.ScriptModule = torch.jit.freeze(graph)
         if convolutional:  # channels-last convolutions run faster as frozen than as MKL-DNN's
+            batched = None
             if device.type == "cpu" and dtype == torch.float32:  # oneDNN's half precision needs CPU support
-                _convolutions_by_onednn(frozen, layer.name)
-            return PreparedLayer(frozen, channels_last=True)
+                batched = _convolutions_by_onednn(frozen, layer.name)
+            return PreparedLayer(frozen, channels_last=True, batched=batched)
         try:
             optimized: torch.jit.ScriptModule = torch.jit.optimize_for_inference(frozen)
             return PreparedLayer(optimized, channels_last=False)
@@ -195,6 +209,8 @@ class LayeredModel:
     _scale: torch.Tensor
     _shift: torch.Tensor
     channels_last: bool = False  # the backbone takes its batch laid out N x H x W x C
+    # the backbone with every convolution by oneDNN, for batches of ONEDNN_FROM_BATCH or more (the CPU)
+    batched_backbone: Callable[[torch.Tensor], torch.Tensor] | None = None
     _heads: dict[str, torch.jit.ScriptModule] = field(default_factory=dict)
     _failed: dict[str, str] = field(default_factory=dict)  # why heads did not load: not tried again
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -217,7 +233,15 @@ class LayeredModel:
         # (x / 255 - mean) / std as one multiply-add on the uint8 batch
         scale, shift = (1.0 / (255.0 * std)), (-mean / std)
         return cls(
-            folder, manifest, device, dtype, backbone.module, scale.to(device), shift.to(device), backbone.channels_last
+            folder,
+            manifest,
+            device,
+            dtype,
+            backbone.module,
+            scale.to(device),
+            shift.to(device),
+            backbone.channels_last,
+            backbone.batched,
         )
 
     @property
@@ -293,7 +317,10 @@ class LayeredModel:
             x = self._normalised_channels_last(x)
         else:
             x = x.float().mul_(self._scale).add_(self._shift)
-        return self.backbone(x.to(self.dtype))  # type: ignore[no-any-return]
+        batched = self.batched_backbone is not None and x.dim() == 4 and x.shape[0] >= ONEDNN_FROM_BATCH
+        backbone = self.batched_backbone if batched else self.backbone
+        assert backbone is not None
+        return backbone(x.to(self.dtype))
 
     def _normalised_channels_last(self, images: torch.Tensor) -> torch.Tensor:
         """The uint8 batch normalised, laid out N x H x W x C (its N x C x H x W view returned).

@@ -292,6 +292,15 @@ def test_device_and_precision_resolution() -> None:
             resolve_device("cuda")
 
 
+def weights(graph: torch._C.Graph) -> set[int]:
+    """Where the tensors a frozen graph holds live."""
+    return {
+        node.t("value").data_ptr()
+        for node in graph.nodes()
+        if node.kind() == "prim::Constant" and node.hasAttribute("value") and node.kindOf("value") == "t"
+    }
+
+
 def test_a_convolutional_backbone_runs_channels_last_and_answers_as_its_modules(tmp_path: Path) -> None:
     """Convolutions are served channels-last (weights and batch laid out N x H x W x C), and the
     per-channel normalisation done row by row on that layout gives the modules' own answers,
@@ -320,13 +329,18 @@ def test_a_convolutional_backbone_runs_channels_last_and_answers_as_its_modules(
             torch.testing.assert_close(
                 model.probabilities(images.repeat(5, 1, 1, 1)[:size]), expected.repeat(5, 1)[:size]
             )
-    kinds = {node.kind() for node in model.backbone.graph.nodes()}
-    assert "aten::mkldnn_convolution" in kinds and "aten::conv2d" not in kinds
+    # batches of ONEDNN_FROM_BATCH or more run a copy of the graph with oneDNN's convolutions, sharing its weights
+    assert model.batched_backbone is not None
+    batched = {node.kind() for node in model.batched_backbone.graph.nodes()}  # type: ignore[attr-defined]
+    assert "aten::mkldnn_convolution" in batched and "aten::conv2d" not in batched
+    assert "aten::conv2d" in {node.kind() for node in model.backbone.graph.nodes()}
+    shared = weights(model.batched_backbone.graph)  # type: ignore[attr-defined]
+    assert shared and shared == weights(model.backbone.graph)
     decoded = [image.permute(1, 2, 0).contiguous().permute(2, 0, 1) for image in images]  # as the decode leaves them
     batch = model.batch(decoded)
     assert batch.is_contiguous(memory_format=torch.channels_last) and torch.equal(batch, images)
     half = load(folder, torch.float16)  # oneDNN's half precision needs CPU support: ATen keeps them
-    assert "aten::conv2d" in {node.kind() for node in half.backbone.graph.nodes()}
+    assert half.batched_backbone is None
 
 
 def test_a_backbone_without_convolutions_keeps_its_layout(tmp_path: Path) -> None:
@@ -352,8 +366,7 @@ def test_a_convolution_padded_by_name_keeps_aten_and_still_serves(tmp_path: Path
     backbone = nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"), nn.ReLU(), nn.Flatten(), nn.Linear(128, 6)).eval()
     head = nn.Linear(6, 3).eval()
     model = load(write_modules(tmp_path, "same", backbone, head, SPEC))
-    assert model.channels_last
-    assert "aten::conv2d" in {node.kind() for node in model.backbone.graph.nodes()}
+    assert model.channels_last and model.batched_backbone is None
     images = torch.randint(0, 256, (3, 1, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = torch.softmax(head(backbone((images.float() / 255 - 0.25) / 0.5)), dim=1)
