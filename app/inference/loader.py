@@ -12,12 +12,14 @@ self-check with a ``ModelLoadError`` naming the folder, as a corrupt file does.
 A layer with convolutions (4-D weights) is served channels-last: its weights and its input batch
 laid out N x H x W x C, which oneDNN's convolutions (and cuDNN's tensor cores) run without
 reordering every activation, frozen without ``optimize_for_inference`` (whose MKL-DNN layout
-reorders at every op that does not take it) and, on the CPU in fp32, with every convolution sent to
-oneDNN whatever the batch size. The exported mobilenet_v3_small on one CPU thread, batches of 1 to
-32 mixed, in alternation in one process: 0.76 of the time a forward pass took before; in the service
-at saturation (64 clients, 10% urgent, ten rounds against the commit before, both servers up): the
-device threads 2.03 against 2.23 ms a request, 1.069 of its throughput (docs/performance.md,
-nineteenth pass). Layers without convolutions (a linear head) are optimised for inference as before.
+reorders at every op that does not take it) and, on the CPU in fp32, run for batches of four or more
+as a copy of that graph with every convolution sent to oneDNN (sharing its weights). The exported
+mobilenet_v3_small on one CPU thread, batches of 1 to 32 mixed, in alternation in one process: 0.76
+of the time a forward pass took before; in the service at saturation (64 clients, 10% urgent, ten
+rounds against the commit before, both servers up): the device threads 2.03 against 2.23 ms a
+request, 1.069 of its throughput, and 1.035 more with ATen's kernels kept under four images
+(docs/performance.md, nineteenth pass). Layers without convolutions (a linear head) are optimised for
+inference as before.
 
 Everything here blocks: it runs on the device thread, never on the event loop.
 """
