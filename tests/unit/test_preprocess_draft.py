@@ -68,14 +68,17 @@ def test_draft_decodes_at_the_smallest_scale_within_the_tolerance(
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(min_value=60, max_value=900), st.integers(min_value=60, max_value=900), st.integers(0, 2**16))
-def test_the_crop_box_resize_gives_the_pixels_of_resize_then_crop(width: int, height: int, seed: int) -> None:
+def test_the_resize_gives_the_pixels_of_torchvisions_resize_then_crop(width: int, height: int, seed: int) -> None:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     image = Image.fromarray(pixels)
     out = io.BytesIO()
     image.save(out, format="PNG")  # PNG: no draft mode, so only the resize differs
     tensor = decode(out.getvalue(), IMAGENET, LIMITS).numpy().astype(np.int16)
     assert tensor.shape == (3, 224, 224)
-    assert int(np.abs(tensor - reference(image, IMAGENET)).max()) <= 1
+    # torch's resize rounds in fixed point of its own: on noise, a level apart in a few pixels in a
+    # hundred (two, rarely); Pillow's crop box, before it, one level in about one in a thousand
+    difference = np.abs(tensor - reference(image, IMAGENET))
+    assert int(difference.max()) <= 2 and float(difference.mean()) <= 0.3
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
