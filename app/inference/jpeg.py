@@ -50,7 +50,11 @@ def check_header(data: bytes) -> None:
 
 
 def decode_reduced(
-    data: bytes, channels: int, wanted: Callable[[int, int], tuple[int, int]], max_pixels: int
+    data: bytes,
+    channels: int,
+    wanted: Callable[[int, int], tuple[int, int]],
+    max_pixels: int,
+    padded: bool = True,
 ) -> np.ndarray | None:
     """``data``'s pixels, uint8, decoded at the largest reduction that leaves at least
     ``wanted(width, height)`` pixels, or None: Pillow's path decodes it (not such a JPEG, more
@@ -59,7 +63,9 @@ def decode_reduced(
 
     Grey is ``H x W x 1``; colour is ``H x W x 4``, RGB and a padding byte, the layout Pillow
     keeps RGB in (four bytes a pixel): Pillow takes it as it is (``pillow_image``), without the
-    copy that spreading three bytes a pixel out to four costs, holding the GIL."""
+    copy that spreading three bytes a pixel out to four costs, holding the GIL. ``padded=False``
+    gives colour as ``H x W x 3``, for torch to resize: a padding byte left in memory makes every
+    later copy of the pixels a strided one, and dropping it costs more than decoding without it."""
     if not data.startswith(JPEG_START) or _orientation(data) != 1:
         return None
     try:
@@ -71,13 +77,17 @@ def decode_reduced(
             return None  # libjpeg-turbo may pick 3/8 or 5/8 here, where Pillow asks for 1/scale
         size = math.ceil(height / scale), math.ceil(width / scale)
         pixels = simplejpeg.decode_jpeg(
-            data, "GRAY" if channels == 1 else "RGBX", min_height=size[0], min_width=size[1], strict=True
+            data,
+            "GRAY" if channels == 1 else "RGBX" if padded else "RGB",
+            min_height=size[0],
+            min_width=size[1],
+            strict=True,
         )
     # ValueError for what it cannot read (warnings included), and whatever else it raises (a KeyError
     # for a 4:4:1 header's subsampling): Pillow's path then decides
     except Exception:
         return None
-    return pixels if pixels.shape == (*size, 1 if channels == 1 else 4) else None
+    return pixels if pixels.shape == (*size, 1 if channels == 1 else 4 if padded else 3) else None
 
 
 def pillow_image(pixels: np.ndarray) -> Image.Image:

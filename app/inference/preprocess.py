@@ -153,9 +153,9 @@ def _by_torch(spec: InputSpec) -> bool:
 
 
 def _resized_tensor(pixels: np.ndarray, spec: InputSpec) -> torch.Tensor:
-    """``H x W x C`` uint8 pixels (``C`` the spec's channels, or RGB and a padding byte) resized and
-    cropped as the spec says, by torch's uint8 kernels: a writable ``C x H x W`` tensor laid out
-    ``H x W x C`` (the padding byte kept in memory, out of view), as ``_tensor`` gives.
+    """``H x W x C`` uint8 pixels (``C`` the spec's channels) resized and cropped as the spec says,
+    by torch's uint8 kernels: a writable ``C x H x W`` tensor laid out ``H x W x C``, as ``_tensor``
+    gives.
 
     The whole image is resized and its centre then cropped, as torchvision does (torch cannot
     resize a box of the source alone, and is the faster all the same). The kernel is asked to
@@ -172,7 +172,7 @@ def _resized_tensor(pixels: np.ndarray, spec: InputSpec) -> torch.Tensor:
     resized = torch.empty((1, resized_height, resized_width, bands), dtype=torch.uint8).permute(0, 3, 1, 2)
     _TORCH_FILTERS[spec.resize.filter](image, [resized_height, resized_width], False, None, None, out=resized)
     crop = resized[0, :, top : top + spec.height, left : left + spec.width].permute(1, 2, 0).contiguous()
-    return crop.permute(2, 0, 1)[: spec.channels]
+    return crop.permute(2, 0, 1)
 
 
 def _resize(image: Image.Image, spec: InputSpec, max_pixels: int) -> Image.Image:
@@ -257,19 +257,21 @@ def _decode_reduced(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tol
         return None
     # Image.open refuses more than twice Pillow's own bomb limit, whatever max_pixels allows
     most = min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else limits.max_pixels
-    return decode_reduced(data, spec.channels, lambda w, h: draft_size(w, h, spec, draft_tolerance), most)
+    wanted = lambda w, h: draft_size(w, h, spec, draft_tolerance)  # noqa: E731
+    return decode_reduced(data, spec.channels, wanted, most, padded=not _by_torch(spec))
 
 
 def _tensor(image: Image.Image) -> torch.Tensor:
     """The pixels as a ``C x H x W`` tensor laid out ``H x W x C``, as Pillow holds them: copied out
     whole (a writable copy: torch does not share read-only memory), not transposed. The device
     thread lays the batch out as its backbone takes it (``LayeredModel.batch``): for a channels-last
-    one, that is this layout already; transposed here, each image cost the decode thread 0.12 ms."""
-    array = np.array(image, dtype=np.uint8)
+    one, that is this layout already, one plain copy an image; transposed here, each image cost the
+    decode thread 0.12 ms. The fast path's RGBX loses its padding byte here, in Pillow's conversion
+    (0.09 ms an image): left in memory, it made the batch's copy a strided one that cost the device
+    thread 0.21 ms an image (docs/performance.md, twentieth pass)."""
+    array = np.array(image.convert("RGB") if image.mode == "RGBX" else image, dtype=np.uint8)
     if array.ndim == 2:
         array = array[:, :, None]
-    elif image.mode == "RGBX":  # the fast path's colour: the padding byte stays in memory, out of view
-        array = array[:, :, :3]
     return torch.from_numpy(array).permute(2, 0, 1)
 
 
