@@ -319,9 +319,9 @@ class LayeredModel:
             x = self._normalised_channels_last(x)
         else:
             x = x.float().mul_(self._scale).add_(self._shift)
-        batched = self.batched_backbone is not None and x.dim() == 4 and x.shape[0] >= ONEDNN_FROM_BATCH
-        backbone = self.batched_backbone if batched else self.backbone
-        assert backbone is not None
+        backbone: Callable[[torch.Tensor], torch.Tensor] = self.backbone
+        if self.batched_backbone is not None and x.dim() == 4 and x.shape[0] >= ONEDNN_FROM_BATCH:
+            backbone = self.batched_backbone
         return backbone(x.to(self.dtype))
 
     def _normalised_channels_last(self, images: torch.Tensor) -> torch.Tensor:

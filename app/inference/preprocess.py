@@ -8,6 +8,7 @@ Normalisation is not done here: it happens once per batch, on the device.
 from __future__ import annotations
 
 import binascii
+import functools
 import io
 import math
 from dataclasses import dataclass
@@ -240,8 +241,7 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
             image = ImageOps.exif_transpose(image)
         image = _to_mode(image, spec.channels)
         if _by_torch(spec):
-            pixels = np.array(image, dtype=np.uint8)  # a writable copy: torch shares only writable memory
-            return _resized_tensor(pixels if pixels.ndim == 3 else pixels[:, :, None], spec)
+            return _resized_tensor(_pixels(image), spec)
         image = _resize(image, spec, limits.max_pixels)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
@@ -257,22 +257,25 @@ def _decode_reduced(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tol
         return None
     # Image.open refuses more than twice Pillow's own bomb limit, whatever max_pixels allows
     most = min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else limits.max_pixels
-    wanted = lambda w, h: draft_size(w, h, spec, draft_tolerance)  # noqa: E731
+    wanted = functools.partial(draft_size, spec=spec, tolerance=draft_tolerance)
     return decode_reduced(data, spec.channels, wanted, most, padded=not _by_torch(spec))
 
 
-def _tensor(image: Image.Image) -> torch.Tensor:
-    """The pixels as a ``C x H x W`` tensor laid out ``H x W x C``, as Pillow holds them: copied out
-    whole (a writable copy: torch does not share read-only memory), not transposed. The device
-    thread lays the batch out as its backbone takes it (``LayeredModel.batch``): for a channels-last
-    one, that is this layout already, one plain copy an image; transposed here, each image cost the
-    decode thread 0.12 ms. The fast path's RGBX loses its padding byte here, in Pillow's conversion
-    (0.09 ms an image): left in memory, it made the batch's copy a strided one that cost the device
-    thread 0.21 ms an image (docs/performance.md, twentieth pass)."""
+def _pixels(image: Image.Image) -> np.ndarray:
+    """A Pillow image's pixels as a writable ``H x W x C`` copy (torch shares only writable memory),
+    three bytes a colour pixel: the fast path's RGBX loses its padding byte here, in Pillow's
+    conversion (0.09 ms an image). Left in memory, it made the device thread's batch a strided copy,
+    0.21 ms an image (docs/performance.md, twentieth pass)."""
     array = np.array(image.convert("RGB") if image.mode == "RGBX" else image, dtype=np.uint8)
-    if array.ndim == 2:
-        array = array[:, :, None]
-    return torch.from_numpy(array).permute(2, 0, 1)
+    return array if array.ndim == 3 else array[:, :, None]
+
+
+def _tensor(image: Image.Image) -> torch.Tensor:
+    """The pixels as a ``C x H x W`` tensor laid out ``H x W x C``, as Pillow holds them, not
+    transposed. The device thread lays the batch out as its backbone takes it
+    (``LayeredModel.batch``): for a channels-last one, that is this layout already, one plain copy an
+    image; transposed here, each image cost the decode thread 0.12 ms."""
+    return torch.from_numpy(_pixels(image)).permute(2, 0, 1)
 
 
 def decode_payload(payload: bytes | str, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:
