@@ -49,5 +49,8 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     except ServiceError as exc:
         if exc.status != 503:
             return None  # e.g. an unknown model: the route answers it
-        return exc
+        # a refusal is a value from here on; its traceback would hold this call's frames, and the
+        # caller's frame holding the refusal would close a reference cycle: at twice the load,
+        # hundreds a second left for the cyclic collector, whose passes held the GIL 25 ms each
+        return exc.with_traceback(None)
     return None

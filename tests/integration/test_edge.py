@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -341,3 +343,29 @@ async def test_a_deadline_runs_from_the_requests_first_byte(make_settings: Setti
         if ("status", "503") in labels
     ]
     assert refused and refused[0] >= 0.5, refused  # timed from the first byte too
+
+
+@pytest.mark.parametrize("by", ["edge", "app"])
+async def test_refusals_leave_nothing_for_the_cycle_collector(make_settings: SettingsFactory, by: str) -> None:
+    """At twice the load refusals outnumber answers; each must be freed when it is answered. A
+    refusal kept with its traceback tied the frames that made it into a reference cycle, left
+    for the cyclic collector, whose passes then held the GIL for tens of milliseconds at a time."""
+    windows = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}
+    async with served(make_settings(**windows)) as running:
+        await running.exchange(predict())
+        running.app.state.tracing = by == "app"  # with spans exported, the app's direct path refuses
+        refusals = [predict(X_Request_Timeout="150") for _ in range(20)]
+        await running.exchange(*refusals)  # whatever a first refusal warms up
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage
+        try:
+            answers = await running.exchange(*refusals)
+            gc.collect()
+            left = Counter(type(thing).__name__ for thing in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert {json.loads(body)["code"] for _, body in answers} == {"would_miss_deadline"}
+    assert not left.keys() & {"WouldMissDeadline", "frame", "traceback", "Request"}, left
+    # a closed connection's protocol and its last request hold each other: one for the connection, not one each
+    assert left["RequestResponseCycle"] <= 1, left

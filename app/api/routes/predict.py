@@ -24,7 +24,7 @@ from app.api.auth import check_api_key
 from app.api.body import OPENAPI_BODY, check_declared_body, read_image_body
 from app.api.deps import predict_headers
 from app.api.disconnect import ClientClosed, unless_disconnected
-from app.api.errors import error_responses
+from app.api.errors import error_responses, service_error_response
 from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
@@ -161,9 +161,13 @@ def direct(scope: Scope) -> ASGIApp | None:
 async def _serve(call: PredictCall, scope: Scope, receive: Receive, send: Send) -> None:
     request = Request(scope, receive, send)
     try:
-        if not scope["state"].get("shed_checked") and (refusal := shed(request.app.state, scope, call.name)):
-            raise refusal  # refused before the body is read (unless the edge asked already)
-        response = await _predict(call.name, request)
+        # refused before the body is read (unless the edge asked already); answered, not raised,
+        # which would tie the refusal and this frame into a cycle through its traceback
+        refusal = None if scope["state"].get("shed_checked") else shed(request.app.state, scope, call.name)
+        if refusal is None:
+            response = await _predict(call.name, request)
+        else:
+            response = await service_error_response(request, refusal)
     except Exception as exc:
         handlers = request.app.exception_handlers  # looked up by class, as Starlette does
         handler = next((handlers[klass] for klass in type(exc).__mro__ if klass in handlers), None)
