@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import gc
 import io
 import os
 import shutil
 import socket
 import struct
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,23 @@ VALID_REQUEST_ID = "test-Req_1.2:abc"
 
 
 # --- images -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cyclic_garbage() -> Iterator[Counter[str]]:
+    """What the block leaves for the cyclic collector, by type name (filled when it ends): objects
+    only a reference cycle keeps alive, which reference counting never frees. Under load such
+    garbage is what sets off the collector's passes, each holding the GIL."""
+    found: Counter[str] = Counter()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage
+    try:
+        yield found
+        gc.collect()
+        found.update(type(thing).__name__ for thing in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
 
 
 def sample_png(digit: int) -> bytes:

@@ -299,6 +299,17 @@ class DualWindowBatcher(Generic[P, R]):
         Cancelling the caller cancels the request: it leaves the queue uncomputed.
         """
         self.admit(lane, timeout_s, predict=not admitted, seated=admitted)
+        future = self._enqueue(payload, lane, timeout_s)
+        try:
+            return await future
+        finally:
+            if not future.done():  # our caller was cancelled: drop the request
+                future.cancel()
+            # raised, the future's exception has this frame in its traceback: holding the future
+            # here would tie the two into a cycle, left to the cyclic collector
+            del future
+
+    def _enqueue(self, payload: P, lane: Lane, timeout_s: float) -> asyncio.Future[Completed[R]]:
         queue = self._queues[lane]
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
@@ -308,11 +319,7 @@ class DualWindowBatcher(Generic[P, R]):
         queue.items.append(item)
         queue.waiting += 1
         self._wakeup.set()
-        try:
-            return await future
-        finally:
-            if not future.done():  # our caller was cancelled: drop the request
-                future.cancel()
+        return future
 
     def _expire(self, item: Pending[P, R]) -> None:
         if not item.future.done():
@@ -321,6 +328,7 @@ class DualWindowBatcher(Generic[P, R]):
     def _settled(self, item: Pending[P, R]) -> None:
         if item.timer is not None:
             item.timer.cancel()
+            item.timer = None  # its callback holds the item: let go of it whatever the clock's timers keep
         if not item.batched:  # it left before being batched: cancelled by its caller, or expired
             reason = "cancelled" if item.future.cancelled() else "deadline"
             self._observer.on_dropped(item.lane, reason)

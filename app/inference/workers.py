@@ -152,7 +152,10 @@ class WorkerThreads:
         Cancelled while it waits for a worker, it never runs."""
         outcome = LoopOutcome(asyncio.get_running_loop())
         self._put(functools.partial(contextvars.copy_context().run, fn), outcome, urgent)
-        result: T = await outcome.future
+        try:
+            result: T = await outcome.future
+        finally:
+            del outcome  # raised, its exception's traceback holds this frame: see ``_run``
         return result
 
     def _next(self, kind: tuple[int, ...]) -> Call | None:
@@ -211,3 +214,6 @@ def _run(call: Call) -> None:
         future.set_result(fn())
     except BaseException as exc:
         future.set_exception(exc)
+        # the exception's traceback holds this frame: one that still held the future holding the
+        # exception would be a reference cycle, left to the cyclic collector with the whole call
+        del call, future

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +31,7 @@ from app.settings import Settings
 from app.telemetry.logging import RequestIdFilter
 from app.telemetry.metrics import PREFIX
 from tests.conftest import SettingsFactory
-from tests.support import free_port, sample_png
+from tests.support import cyclic_garbage, free_port, sample_png
 
 
 @dataclass
@@ -356,15 +354,8 @@ async def test_refusals_leave_nothing_for_the_cycle_collector(make_settings: Set
         running.app.state.tracing = by == "app"  # with spans exported, the app's direct path refuses
         refusals = [predict(X_Request_Timeout="150") for _ in range(20)]
         await running.exchange(*refusals)  # whatever a first refusal warms up
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage
-        try:
+        with cyclic_garbage() as left:
             answers = await running.exchange(*refusals)
-            gc.collect()
-            left = Counter(type(thing).__name__ for thing in gc.garbage)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
     assert {json.loads(body)["code"] for _, body in answers} == {"would_miss_deadline"}
     assert not left.keys() & {"WouldMissDeadline", "frame", "traceback", "Request"}, left
     # a closed connection's protocol and its last request hold each other: one for the connection, not one each

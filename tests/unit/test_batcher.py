@@ -9,6 +9,7 @@ import pytest
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
+from tests.support import cyclic_garbage
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
 MS = 0.001
@@ -215,6 +216,24 @@ async def test_a_request_past_its_deadline_is_answered_at_once_and_never_compute
     await h.clock.advance(15 * MS)
     assert h.runner.batches == [[2]]
     await on_time
+
+
+async def test_requests_that_fail_or_expire_leave_nothing_for_the_cycle_collector(make) -> None:
+    """At twice the load many requests expire or fail; each must be freed once answered. A
+    waiting frame that held its future (whose exception's traceback held the frame), or an item
+    whose spent timer held it, was a cycle each, left to the collector."""
+    h = make(runner=FakeRunner(fail_on=lambda payloads: BatchFailed("device") if payloads[0] < 0 else None))
+    with cyclic_garbage() as left:
+        late = [h.submit(i, timeout=5 * MS) for i in range(3)]
+        await h.clock.advance(10 * MS)
+        failing = [h.submit(-1 - i) for i in range(3)]
+        await h.clock.advance(30 * MS)
+        await settle()
+        for task in late + failing:
+            with pytest.raises((DeadlineExceeded, BatchFailed)):
+                await task
+        del late, failing, task
+    assert not left, left
 
 
 async def test_a_full_queue_refuses_at_once(make) -> None:

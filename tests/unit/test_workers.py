@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.inference.workers import WorkerThreads
+from tests.support import cyclic_garbage
 
 
 def test_urgent_calls_overtake_normal_ones_that_wait() -> None:
@@ -189,6 +190,27 @@ async def test_run_delivers_results_and_errors_to_the_loop_without_a_second_futu
         with pytest.raises(RuntimeError, match="StopIteration"):
             await asyncio.wait_for(workers.run(stop), 10)
         assert await workers.run(lambda: "still serving") == "still serving"
+    finally:
+        workers.close()
+
+
+async def test_a_failed_call_leaves_nothing_for_the_cycle_collector() -> None:
+    """A decode that fails (a client's broken image) must be freed with its answer: an exception
+    whose traceback held the frames that held its future was a cycle each, left to the collector."""
+
+    def broken() -> None:
+        raise ValueError("not an image")
+
+    workers = WorkerThreads("test", 1)
+    try:
+        await workers.run(lambda: None)
+        with cyclic_garbage() as left:
+            for _ in range(5):
+                with pytest.raises(ValueError):
+                    await workers.run(broken)
+                with pytest.raises(ValueError):
+                    workers.submit(broken).result(10)
+        assert not left, left
     finally:
         workers.close()
 
