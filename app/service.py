@@ -67,7 +67,13 @@ def batch_policy(settings: BatchingSettings) -> BatchPolicy:
     def lane(s: LaneSettings) -> LanePolicy:
         return LanePolicy(s.window_ms / 1000.0, s.max_batch, s.max_queue)
 
-    return BatchPolicy(lane(settings.urgent), lane(settings.normal), settings.urgent_fill, settings.admission_headroom)
+    return BatchPolicy(
+        lane(settings.urgent),
+        lane(settings.normal),
+        settings.urgent_fill,
+        settings.admission_headroom,
+        settings.urgent_fill_backlog,
+    )
 
 
 @dataclass(eq=False)

@@ -229,8 +229,16 @@ class BatchingSettings(_Group):
     urgent_fill: UrgentFill = Field(
         default=UrgentFill.BACKLOG,
         description="when urgent batches take free seats from the normal queue: always, backlog (the normal "
-        "requests admitted ahead, queued or decoding, make a full batch per device thread), never; "
-        "true/false mean always/never",
+        "requests admitted ahead, queued or decoding, make urgent_fill_backlog full batches per device thread), "
+        "never; true/false mean always/never",
+    )
+    urgent_fill_backlog: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="under urgent_fill=backlog: the full normal batches per device thread that must wait (queued "
+        "or decoding) before urgent batches take riders; more keeps urgent batches small until the service is "
+        "further behind",
     )
     admission_headroom: float = Field(
         default=0.5,

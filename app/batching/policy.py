@@ -23,9 +23,11 @@ class UrgentFill(enum.StrEnum):
     Seats filled make the batch cheaper per image (a batch of one costs about three images'
     time in a batch of twelve on a CPU) and the urgent batch longer. ``backlog`` fills only
     while the normal requests admitted and not yet running (queued, or still on their way:
-    their images decoding) make a full batch for every device thread, that is while the
-    service is behind and throughput is what the normal lane lacks; under lighter load urgent
-    batches stay small and fast.
+    their images decoding) make ``urgent_fill_backlog`` full batches for every device thread,
+    that is while the service is behind and throughput is what the normal lane lacks; under
+    lighter load urgent batches stay small and fast. A filled urgent batch runs as long as a
+    full normal one, and an urgent request arriving meanwhile waits for it: a backlog of bursts,
+    which a load well under saturation has, should not fill them.
     """
 
     ALWAYS = "always"
@@ -68,10 +70,13 @@ class BatchPolicy:
     normal: LanePolicy
     urgent_fill: UrgentFill = UrgentFill.ALWAYS
     admission_headroom: float = 1.0
+    urgent_fill_backlog: int = 1  # under ``backlog``: full normal batches waiting per batch in flight
 
     def __post_init__(self) -> None:
         if not 0 < self.admission_headroom <= 1:
             raise ValueError("admission_headroom must be in (0, 1]")
+        if self.urgent_fill_backlog < 1:
+            raise ValueError("urgent_fill_backlog must be >= 1")
 
     def lane(self, lane: Lane) -> LanePolicy:
         return self.urgent if lane is Lane.URGENT else self.normal
@@ -117,11 +122,11 @@ def is_ready(state: LaneState, policy: LanePolicy, now: float, flush: bool = Fal
 
 def fills(policy: BatchPolicy, backlog: int, backlog_batches: int = 1) -> bool:
     """Whether an urgent batch formed now takes free seats from the normal queue; ``backlog``
-    fills while the ``backlog`` normal requests admitted ahead make ``backlog_batches`` full
-    batches (one for each batch the device runs at once: every device thread has a full batch
-    coming)."""
+    fills while the ``backlog`` normal requests admitted ahead make ``policy.urgent_fill_backlog`` full
+    batches for each of the ``backlog_batches`` the device runs at once (every device thread has
+    that many full batches coming)."""
     if policy.urgent_fill is UrgentFill.BACKLOG:
-        return backlog >= policy.normal.max_batch * backlog_batches
+        return backlog >= policy.normal.max_batch * backlog_batches * policy.urgent_fill_backlog
     return policy.urgent_fill is UrgentFill.ALWAYS
 
 

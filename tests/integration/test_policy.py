@@ -58,10 +58,12 @@ async def test_the_admin_api_needs_the_token(
 
 async def test_a_policy_change_applies_from_the_next_batch(make_settings: SettingsFactory) -> None:
     async with running_app(admin_settings(make_settings)) as running:
-        changed = await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 2}})
+        patch = {"normal": {"max_batch": 2}, "urgent_fill_backlog": 3}
+        changed = await running.client.put("/admin/policy", headers=AUTH, json=patch)
         assert changed.status_code == 200, changed.text
         assert changed.json()["normal"] == {"window_ms": 20_000.0, "max_batch": 2, "max_queue": 64}
-        assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 2
+        policy = running.service.models[MODEL_NAME].batcher.policy
+        assert policy.normal.max_batch == 2 and policy.urgent_fill_backlog == 3
         responses = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(4)))
         assert [r.json()["batch_size"] for r in responses] == [2, 2, 2, 2], "full at the new max, not the old 8"
         assert (await running.client.get("/admin/policy", headers=AUTH)).json() == changed.json()
@@ -81,6 +83,8 @@ async def test_a_policy_change_applies_from_the_next_batch(make_settings: Settin
         {"normal": {"max_batch": True}},  # JSON's true: not a batch of 1
         {"normal": {"window_ms": "10"}},  # a string: not 10 ms
         {"admission_headroom": True},
+        {"urgent_fill_backlog": 0},
+        {"urgent_fill_backlog": 1.5},
     ],
 )
 async def test_an_invalid_change_is_refused_and_the_old_policy_stays(

@@ -18,7 +18,13 @@ lane_policies = st.builds(
     st.integers(min_value=1, max_value=32),
     st.integers(min_value=0, max_value=64),
 )
-policies = st.builds(BatchPolicy, lane_policies, lane_policies, st.sampled_from(UrgentFill))
+policies = st.builds(
+    BatchPolicy,
+    lane_policies,
+    lane_policies,
+    st.sampled_from(UrgentFill),
+    urgent_fill_backlog=st.integers(min_value=1, max_value=4),
+)
 
 
 @st.composite
@@ -49,6 +55,17 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     False,
     0,
 )
+# pinned: a backlog of one full batch per batch in flight does not fill when the policy asks for two
+@example(
+    LaneState(1, 0.0),
+    LaneState(6, 0.0),
+    BatchPolicy(LanePolicy(0.002, 4, 8), LanePolicy(0.025, 2, 64), UrgentFill.BACKLOG, urgent_fill_backlog=2),
+    1.0,
+    False,
+    2,
+    True,
+    0,
+)
 def test_a_plan_respects_priority_bounds_and_seats(
     urgent: LaneState,
     normal: LaneState,
@@ -71,7 +88,7 @@ def test_a_plan_respects_priority_bounds_and_seats(
         assert plan.lane is Lane.URGENT, "a ready urgent batch always goes first"
         assert plan.from_urgent == min(urgent.waiting, policy.urgent.max_batch)
         assert plan.size <= policy.urgent.max_batch
-        backlogged = normal.waiting + upstream >= policy.normal.max_batch * backlog_batches
+        backlogged = normal.waiting + upstream >= policy.normal.max_batch * backlog_batches * policy.urgent_fill_backlog
         fill = policy.urgent_fill is UrgentFill.ALWAYS or (policy.urgent_fill is UrgentFill.BACKLOG and backlogged)
         if fill and (riders or policy.urgent_fill is UrgentFill.BACKLOG):
             assert plan.from_normal == min(policy.urgent.max_batch - plan.from_urgent, normal.waiting)

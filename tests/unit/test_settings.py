@@ -71,6 +71,12 @@ def test_a_missing_config_file_named_explicitly_is_an_error(monkeypatch: pytest.
             "max_queue must be >= max_batch",
         ),
         ("AI_SERVICE_BATCHING__URGENT__WINDOW_MS", "50", "AI_SERVICE_BATCHING", "urgent.window_ms must be <="),
+        (
+            "AI_SERVICE_BATCHING__URGENT_FILL_BACKLOG",
+            "0",
+            "AI_SERVICE_BATCHING__URGENT_FILL_BACKLOG",
+            "greater than or equal",
+        ),
         ("AI_SERVICE_MODEL__DEVICE", "tpu", "AI_SERVICE_MODEL__DEVICE", "pattern"),
         ("AI_SERVICE_MODEL__LOAD_TIMEOUT_S", "-1", "AI_SERVICE_MODEL__LOAD_TIMEOUT_S", "greater than 0"),
         ("AI_SERVICE_SERVER__DEFAULT_TIMEOUT_MS", "200000", "AI_SERVICE_SERVER", "default_timeout_ms must be <="),
