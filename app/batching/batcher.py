@@ -310,6 +310,7 @@ class DualWindowBatcher(Generic[P, R]):
             del future
 
     def _enqueue(self, payload: P, lane: Lane, timeout_s: float) -> asyncio.Future[Completed[R]]:
+        """Queue ``payload`` with its deadline's timer; the future its batch settles."""
         queue = self._queues[lane]
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()

@@ -26,8 +26,9 @@ class UrgentFill(enum.StrEnum):
     their images decoding) make ``urgent_fill_backlog`` full batches for every device thread,
     that is while the service is behind and throughput is what the normal lane lacks; under
     lighter load urgent batches stay small and fast. A filled urgent batch runs as long as a
-    full normal one, and an urgent request arriving meanwhile waits for it: a backlog of bursts,
-    which a load well under saturation has, should not fill them.
+    full normal one, and an urgent request arriving meanwhile waits for it; near saturation the
+    normal lane's bursts make one batch's backlog often, and a larger ``urgent_fill_backlog``
+    keeps them from filling urgent batches, at the cost of riders under heavier overload.
     """
 
     ALWAYS = "always"
