@@ -7,7 +7,8 @@
 # at saturation (closed loop, CONCURRENCY clients, 10% urgent, DURATION seconds each), a few seconds apart,
 # and each variant's throughput is divided by the first variant's in the same round: the drift
 # between rounds cancels in that ratio. Prints one line per round and a summary (median ratio and
-# its range); every other round runs them in reverse order. The bench reports go to OUT_DIR. A variant's SERVER_TREE=/path serves that checkout.
+# its range, and each lane's latency percentiles as medians over the rounds: app.bench.alternate,
+# which also writes OUT_DIR/alternate.json); every other round runs them in reverse order. The bench reports go to OUT_DIR. A variant's SERVER_TREE=/path serves that checkout.
 # Run it with the same variant twice ("a:X=1;b:X=2") to see the spread when nothing differs.
 # Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
 # exported there when missing), IMAGES (default out/images, made by `ai-backend limit`), MAX_BATCH
@@ -78,56 +79,6 @@ for round in $(seq 1 "$rounds"); do
       --duration "${DURATION:-6}" --warmup "${WARMUP:-2}" --out "$report" >/dev/null
     reports+=("${labels[$i]}=$report")
   done
-  "$py" - "$round" "$(IFS=,; echo "${labels[*]}")" "${reports[@]}" <<'PY'
-import json
-import sys
-
-round_, order, *pairs = sys.argv[1:]
-labels = order.split(",")
-runs = sorted(  # in the variants' order, whichever went first
-    ((label, json.load(open(path))) for label, path in (pair.split("=", 1) for pair in pairs)),
-    key=lambda run: labels.index(run[0]),
-)
-base = runs[0][1]["throughput_rps"]
-print(
-    f"round {round_}: "
-    + ", ".join(
-        f"{label} {r['throughput_rps']:.1f}/s ({r['throughput_rps'] / base:.3f}; "
-        f"{r['cpu']['server_ms_per_request']:.2f} ms CPU a request)"
-        for label, r in runs
-    ),
-    flush=True,
-)
-PY
+  "$py" -m app.bench.alternate round "$round" "$(IFS=,; echo "${labels[*]}")" "${reports[@]}"
 done
-"$py" - "$out" "$rounds" "${labels[@]}" <<'PY'
-import json
-import statistics
-import sys
-
-out, rounds, *labels = sys.argv[1:]
-rps = {label: [json.load(open(f"{out}/{label}-{n}.json"))["throughput_rps"] for n in range(1, int(rounds) + 1)] for label in labels}
-cpu = {
-    label: [json.load(open(f"{out}/{label}-{n}.json"))["cpu"]["server_ms_per_request"] for n in range(1, int(rounds) + 1)]
-    for label in labels
-}
-base = labels[0]
-summary = {}
-for label in labels:
-    ratios = [mine / theirs for mine, theirs in zip(rps[label], rps[base], strict=True)]
-    cpu_ratios = [mine / theirs for mine, theirs in zip(cpu[label], cpu[base], strict=True)]
-    summary[label] = {
-        "requests_per_s": rps[label],
-        "median_rps": statistics.median(rps[label]),
-        "ratio_to_first": [round(r, 3) for r in ratios],
-        "median_ratio": round(statistics.median(ratios), 3),
-        "cpu_ms_per_request": cpu[label],
-        "median_cpu_ratio": round(statistics.median(cpu_ratios), 3),
-    }
-    print(
-        f"{label}: median {statistics.median(rps[label]):.1f} requests/s; against {base} in the same round: "
-        f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
-        f"CPU a request median {statistics.median(cpu_ratios):.3f} of {base}'s"
-    )
-json.dump(summary, open(f"{out}/alternate.json", "w"), indent=2)
-PY
+"$py" -m app.bench.alternate summary "$out" "$rounds" "${labels[@]}"
