@@ -4,11 +4,12 @@
 # The host under these machines drifts by a quarter within minutes, so a variant measured a minute
 # after another is measured on another machine. Here every variant's server starts first (each on
 # its own port; an idle server costs nothing), then each round measures them one after the other
-# at saturation (closed loop, CONCURRENCY clients, 10% urgent, DURATION seconds each), a few seconds apart,
-# and each variant's throughput is divided by the first variant's in the same round: the drift
-# between rounds cancels in that ratio. Prints one line per round and a summary (median ratio and
-# its range, and each lane's latency percentiles as medians over the rounds: app.bench.alternate,
-# which also writes OUT_DIR/alternate.json); every other round runs them in reverse order. The bench reports go to OUT_DIR. A variant's SERVER_TREE=/path serves that checkout.
+# at saturation (closed loop, CONCURRENCY clients, 10% urgent, DURATION seconds each), a few
+# seconds apart, and each variant's throughput is divided by the first variant's in the same
+# round: the drift between rounds cancels in that ratio. Prints one line per round and a summary
+# (median ratio and its range, and each lane's latency percentiles as medians over the rounds:
+# app.bench.alternate, which also writes OUT_DIR/alternate.json); every other round runs them in
+# reverse order. The bench reports go to OUT_DIR. A variant's SERVER_TREE=/path serves that checkout.
 # Run it with the same variant twice ("a:X=1;b:X=2") to see the spread when nothing differs.
 # Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
 # exported there when missing), IMAGES (default out/images, made by `ai-backend limit`), MAX_BATCH

@@ -55,34 +55,30 @@ def round_line(round_: int, runs: Sequence[tuple[str, Report]]) -> str:
 def summarize(reports: dict[str, list[Report]]) -> tuple[dict[str, Any], list[str]]:
     """Every variant against the first (``reports``' first key), round by round: the summary
     written to ``alternate.json`` and its lines."""
-    labels = list(reports)
-    base = labels[0]
+    base = next(iter(reports))
+    rps = {label: [r["throughput_rps"] for r in runs] for label, runs in reports.items()}
+    cpu = {label: [r["cpu"]["server_ms_per_request"] for r in runs] for label, runs in reports.items()}
     summary: dict[str, Any] = {}
     lines = []
-    for label in labels:
-        rps = [r["throughput_rps"] for r in reports[label]]
-        cpu = [r["cpu"]["server_ms_per_request"] for r in reports[label]]
-        ratios = [mine / theirs for mine, theirs in zip(rps, (r["throughput_rps"] for r in reports[base]), strict=True)]
-        cpu_ratios = [
-            mine / theirs
-            for mine, theirs in zip(cpu, (r["cpu"]["server_ms_per_request"] for r in reports[base]), strict=True)
-        ]
+    for label, runs in reports.items():
+        ratios = [mine / theirs for mine, theirs in zip(rps[label], rps[base], strict=True)]
+        cpu_ratios = [mine / theirs for mine, theirs in zip(cpu[label], cpu[base], strict=True)]
         latency: dict[str, dict[str, float]] = {}
         for lane, percentile in LATENCIES:
-            values = [v for r in reports[label] if (v := _latency(r, lane, percentile)) is not None]
+            values = [v for r in runs if (v := _latency(r, lane, percentile)) is not None]
             if values:
                 latency.setdefault(lane, {})[percentile] = round(statistics.median(values), 1)
         summary[label] = {
-            "requests_per_s": rps,
-            "median_rps": statistics.median(rps),
+            "requests_per_s": rps[label],
+            "median_rps": statistics.median(rps[label]),
             "ratio_to_first": [round(r, 3) for r in ratios],
             "median_ratio": round(statistics.median(ratios), 3),
-            "cpu_ms_per_request": cpu,
+            "cpu_ms_per_request": cpu[label],
             "median_cpu_ratio": round(statistics.median(cpu_ratios), 3),
             "median_latency_ms": latency,
         }
         lines.append(
-            f"{label}: median {statistics.median(rps):.1f} requests/s; against {base} in the same round: "
+            f"{label}: median {statistics.median(rps[label]):.1f} requests/s; against {base} in the same round: "
             f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
             f"CPU a request median {statistics.median(cpu_ratios):.3f} of {base}'s"
         )
