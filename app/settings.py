@@ -233,12 +233,12 @@ class BatchingSettings(_Group):
         "never; true/false mean always/never",
     )
     urgent_fill_backlog: int = Field(
-        default=1,
+        default=3,
         ge=1,
         le=64,
         description="under urgent_fill=backlog: the full normal batches per device thread that must wait (queued "
         "or decoding) before urgent batches take riders; more keeps urgent batches small until the service is "
-        "further behind",
+        "further behind; while the normal lane refuses requests (overload), one is enough",
     )
     admission_headroom: float = Field(
         default=0.5,

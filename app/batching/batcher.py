@@ -28,6 +28,9 @@ from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, Servi
 
 log = logging.getLogger(__name__)
 
+# how long a refusal in the normal lane marks it as overloaded, for the urgent fill rule
+REFUSING_S = 1.0
+
 P = TypeVar("P")
 R = TypeVar("R")
 
@@ -87,6 +90,7 @@ class DualWindowBatcher(Generic[P, R]):
         # for urgent batches only (and the others niced), urgent batches run apart and faster,
         # and one estimate for both made normal waits look short and admitted too many
         self._batch_s: dict[Lane, float | None] = {Lane.URGENT: None, Lane.NORMAL: None}
+        self._refused_at: float | None = None  # the normal lane's last refusal with requests ahead
         self.batches = 0
 
     @property
@@ -172,7 +176,7 @@ class DualWindowBatcher(Generic[P, R]):
         else:
             running, workers = len(self._in_flight), self._max_in_flight
             urgent_traffic = self._ahead(Lane.URGENT) > 0 or self._running[Lane.URGENT] > 0
-            if urgent_traffic and fills(policy, self._ahead(Lane.NORMAL), self._max_in_flight):
+            if urgent_traffic and fills(policy, self._ahead(Lane.NORMAL), self._max_in_flight, self._refusing()):
                 workers += self._urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
         rounds = (batches + running) // workers + 1
         return policy.lane(lane).window_s + rounds * batch_s
@@ -229,6 +233,7 @@ class DualWindowBatcher(Generic[P, R]):
         # since (a policy change) refuses new requests, not one whose image is decoded already
         if not seated and self._ahead(lane) >= self._policy.lane(lane).max_queue:
             self._observer.on_rejected(lane, "queue_full")
+            self._refused(lane)
             raise QueueFull(f"the {lane.value} queue is full")
         # None until a batch has been timed: no estimate, no refusal. With nothing ahead of it
         # in the batcher, its wait is its window and the decodes ahead of it, if any: no batch
@@ -242,9 +247,20 @@ class DualWindowBatcher(Generic[P, R]):
                 wait = max(wait, upstream_s + window + batch_s)
         if wait is not None and wait > self._policy.admission_headroom * timeout_s:
             self._observer.on_rejected(lane, "would_miss_deadline")
+            self._refused(lane)
             raise WouldMissDeadline(self._miss_message(lane, wait, timeout_s), retry_after_s=max(1, math.ceil(wait)))
         if reserve:
             self._reserved[lane] += 1
+
+    def _refused(self, lane: Lane) -> None:
+        """A request turned away: with requests ahead of it in the normal lane, that lane is behind
+        as far as admission lets it be (one refused for its own short deadline alone says nothing)."""
+        if lane is Lane.NORMAL and self._ahead(Lane.NORMAL):
+            self._refused_at = self._clock.now()
+
+    def _refusing(self) -> bool:
+        """The normal lane refused a request with others ahead of it within ``REFUSING_S``."""
+        return self._refused_at is not None and self._clock.now() - self._refused_at < REFUSING_S
 
     def _miss_message(self, lane: Lane, wait: float, timeout_s: float) -> str:
         headroom = self._policy.admission_headroom
@@ -380,7 +396,8 @@ class DualWindowBatcher(Generic[P, R]):
         riders = not self._urgent_waited
         # an urgent batch on the last worker the normal lane shares with it takes its turn
         shared_last = not self._urgent_in_flight and len(self._in_flight) + 1 >= self._max_in_flight
-        plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream, shared_last)
+        refusing = self._refusing()
+        plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream, shared_last, refusing)
         if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
             # the urgent threads are busy: a ready normal batch need not wait for them
             plan = plan_batch(LaneState(), n_state, policy, now, self._flush, backlog_batches=backlog)

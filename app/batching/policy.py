@@ -28,7 +28,10 @@ class UrgentFill(enum.StrEnum):
     lighter load urgent batches stay small and fast. A filled urgent batch runs as long as a
     full normal one, and an urgent request arriving meanwhile waits for it; near saturation the
     normal lane's bursts make one batch's backlog often, and a larger ``urgent_fill_backlog``
-    keeps them from filling urgent batches, at the cost of riders under heavier overload.
+    keeps them from filling urgent batches. While the normal lane refuses requests (overload:
+    it is as far behind as admission lets it be), one full batch per device thread is enough
+    whatever ``urgent_fill_backlog`` says: a short deadline caps the backlog admission lets in,
+    and under overload the riders' throughput is what the service lacks.
     """
 
     ALWAYS = "always"
@@ -121,13 +124,14 @@ def is_ready(state: LaneState, policy: LanePolicy, now: float, flush: bool = Fal
     return deadline is not None and now >= deadline
 
 
-def fills(policy: BatchPolicy, backlog: int, backlog_batches: int = 1) -> bool:
+def fills(policy: BatchPolicy, backlog: int, backlog_batches: int = 1, refusing: bool = False) -> bool:
     """Whether an urgent batch formed now takes free seats from the normal queue; ``backlog``
     fills while the ``backlog`` normal requests admitted ahead make ``policy.urgent_fill_backlog`` full
     batches for each of the ``backlog_batches`` the device runs at once (every device thread has
-    that many full batches coming)."""
+    that many full batches coming), or one full batch each while the normal lane is ``refusing``."""
     if policy.urgent_fill is UrgentFill.BACKLOG:
-        return backlog >= policy.normal.max_batch * backlog_batches * policy.urgent_fill_backlog
+        batches = 1 if refusing else policy.urgent_fill_backlog
+        return backlog >= policy.normal.max_batch * backlog_batches * batches
     return policy.urgent_fill is UrgentFill.ALWAYS
 
 
@@ -141,6 +145,7 @@ def plan_batch(
     riders: bool = True,
     normal_backlog: int = 0,
     due_riders: bool = False,
+    refusing: bool = False,
 ) -> BatchPlan | None:
     """The next batch to run, urgent first; ``None`` when no lane is ready.
 
@@ -153,13 +158,14 @@ def plan_batch(
     ``due_riders``: the urgent batch takes the device a normal batch would have had (they share
     it, and it is the last free one), so a normal lane whose window has closed rides in its free
     seats whatever the fill rule: under steady urgent traffic it would otherwise never run.
+    ``refusing``: the normal lane refuses requests now (see ``fills``).
     """
     if is_ready(urgent, policy.urgent, now, flush):
         take = min(urgent.waiting, policy.urgent.max_batch)
         seats = policy.urgent.max_batch - take
         takes_riders = riders or policy.urgent_fill is UrgentFill.BACKLOG
         backlog = normal.waiting + normal_backlog
-        rule = takes_riders and fills(policy, backlog, backlog_batches)
+        rule = takes_riders and fills(policy, backlog, backlog_batches, refusing)
         due = due_riders and is_ready(normal, policy.normal, now, flush)
         fill = min(seats, normal.waiting) if rule or due else 0
         return BatchPlan(Lane.URGENT, take, fill)

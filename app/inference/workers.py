@@ -101,6 +101,7 @@ class WorkerThreads:
     never raise it back, so a thread keeps one priority for its life). Where calls compete for
     cores, the event loop, the decode pool and urgent batches are scheduled first, and normal
     batches take what is left, which on a busy machine is still everything they would have had.
+    The offset is from the process's own priority: a service started niced stays below the rest.
     """
 
     def __init__(self, name: str, workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
@@ -168,7 +169,8 @@ class WorkerThreads:
         name_os_thread(threading.current_thread().name)
         if kind == NORMAL_ONLY and hasattr(os, "setpriority"):
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._normal_nice)
+                priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the process's, inherited
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, priority + self._normal_nice))
         while True:
             with self._ready:
                 while (call := self._next(kind)) is None and not self._closing:

@@ -43,6 +43,7 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     st.integers(min_value=1, max_value=4),
     st.booleans(),
     st.integers(min_value=0, max_value=64),
+    st.booleans(),
 )
 # pinned: under ``backlog`` with the rule holding, urgent requests that waited (riders=False) still fill
 @example(
@@ -54,6 +55,7 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     2,
     False,
     0,
+    False,
 )
 # pinned: a backlog of one full batch per batch in flight does not fill when the policy asks for two
 @example(
@@ -65,6 +67,19 @@ def lane_states(draw: st.DrawFn) -> LaneState:
     2,
     True,
     0,
+    False,
+)
+# pinned: the same backlog fills while the normal lane refuses requests, whatever the policy asks
+@example(
+    LaneState(1, 0.0),
+    LaneState(4, 0.0),
+    BatchPolicy(LanePolicy(0.002, 4, 8), LanePolicy(0.025, 2, 64), UrgentFill.BACKLOG, urgent_fill_backlog=3),
+    1.0,
+    False,
+    2,
+    True,
+    0,
+    True,
 )
 def test_a_plan_respects_priority_bounds_and_seats(
     urgent: LaneState,
@@ -75,8 +90,9 @@ def test_a_plan_respects_priority_bounds_and_seats(
     backlog_batches: int,
     riders: bool,
     upstream: int,
+    refusing: bool,
 ) -> None:
-    plan = plan_batch(urgent, normal, policy, now, flush, backlog_batches, riders, upstream)
+    plan = plan_batch(urgent, normal, policy, now, flush, backlog_batches, riders, upstream, refusing=refusing)
     urgent_ready = is_ready(urgent, policy.urgent, now, flush)
     normal_ready = is_ready(normal, policy.normal, now, flush)
     if not urgent_ready and not normal_ready:
@@ -88,7 +104,8 @@ def test_a_plan_respects_priority_bounds_and_seats(
         assert plan.lane is Lane.URGENT, "a ready urgent batch always goes first"
         assert plan.from_urgent == min(urgent.waiting, policy.urgent.max_batch)
         assert plan.size <= policy.urgent.max_batch
-        backlogged = normal.waiting + upstream >= policy.normal.max_batch * backlog_batches * policy.urgent_fill_backlog
+        batches = 1 if refusing else policy.urgent_fill_backlog  # refusing: one batch each is behind enough
+        backlogged = normal.waiting + upstream >= policy.normal.max_batch * backlog_batches * batches
         fill = policy.urgent_fill is UrgentFill.ALWAYS or (policy.urgent_fill is UrgentFill.BACKLOG and backlogged)
         if fill and (riders or policy.urgent_fill is UrgentFill.BACKLOG):
             assert plan.from_normal == min(policy.urgent.max_batch - plan.from_urgent, normal.waiting)

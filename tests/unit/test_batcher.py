@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
+from app.batching.batcher import REFUSING_S
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
 from tests.support import cyclic_garbage
 from tests.unit.fakes import FakeClock, FakeRunner, settle
@@ -141,6 +142,48 @@ async def test_backlog_fill_takes_normal_seats_only_while_a_full_normal_batch_wa
     await settle()
     assert h.runner.batches[2:4] == [[50], [91, 3, 4, 5, 6, 7, 8]]
     await asyncio.gather(alone, busy, filled, *few, *backlog)
+
+
+@pytest.mark.parametrize("refused", ["no", "just now", "a while ago"])
+async def test_while_the_normal_lane_refuses_one_batch_of_backlog_fills_whatever_the_policy_asks(
+    make, refused: str
+) -> None:
+    """Under ``backlog`` with ``urgent_fill_backlog=3`` a backlog of one and a half batches does not
+    fill; but a normal lane refusing requests (overload) is as far behind as admission lets it be
+    (a short deadline caps its backlog below three batches), and one batch's backlog fills again
+    for as long as the refusals go on."""
+    lanes = BatchPolicy(
+        urgent=LanePolicy(2 * MS, 8, 64),
+        normal=LanePolicy(5.0, 4, 6),  # a long window: the normal batch is not due while this runs
+        urgent_fill=UrgentFill.BACKLOG,
+        urgent_fill_backlog=3,
+    )
+    h = make(lanes)
+    h.runner.gate = asyncio.Event()
+    busy = h.submit(50, Lane.URGENT)  # holds the device
+    await h.clock.advance(2 * MS)
+    queued = [h.submit(i) for i in range(3)]
+    for _ in range(3):  # and three more admitted, their images still decoding: six ahead in all
+        h.batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+    await settle()
+    if refused != "no":
+        with pytest.raises(QueueFull):
+            await h.batcher.submit(99, Lane.NORMAL, 10.0)
+        if refused == "a while ago":
+            await h.clock.advance(REFUSING_S)
+    urgent = h.submit(91, Lane.URGENT)
+    await h.clock.advance(2 * MS)
+    h.runner.gate.set()
+    await settle()
+    assert h.runner.batches[0] == [50]
+    if refused == "just now":
+        assert h.runner.batches[1] == [91, 0, 1, 2]
+    else:
+        assert h.runner.batches[1] == [91], "one and a half batches of backlog, and no refusal lately: no riders"
+    for _ in range(3):
+        h.batcher.release(Lane.NORMAL)
+    await h.clock.advance(5.0)
+    await asyncio.gather(busy, urgent, *queued)
 
 
 async def test_work_accumulates_while_the_device_is_busy_and_goes_when_it_frees(make) -> None:

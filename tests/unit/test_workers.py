@@ -133,6 +133,31 @@ def test_with_a_lowered_priority_the_general_threads_take_normal_calls_only_and_
         workers.close()
 
 
+@pytest.mark.skipif(
+    os.getpriority(os.PRIO_PROCESS, 0) > 12, reason="the test process is already niced past 12: +2 +5 would be capped"
+)
+def test_the_lowered_priority_is_below_the_starting_threads_own() -> None:
+    """A service started niced (``nice -n 2 ai-backend serve``) keeps its normal batches below its
+    other threads: 5 below its own priority, not at 5, which would be only 3 below it."""
+    seen: dict[str, int] = {}
+
+    def start_niced() -> None:
+        native = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, native, os.getpriority(os.PRIO_PROCESS, native) + 2)
+        seen["starter"] = os.getpriority(os.PRIO_PROCESS, native)
+        workers = WorkerThreads("test", 1, urgent_workers=1, normal_nice=5)  # its threads inherit the +2
+        try:
+            normal = workers.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            seen["normal"] = normal.result(10)
+        finally:
+            workers.close()
+
+    starter = threading.Thread(target=start_niced)
+    starter.start()
+    starter.join(10)
+    assert seen["normal"] == seen["starter"] + 5, seen
+
+
 def test_without_urgent_only_threads_no_thread_is_niced_and_every_one_takes_urgent_calls() -> None:
     workers = WorkerThreads("test", 1, normal_nice=5)
     try:
