@@ -232,8 +232,7 @@ class DualWindowBatcher(Generic[P, R]):
         # a seated request was counted against the bound when it took its seat: a bound lowered
         # since (a policy change) refuses new requests, not one whose image is decoded already
         if not seated and self._ahead(lane) >= self._policy.lane(lane).max_queue:
-            self._observer.on_rejected(lane, "queue_full")
-            self._refused(lane)
+            self._refuse(lane, "queue_full")
             raise QueueFull(f"the {lane.value} queue is full")
         # None until a batch has been timed: no estimate, no refusal. With nothing ahead of it
         # in the batcher, its wait is its window and the decodes ahead of it, if any: no batch
@@ -246,15 +245,16 @@ class DualWindowBatcher(Generic[P, R]):
             if upstream_s > 0:  # the images ahead of it in the decode threads, then its own batch
                 wait = max(wait, upstream_s + window + batch_s)
         if wait is not None and wait > self._policy.admission_headroom * timeout_s:
-            self._observer.on_rejected(lane, "would_miss_deadline")
-            self._refused(lane)
+            self._refuse(lane, "would_miss_deadline")
             raise WouldMissDeadline(self._miss_message(lane, wait, timeout_s), retry_after_s=max(1, math.ceil(wait)))
         if reserve:
             self._reserved[lane] += 1
 
-    def _refused(self, lane: Lane) -> None:
-        """A request turned away: with requests ahead of it in the normal lane, that lane is behind
-        as far as admission lets it be (one refused for its own short deadline alone says nothing)."""
+    def _refuse(self, lane: Lane, reason: str) -> None:
+        """Count a request turned away; with requests ahead of it in the normal lane, that lane is
+        behind as far as admission lets it be (one refused for its own short deadline alone says
+        nothing of load)."""
+        self._observer.on_rejected(lane, reason)
         if lane is Lane.NORMAL and self._ahead(Lane.NORMAL):
             self._refused_at = self._clock.now()
 
@@ -396,7 +396,7 @@ class DualWindowBatcher(Generic[P, R]):
         riders = not self._urgent_waited
         # an urgent batch on the last worker the normal lane shares with it takes its turn
         shared_last = not self._urgent_in_flight and len(self._in_flight) + 1 >= self._max_in_flight
-        refusing = self._refusing()
+        refusing = self._refusing()  # the normal lane turns requests away: one batch's backlog fills
         plan = plan_batch(u_state, n_state, policy, now, self._flush, backlog, riders, upstream, shared_last, refusing)
         if plan is not None and plan.lane is Lane.URGENT and not self._may_start(Lane.URGENT):
             # the urgent threads are busy: a ready normal batch need not wait for them

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
-from app.errors import Draining
+from app.errors import Draining, WouldMissDeadline
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
 MS = 0.001
@@ -268,5 +268,32 @@ async def test_with_the_urgent_thread_busy_a_normal_window_still_closes_on_time(
     await clock.advance(25 * MS)
     assert runner.batches == [[90], [0]], "the normal window closed while an urgent request waited for its thread"
     runner.gate.set()
+    await asyncio.gather(*tasks)
+    await b.close(grace_s=None)
+
+
+async def test_while_the_normal_lane_refuses_the_urgent_thread_counts_as_draining_it_at_one_batch_each() -> None:
+    """With ``urgent_fill_backlog=3`` one batch of backlog per thread does not fill, so the urgent
+    thread drains none of the normal queue; once the normal lane refuses a request with others
+    ahead, it fills at one batch each, and the wait admission predicts says so."""
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()
+    rules = BatchPolicy(
+        urgent=LanePolicy(2 * MS, 1, 64),
+        normal=LanePolicy(25 * MS, 2, 64),
+        urgent_fill=UrgentFill.BACKLOG,
+        urgent_fill_backlog=3,
+    )
+    b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=rules)
+    b.observe_batch(Lane.NORMAL, 0.1)
+    tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(8)]
+    tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))  # runs (gated) on the urgent thread
+    await clock.advance(2 * MS)
+    assert b.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
+    with pytest.raises(WouldMissDeadline):
+        b.admit(Lane.NORMAL, 0.05)  # four ahead and two batches running: far past 50 ms
+    assert b.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 3 + 1) * 0.1)
+    runner.gate.set()
+    await clock.advance(25 * MS)
     await asyncio.gather(*tasks)
     await b.close(grace_s=None)
