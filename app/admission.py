@@ -3,15 +3,60 @@
 Between admission and the batcher's queue a request's body is read and its image decoded.
 Such requests hold a ``Seat`` in their lane (the batcher counts it in the queue bound and the
 predicted wait), and ``DecodeBacklog`` says how long a new image would wait for a decode
-thread: the images ahead of it (urgent ones go first) at the measured decode time, shared
-among the threads.
+thread: the images ahead of it at the measured decode time, shared among the threads, and,
+for a normal image, the urgent images that will come while it waits (they go first).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from app.batching import Lane
+
+# What the decode estimates remember, in seconds. Admission refuses at the edge of what the
+# estimate allows, so under overload it admits a request just when the estimate dips: with the
+# mean of the last ten decodes, and no count of the urgent images that overtake, normal images
+# waited 1.4-1.9 times their predicted decode wait at twice the load; with both, 0.9-1.1 at the
+# median (docs/performance.md, twenty-third pass). Half a second is a few hundred decodes, and
+# still follows a host that slows within the second.
+MEMORY_S = 0.5
+# the urgent images' share of the decode threads past which a normal image's wait is counted
+# as if they took this much (beyond it the normal lane would never be decoded)
+MAX_URGENT_SHARE = 0.9
+
+
+class Decaying:
+    """Sums that forget at ``exp(-age / memory_s)``: a mean over the last ``memory_s`` or so,
+    weighing every sample alike within it, and a rate of events."""
+
+    def __init__(self, memory_s: float, clock: Callable[[], float]) -> None:
+        self._memory_s, self._clock = memory_s, clock
+        self._at: float | None = None
+        self._total = self._count = 0.0
+
+    def add(self, value: float = 1.0) -> None:
+        now = self._clock()
+        if self._at is not None:
+            kept = math.exp(-(now - self._at) / self._memory_s)
+            self._total *= kept
+            self._count *= kept
+        self._at = now
+        self._total += value
+        self._count += 1.0
+
+    def mean(self) -> float | None:
+        """The samples' mean, None before the first (a pause forgets nothing: a mean of old
+        samples only)."""
+        return self._total / self._count if self._count else None
+
+    def rate(self) -> float:
+        """Events a second over about the last ``memory_s``, fading after they stop."""
+        if self._at is None:
+            return 0.0
+        return self._count * math.exp(-(self._clock() - self._at) / self._memory_s) / self._memory_s
 
 
 class Seats(Protocol):
@@ -19,28 +64,43 @@ class Seats(Protocol):
 
 
 class DecodeBacklog:
-    """Requests admitted and not yet queued, per lane, and a moving estimate of one decode."""
+    """Requests admitted and not yet queued, per lane, and moving estimates of one decode's time
+    and of the urgent images' arrivals."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, clock: Callable[[], float] = time.monotonic, memory_s: float = MEMORY_S) -> None:
         self._threads = threads
         self._waiting = {Lane.URGENT: 0, Lane.NORMAL: 0}
-        self._decode_s: float | None = None
+        self._decode_s = Decaying(memory_s, clock)
+        self._urgent = Decaying(memory_s, clock)
 
     def wait_s(self, lane: Lane) -> float:
         """Seconds a new image of ``lane`` would take to come out of the decode threads: 0 until
         measured, and 0 with none ahead of it (a stale estimate, one slow decode's, must not
-        refuse the requests that would measure it again)."""
+        refuse the requests that would measure it again).
+
+        An urgent image waits for the urgent images ahead. A normal one waits for every image
+        ahead and for the urgent ones that arrive meanwhile: they take ``share`` of the threads'
+        time, so the images ahead clear at ``1 - share`` of the threads' pace."""
         ahead = self._waiting[Lane.URGENT] + (self._waiting[Lane.NORMAL] if lane is Lane.NORMAL else 0)
-        if self._decode_s is None or ahead == 0:
+        decode_s = self._decode_s.mean()
+        if decode_s is None or ahead == 0:
             return 0.0
-        return (ahead + 1) * self._decode_s / self._threads
+        per_image = decode_s / self._threads
+        wait = (ahead + 1) * per_image
+        if lane is Lane.NORMAL:
+            share = min(MAX_URGENT_SHARE, self._urgent.rate() * per_image)
+            wait /= 1.0 - share
+        return wait
 
     def record(self, decode_s: float) -> None:
-        self._decode_s = decode_s if self._decode_s is None else 0.9 * self._decode_s + 0.1 * decode_s
+        """One image's decode, in seconds."""
+        self._decode_s.add(decode_s)
 
     def seat(self, seats: Seats, lane: Lane) -> Seat:
         """A seat the batcher (``seats``) already holds for an admitted request."""
         self._waiting[lane] += 1
+        if lane is Lane.URGENT:
+            self._urgent.add()
         return Seat(self, seats, lane)
 
     def _left(self, lane: Lane) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import enum
 import functools
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.deadline import within
-from app.errors import DeadlineExceeded, Draining, NotFound, NotReady, ServiceError
+from app.errors import DeadlineExceeded, Draining, NotFound, NotReady, ServiceError, Unavailable
 from app.inference import preprocess
+from app.inference.bounded import BoundedCall
 from app.inference.device import (
     DeviceThread,
     Memory,
@@ -137,6 +139,7 @@ class InferenceService:
         self.groups: dict[str, ModelGroup[ServedModel]] = {}
         self.entries: list[ModelEntry] = []
         self._retiring: set[ServedModel] = set()  # unloaded versions whose requests still finish
+        self._late_loads: set[str] = set()  # loads past their timeout, still running on a device thread
         self._rng = random.Random()
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
@@ -321,6 +324,15 @@ class InferenceService:
         await asyncio.to_thread(self._tuning.collect_unloaded)
         await asyncio.to_thread(release_memory, self.device)
 
+    def _late_load_ended(self, label: str, started: float, timeout: float) -> None:
+        self._late_loads.discard(label)
+        log.warning(
+            "the load of %s that passed model.load_timeout_s=%gs ended after %.1fs; its model was dropped",
+            label,
+            timeout,
+            time.monotonic() - started,
+        )
+
     async def _load(self, name: str, version: str) -> ServedModel:
         folder = self.repository.folder(name, version)
         timeout = self.settings.model.load_timeout_s
@@ -334,9 +346,24 @@ class InferenceService:
             model.self_check()
             return model
 
+        if self._late_loads:
+            raise Unavailable(
+                f"loading {', '.join(sorted(self._late_loads))} passed model.load_timeout_s and still runs on "
+                "the device; another load can start once it ends",
+                code="model_loading",
+                retry_after_s=max(1, math.ceil(timeout)),
+            )
+        label = f"{name}/{version}"
+        bounded = BoundedCall(
+            load,
+            release=functools.partial(release_memory, self.device),
+            on_late_end=functools.partial(self._late_load_ended, label, time.monotonic(), timeout),
+        )
         try:
-            model = await asyncio.wait_for(self._device_thread.run(load), timeout)
+            model = await bounded.run(self._device_thread, timeout)
         except TimeoutError as exc:
+            if bounded.late:  # a thread cannot be stopped: it ends when it ends, and is dropped then
+                self._late_loads.add(label)
             raise ModelLoadError(
                 f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
                 "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"

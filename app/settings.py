@@ -156,7 +156,9 @@ class ModelSettings(_Group):
         default=0.01, ge=0, le=1, description="promotion refused if fp16 accuracy falls more than this below fp32"
     )
     eager_heads: bool = Field(default=False, description="load every head at start instead of on first use")
-    load_timeout_s: Seconds = Field(default=30.0, description="a model load taking longer stops start-up")
+    load_timeout_s: Seconds = Field(
+        default=30.0, description="a model load taking longer stops start-up (409 through the admin API)"
+    )
     warmup: bool = Field(default=True, description="run batches up to the max batch size before ready")
     cpu_fallback: bool = Field(
         default=False, description="serve from the CPU in fp32 when the device keeps failing (health: degraded)"

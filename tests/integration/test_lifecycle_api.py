@@ -17,6 +17,7 @@ from torch import nn
 
 from app.batching import Lane
 from app.errors import ServiceError
+from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Provenance
 from app.inference.packaging import sha256_file, write_version
 from app.settings import Settings
@@ -512,3 +513,38 @@ async def test_an_unloaded_versions_queue_is_scraped_while_it_drains(repository:
         assert not any(
             line.startswith("ai_backend_queue_depth{") and 'version="2"' in line for line in after.splitlines()
         )
+
+
+async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with_a_503(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running_app(settings_for(repository)) as running:
+        add_version(repository, "3")
+        running.service.settings.model.load_timeout_s = 0.3
+        real_load = LayeredModel.load
+        started, gate = threading.Event(), threading.Event()
+
+        def stuck_load(*args: object, **kwargs: object) -> LayeredModel:
+            started.set()
+            gate.wait(30)
+            return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(LayeredModel, "load", stuck_load)
+        try:
+            late = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+            assert late.status_code == 409 and late.json()["code"] == "model_load_failed"
+            assert "load_timeout_s=0.3s" in late.json()["message"]
+            again = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+            assert again.status_code == 503 and again.json()["code"] == "model_loading"
+            assert again.headers["Retry-After"] == "1"
+            served = await running.predict_png(sample_png(5))
+            assert served.status_code == 200, "serving goes on meanwhile"
+        finally:
+            gate.set()
+        monkeypatch.setattr(LayeredModel, "load", real_load)
+        async with asyncio.timeout(30):  # the late load ends: its model dropped, loads work again
+            loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+            while loaded.status_code == 503:  # noqa: ASYNC110 (the end is a log line)
+                await asyncio.sleep(0.02)
+                loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+        assert loaded.status_code == 200 and loaded.json()["loaded_versions"] == ["1", "2", "3"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from app.errors import Unavailable
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.service import InferenceService, State
 from app.settings import Settings
@@ -69,3 +72,45 @@ async def test_the_latest_version_is_served_and_the_default_resolves(repository:
     finally:
         await service.close(1.0)
     assert service.state is State.STOPPED
+
+
+async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread cannot be stopped: the load that timed out goes on, and a second load meanwhile would
+    run beside it (or queue behind it and time out too). It is refused, 503 with Retry-After, until
+    the first ends; then its model is dropped and loads work again."""
+    shutil.copytree(repository / "digits" / "1", repository / "digits" / "2")
+    manifest = repository / "digits" / "2" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"version": "1"', '"version": "2"'))
+    service = InferenceService(settings_for(repository, names=["digits"], load_timeout_s=0.5))
+    await service.start()
+    real_load = LayeredModel.load
+    started, gate, calls = threading.Event(), threading.Event(), []
+
+    def stuck_load(*args: object, **kwargs: object) -> LayeredModel:
+        calls.append(args)
+        started.set()
+        gate.wait(30)
+        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayeredModel, "load", stuck_load)
+    try:
+        with pytest.raises(ModelLoadError, match="load_timeout_s=0.5s"):
+            await service.load_version("digits", "2")
+        assert started.is_set()
+        with pytest.raises(Unavailable) as refused:
+            await service.load_version("digits", "1")
+        assert refused.value.code == "model_loading" and refused.value.retry_after_s == 1
+        assert "digits/2" in refused.value.message
+        assert len(calls) == 1, "the second load never started"
+        gate.set()
+        async with asyncio.timeout(30):
+            while service._late_loads:  # noqa: ASYNC110 (the end is a log line and this set)
+                await asyncio.sleep(0.01)
+        monkeypatch.setattr(LayeredModel, "load", real_load)
+        served = await service.load_version("digits", "2")
+        assert served.version == "2"
+    finally:
+        gate.set()
+        await service.close(1.0)
