@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -88,11 +89,15 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
     real_load = LayeredModel.load
     started, gate, calls = threading.Event(), threading.Event(), []
 
+    made: list[weakref.ref[LayeredModel]] = []
+
     def stuck_load(*args: object, **kwargs: object) -> LayeredModel:
         calls.append(args)
         started.set()
         gate.wait(30)
-        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+        model = real_load(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(weakref.ref(model))
+        return model
 
     monkeypatch.setattr(LayeredModel, "load", stuck_load)
     try:
@@ -108,6 +113,7 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
         async with asyncio.timeout(30):
             while service._late_loads:  # noqa: ASYNC110 (the end is a log line and this set)
                 await asyncio.sleep(0.01)
+        assert made and made[0]() is None, "the late load's model (reference cycles and all) is gone"
         monkeypatch.setattr(LayeredModel, "load", real_load)
         served = await service.load_version("digits", "2")
         assert served.version == "2"
