@@ -327,7 +327,8 @@ class InferenceService:
     def _late_load_ended(self, label: str, started: float, timeout: float) -> None:
         self._late_loads.discard(label)
         log.warning(
-            "the load of %s that passed model.load_timeout_s=%gs ended after %.1fs; its model was dropped",
+            "the load of %s given up after model.load_timeout_s=%gs (or cancelled) ended %.1fs after it began; "
+            "what it loaded was dropped",
             label,
             timeout,
             time.monotonic() - started,
@@ -362,14 +363,15 @@ class InferenceService:
         try:
             model = await bounded.run(self._device_thread, timeout)
         except TimeoutError as exc:
-            if bounded.late:  # a thread cannot be stopped: it ends when it ends, and is dropped then
-                self._late_loads.add(label)
             raise ModelLoadError(
                 f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
                 "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
             ) from exc
         except ValueError as exc:  # a bad manifest
             raise ModelLoadError(str(exc)) from exc
+        finally:
+            if bounded.late:  # timed out or cancelled: a thread cannot be stopped, it ends when it ends
+                self._late_loads.add(label)
         load_s = time.perf_counter() - started
         if self.settings.model.warmup:
             biggest = max(self._policy.urgent.max_batch, self._policy.normal.max_batch)

@@ -49,17 +49,17 @@ class BoundedCall(Generic[T]):
 
     @property
     def late(self) -> bool:
-        """Its caller gave up and it still runs (``on_late_end`` comes after the caller's
-        ``TimeoutError`` has been handled: both are on the event loop)."""
+        """Its caller gave up (timed out or was cancelled) and it still runs (``on_late_end``
+        comes after the caller's exception has been handled: both are on the event loop)."""
         return self._state is _State.LATE
 
     async def run(self, threads: WorkerThreads, timeout_s: float) -> T:
-        """The call's result; ``TimeoutError`` past ``timeout_s``, after which it never starts or,
-        if running, is ``late`` until it ends."""
+        """The call's result; ``TimeoutError`` past ``timeout_s``. Past it, or cancelled, the call
+        never starts or, if running, is ``late`` until it ends."""
         self._loop = asyncio.get_running_loop()
         try:
             result: T = await asyncio.wait_for(threads.run(self._call), timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError):
             with self._lock:
                 if self._state is _State.WAITING:
                     self._state = _State.CALLED_OFF

@@ -520,7 +520,7 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
 ) -> None:
     async with running_app(settings_for(repository)) as running:
         add_version(repository, "3")
-        running.service.settings.model.load_timeout_s = 0.3
+        running.service.settings.model.load_timeout_s = 1.0
         real_load = LayeredModel.load
         started, gate = threading.Event(), threading.Event()
 
@@ -533,7 +533,8 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
         try:
             late = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
             assert late.status_code == 409 and late.json()["code"] == "model_load_failed"
-            assert "load_timeout_s=0.3s" in late.json()["message"]
+            assert "load_timeout_s=1s" in late.json()["message"]
+            assert await asyncio.to_thread(started.wait, 30), "it had started: it runs on"
             again = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
             assert again.status_code == 503 and again.json()["code"] == "model_loading"
             assert again.headers["Retry-After"] == "1"

@@ -99,3 +99,25 @@ async def test_a_late_call_that_fails_still_ends(threads: WorkerThreads) -> None
     gate.set()
     await asyncio.wait_for(ended.wait(), 10)
     assert released.is_set() and not bounded.late
+
+
+async def test_a_running_call_whose_caller_is_cancelled_is_late_too(threads: WorkerThreads) -> None:
+    """An admin request cancelled mid-load (a shutdown, say) leaves its load running all the same."""
+    started, gate = threading.Event(), threading.Event()
+    ended = asyncio.Event()
+
+    def load() -> Weights:
+        started.set()
+        gate.wait(10)
+        return Weights()
+
+    bounded = BoundedCall(load, on_late_end=ended.set)
+    call = asyncio.ensure_future(bounded.run(threads, 30.0))
+    await asyncio.to_thread(started.wait, 10)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert bounded.late
+    gate.set()
+    await asyncio.wait_for(ended.wait(), 10)
+    assert not bounded.late

@@ -84,7 +84,7 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
     shutil.copytree(repository / "digits" / "1", repository / "digits" / "2")
     manifest = repository / "digits" / "2" / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"version": "1"', '"version": "2"'))
-    service = InferenceService(settings_for(repository, names=["digits"], load_timeout_s=0.5))
+    service = InferenceService(settings_for(repository, names=["digits"], load_timeout_s=1.0))
     await service.start()
     real_load = LayeredModel.load
     started, gate, calls = threading.Event(), threading.Event(), []
@@ -101,9 +101,9 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
 
     monkeypatch.setattr(LayeredModel, "load", stuck_load)
     try:
-        with pytest.raises(ModelLoadError, match="load_timeout_s=0.5s"):
+        with pytest.raises(ModelLoadError, match="load_timeout_s=1s"):
             await service.load_version("digits", "2")
-        assert started.is_set()
+        assert await asyncio.to_thread(started.wait, 30), "it had started (the manifest read before it)"
         with pytest.raises(Unavailable) as refused:
             await service.load_version("digits", "1")
         assert refused.value.code == "model_loading" and refused.value.retry_after_s == 1
