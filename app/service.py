@@ -324,6 +324,11 @@ class InferenceService:
         await asyncio.to_thread(self._tuning.collect_unloaded)
         await asyncio.to_thread(release_memory, self.device)
 
+    @property
+    def late_loads(self) -> list[str]:
+        """``name/version`` of the loads past their timeout that still run on a device thread."""
+        return sorted(self._late_loads)
+
     def _late_load_ended(self, label: str, started: float, timeout: float) -> None:
         self._late_loads.discard(label)
         log.warning(
@@ -349,7 +354,7 @@ class InferenceService:
 
         if self._late_loads:
             raise Unavailable(
-                f"loading {', '.join(sorted(self._late_loads))} passed model.load_timeout_s and still runs on "
+                f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
                 "the device; another load can start once it ends",
                 code="model_loading",
                 retry_after_s=max(1, math.ceil(timeout)),

@@ -106,3 +106,7 @@ class HealthResponse(BaseModel):
     models: list[ModelHealth]
     memory: MemoryHealth
     failure: str | None = None
+    loading: list[str] = Field(
+        default=[],
+        description="model loads past model.load_timeout_s still running on a device thread; other loads wait",
+    )

@@ -178,6 +178,7 @@ async def test_a_version_added_while_serving_can_be_loaded_and_a_corrupt_one_is_
         add_version(repository, "3")
         loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
         assert loaded.status_code == 200 and loaded.json()["loaded_versions"] == ["1", "2", "3"]
+        assert (await running.client.get("/healthz")).json()["loading"] == []
         pinned = await running.predict_png(sample_png(5), headers={"X-Model-Version": "3"})
         assert pinned.status_code == 200 and pinned.json()["version"] == "3"
 
@@ -540,6 +541,8 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
             assert again.headers["Retry-After"] == "1"
             served = await running.predict_png(sample_png(5))
             assert served.status_code == 200, "serving goes on meanwhile"
+            health = await running.client.get("/healthz")
+            assert health.status_code == 200 and health.json()["loading"] == ["digits/3"]
         finally:
             gate.set()
         monkeypatch.setattr(LayeredModel, "load", real_load)
@@ -549,3 +552,4 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
                 await asyncio.sleep(0.02)
                 loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
         assert loaded.status_code == 200 and loaded.json()["loaded_versions"] == ["1", "2", "3"]
+        assert (await running.client.get("/healthz")).json()["loading"] == []

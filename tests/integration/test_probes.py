@@ -137,6 +137,7 @@ async def test_health_report_when_ready(make_settings: SettingsFactory) -> None:
                 }
             ],
             "failure": None,
+            "loading": [],
         }
         assert memory["ok"] is True
         assert memory["min_free_bytes"] == 256 << 20

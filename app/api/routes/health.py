@@ -77,6 +77,7 @@ async def healthz(service: Service) -> JSONResponse:
         models=models,
         memory=memory,
         failure=service.failure,
+        loading=service.late_loads,
     )
     return JSONResponse(report.model_dump(), status_code=200 if healthy else 503)
 
