@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -21,6 +22,7 @@ from typing import Generic, TypeVar
 from app.inference.workers import WorkerThreads
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class _State(enum.Enum):
@@ -92,7 +94,10 @@ class BoundedCall(Generic[T]):
         return late
 
     def _after_late(self) -> None:
-        self._release()
+        try:
+            self._release()
+        except Exception:  # nobody awaits this call: said here, and the end is told all the same
+            log.exception("releasing what a late call held failed")
         assert self._loop is not None  # set before the call was queued
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             self._loop.call_soon_threadsafe(self._on_late_end)

@@ -121,3 +121,28 @@ async def test_a_running_call_whose_caller_is_cancelled_is_late_too(threads: Wor
     gate.set()
     await asyncio.wait_for(ended.wait(), 10)
     assert not bounded.late
+
+
+async def test_a_late_call_whose_release_fails_still_ends(
+    threads: WorkerThreads, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Else the service would hold off every later load for good."""
+    started, gate = threading.Event(), threading.Event()
+    ended = asyncio.Event()
+
+    def load() -> Weights:
+        started.set()
+        gate.wait(10)
+        return Weights()
+
+    def release() -> None:
+        raise RuntimeError("the device is gone")
+
+    bounded = BoundedCall(load, release=release, on_late_end=ended.set)
+    call = asyncio.ensure_future(bounded.run(threads, 0.2))
+    await asyncio.to_thread(started.wait, 10)
+    with pytest.raises(TimeoutError):
+        await call
+    gate.set()
+    await asyncio.wait_for(ended.wait(), 10)
+    assert "releasing what a late call held failed" in caplog.text
