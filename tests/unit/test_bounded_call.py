@@ -25,6 +25,28 @@ def threads() -> Iterator[WorkerThreads]:
     pool.close(5.0)
 
 
+class Stuck:
+    """A load that runs until ``gate`` opens (``started`` once it runs), then gives ``Weights``,
+    or raises ``error`` if one is given; ``made`` holds a weak reference to what it gave."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.started, self.gate = threading.Event(), threading.Event()
+        self.error = error
+        self.made: list[weakref.ref[Weights]] = []
+
+    def __call__(self) -> Weights:
+        self.started.set()
+        self.gate.wait(10)
+        if self.error is not None:
+            raise self.error
+        weights = Weights()
+        self.made.append(weakref.ref(weights))
+        return weights
+
+    async def running(self) -> None:
+        assert await asyncio.to_thread(self.started.wait, 10)
+
+
 async def idle(threads: WorkerThreads) -> None:
     """Every call queued before this one has run."""
     await asyncio.wait_for(threads.run(lambda: None), 10)
@@ -53,96 +75,62 @@ async def test_a_call_still_waiting_for_a_thread_when_its_caller_gives_up_never_
 async def test_a_running_call_past_its_timeout_is_late_until_it_ends_and_its_result_is_dropped(
     threads: WorkerThreads,
 ) -> None:
-    started, gate = threading.Event(), threading.Event()
-    made: list[weakref.ref[Weights]] = []
-    at_release: list[bool] = []
-    ended = asyncio.Event()
-
-    def load() -> Weights:
-        started.set()
-        gate.wait(10)
-        weights = Weights()
-        made.append(weakref.ref(weights))
-        return weights
-
+    load, at_release, ended = Stuck(), [], asyncio.Event()
     bounded = BoundedCall(
         load,
-        release=lambda: at_release.append(made[0]() is None),  # the result is gone before the release
+        release=lambda: at_release.append(load.made[0]() is None),  # the result is gone before the release
         on_late_end=ended.set,
     )
     call = asyncio.ensure_future(bounded.run(threads, 0.2))
-    await asyncio.to_thread(started.wait, 10)
+    await load.running()
     with pytest.raises(TimeoutError):
         await call  # answered at its timeout, while the call still runs
     assert bounded.late and not ended.is_set()
-    gate.set()
+    load.gate.set()
     await asyncio.wait_for(ended.wait(), 10)
     assert not bounded.late
     assert at_release == [True]
-    assert made[0]() is None
+    assert load.made[0]() is None
 
 
-async def test_a_late_call_that_fails_still_ends(threads: WorkerThreads) -> None:
-    started, gate = threading.Event(), threading.Event()
-    released, ended = threading.Event(), asyncio.Event()
+@pytest.mark.parametrize(
+    ("error", "release_fails"),
+    [(OSError("the volume went away"), False), (None, True)],
+    ids=["the call fails", "the release fails"],
+)
+async def test_a_late_call_ends_though_it_or_its_release_fails(
+    threads: WorkerThreads, caplog: pytest.LogCaptureFixture, error: Exception | None, release_fails: bool
+) -> None:
+    """Else the service would hold off every later load for good."""
+    released = threading.Event()
 
-    def load() -> None:
-        started.set()
-        gate.wait(10)
-        raise OSError("the volume went away")
+    def release() -> None:
+        released.set()
+        if release_fails:
+            raise RuntimeError("the device is gone")
 
-    bounded = BoundedCall(load, release=released.set, on_late_end=ended.set)
+    load, ended = Stuck(error), asyncio.Event()
+    bounded = BoundedCall(load, release=release, on_late_end=ended.set)
     call = asyncio.ensure_future(bounded.run(threads, 0.2))
-    await asyncio.to_thread(started.wait, 10)
+    await load.running()
     with pytest.raises(TimeoutError):
         await call
-    gate.set()
+    load.gate.set()
     await asyncio.wait_for(ended.wait(), 10)
     assert released.is_set() and not bounded.late
+    assert ("releasing what a late call held failed" in caplog.text) == release_fails
 
 
 async def test_a_running_call_whose_caller_is_cancelled_is_late_too(threads: WorkerThreads) -> None:
     """An admin request cancelled mid-load (a shutdown, say) leaves its load running all the same."""
-    started, gate = threading.Event(), threading.Event()
-    ended = asyncio.Event()
-
-    def load() -> Weights:
-        started.set()
-        gate.wait(10)
-        return Weights()
-
+    load, ended = Stuck(), asyncio.Event()
     bounded = BoundedCall(load, on_late_end=ended.set)
     call = asyncio.ensure_future(bounded.run(threads, 30.0))
-    await asyncio.to_thread(started.wait, 10)
+    await load.running()
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     assert bounded.late
-    gate.set()
+    load.gate.set()
     await asyncio.wait_for(ended.wait(), 10)
     assert not bounded.late
-
-
-async def test_a_late_call_whose_release_fails_still_ends(
-    threads: WorkerThreads, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Else the service would hold off every later load for good."""
-    started, gate = threading.Event(), threading.Event()
-    ended = asyncio.Event()
-
-    def load() -> Weights:
-        started.set()
-        gate.wait(10)
-        return Weights()
-
-    def release() -> None:
-        raise RuntimeError("the device is gone")
-
-    bounded = BoundedCall(load, release=release, on_late_end=ended.set)
-    call = asyncio.ensure_future(bounded.run(threads, 0.2))
-    await asyncio.to_thread(started.wait, 10)
-    with pytest.raises(TimeoutError):
-        await call
-    gate.set()
-    await asyncio.wait_for(ended.wait(), 10)
-    assert "releasing what a late call held failed" in caplog.text
