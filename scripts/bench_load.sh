@@ -155,7 +155,7 @@ lines = [
     f"- answered later than their deadline (client clock): **{over['ok_past_deadline']}** of {over['ok']}",
     f"- refused: {errors}",
     f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
-    f"max {rss.get('max')} MiB",
+    f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB",
     "",
     lanes(over),
 ]

@@ -86,6 +86,19 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def memory_summary(samples_mb: Sequence[float]) -> dict[str, float]:
+    """The server's resident memory over the window (samples once a second): first, last and
+    max, and how much it grew over the window's second half (from the middle sample to the last):
+    queues filling and allocators reaching their largest batch show in the first half, while a
+    leak goes on growing through the second."""
+    return {
+        "first": round(samples_mb[0], 1),
+        "last": round(samples_mb[-1], 1),
+        "max": round(max(samples_mb), 1),
+        "second_half_growth": round(samples_mb[-1] - samples_mb[len(samples_mb) // 2], 1),
+    }
+
+
 def rss_mb(pid: int) -> float | None:
     """The resident memory of ``pid`` in MiB (Linux ``/proc``), or None."""
     try:
@@ -314,11 +327,7 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
         extra["deadline_ms"] = deadline_ms
         extra["ok_past_deadline"] = sum(1 for s in ok if s.latency_s * 1000 > deadline_ms)
     if run.rss_mb:
-        extra["server_rss_mb"] = {
-            "first": round(run.rss_mb[0], 1),
-            "last": round(run.rss_mb[-1], 1),
-            "max": round(max(run.rss_mb), 1),
-        }
+        extra["server_rss_mb"] = memory_summary(run.rss_mb)
     return {
         **settings,
         "measured_s": round(window, 3),

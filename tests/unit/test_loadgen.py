@@ -304,3 +304,18 @@ def test_the_server_s_stage_timings_are_summarised_per_lane() -> None:
     report = loadgen.summarise(run, {})
     assert report["server_stages_ms"]["urgent"]["queue"] == {"p50": 10.0, "p99": 10.0}
     assert report["server_stages_ms"]["normal"]["queue"]["p99"] == 20.0
+
+
+def test_memory_that_levels_off_and_memory_that_leaks_read_apart() -> None:
+    """Queues filling and allocators reaching their largest batch raise memory early in the minute
+    and then hold; a leak goes on growing: the second half's growth tells them apart."""
+    levelling = [724.0, 1061.0, 1169.0, 1217.0, 1247.0, 1254.0, 1257.0, 1257.0, 1257.0]
+    leaking = [724.0 + 20 * i for i in range(9)]
+    assert loadgen.memory_summary(levelling) == {
+        "first": 724.0,
+        "last": 1257.0,
+        "max": 1257.0,
+        "second_half_growth": 10.0,
+    }
+    assert loadgen.memory_summary(leaking)["second_half_growth"] == 80.0
+    assert loadgen.memory_summary([900.0])["second_half_growth"] == 0.0
