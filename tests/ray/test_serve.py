@@ -69,9 +69,20 @@ def cluster() -> Iterator[Cluster]:
     from app.ray_app import build
 
     http_port, metrics_port = free_port(HOST), free_port(HOST)
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port
-    )
+    for attempt in (1, 2):  # Ray's own start-up: its raylet registering with its GCS timed out once in CI
+        try:
+            ray.init(
+                address="local",
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                _metrics_export_port=metrics_port,
+            )
+            break
+        except Exception as exc:
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            ray.shutdown()
     try:
         serve.start(http_options={"host": HOST, "port": http_port})
         serve.run(build(MAIN), name="main", route_prefix="/")
