@@ -330,18 +330,26 @@ class InferenceService:
         return sorted(self._late_loads)
 
     def _late_load_ended(self, label: str, started: float, timeout: float) -> None:
+        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start)."""
         self._late_loads.discard(label)
         log.warning(
             "the load of %s given up after model.load_timeout_s=%gs (or cancelled) ended %.1fs after it began; "
             "what it loaded was dropped",
             label,
             timeout,
-            time.monotonic() - started,
+            time.perf_counter() - started,
         )
 
     async def _load(self, name: str, version: str) -> ServedModel:
         folder = self.repository.folder(name, version)
         timeout = self.settings.model.load_timeout_s
+        if self._late_loads:
+            raise Unavailable(
+                f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
+                "the device; another load can start once it ends",
+                code="model_loading",
+                retry_after_s=max(1, math.ceil(timeout)),
+            )
         started = time.perf_counter()
 
         def load() -> LayeredModel:
@@ -352,18 +360,11 @@ class InferenceService:
             model.self_check()
             return model
 
-        if self._late_loads:
-            raise Unavailable(
-                f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
-                "the device; another load can start once it ends",
-                code="model_loading",
-                retry_after_s=max(1, math.ceil(timeout)),
-            )
         label = f"{name}/{version}"
         bounded = BoundedCall(
             load,
             release=functools.partial(release_memory, self.device),
-            on_late_end=functools.partial(self._late_load_ended, label, time.monotonic(), timeout),
+            on_late_end=functools.partial(self._late_load_ended, label, started, timeout),
         )
         try:
             model = await bounded.run(self._device_thread, timeout)
