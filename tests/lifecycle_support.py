@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import weakref
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.inference.loader import LayeredModel
 from app.inference.manifest import MANIFEST_FILE, Manifest
 from app.inference.packaging import sha256_file
 from tests.support import DIGITS_DIR, MODEL_NAME
@@ -51,3 +55,29 @@ def degrade_head(folder: Path, noise: float, seed: int = 0) -> Manifest:
     files = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))["files"]
     files[HEAD_WEIGHTS] = sha256_file(path)
     return _rewrite_manifest(folder, files=files, evaluation=None)
+
+
+class StuckLoads:
+    """``LayeredModel.load`` held at a gate: each load says it started, waits for ``gate`` (30 s
+    at most), then loads for real. ``calls`` counts the loads that started, ``made`` holds a weak
+    reference to each model they made (gone once the service dropped it)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started, self.gate = threading.Event(), threading.Event()
+        self.calls = 0
+        self.made: list[weakref.ref[LayeredModel]] = []
+        self._real = LayeredModel.load
+        self._monkeypatch = monkeypatch
+        monkeypatch.setattr(LayeredModel, "load", self._load)
+
+    def _load(self, *args: object, **kwargs: object) -> LayeredModel:
+        self.calls += 1
+        self.started.set()
+        self.gate.wait(30)
+        model = self._real(*args, **kwargs)  # type: ignore[arg-type]
+        self.made.append(weakref.ref(model))
+        return model
+
+    def restore(self) -> None:
+        """Loads are the real ones again (a load held at the gate still waits for it)."""
+        self._monkeypatch.setattr(LayeredModel, "load", self._real)

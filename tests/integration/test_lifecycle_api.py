@@ -17,11 +17,11 @@ from torch import nn
 
 from app.batching import Lane
 from app.errors import ServiceError
-from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Provenance
 from app.inference.packaging import sha256_file, write_version
 from app.settings import Settings
 from tests.integration.test_request_ends import Connection
+from tests.lifecycle_support import StuckLoads
 from tests.support import build_settings, running_app, sample_png, truncate_file
 
 TOKEN = "lifecycle-admin-token-0123456789"
@@ -522,20 +522,12 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
     async with running_app(settings_for(repository)) as running:
         add_version(repository, "3")
         running.service.settings.model.load_timeout_s = 1.0
-        real_load = LayeredModel.load
-        started, gate = threading.Event(), threading.Event()
-
-        def stuck_load(*args: object, **kwargs: object) -> LayeredModel:
-            started.set()
-            gate.wait(30)
-            return real_load(*args, **kwargs)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(LayeredModel, "load", stuck_load)
+        loads = StuckLoads(monkeypatch)
         try:
             late = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
             assert late.status_code == 409 and late.json()["code"] == "model_load_failed"
             assert "load_timeout_s=1s" in late.json()["message"]
-            assert await asyncio.to_thread(started.wait, 30), "it had started: it runs on"
+            assert await asyncio.to_thread(loads.started.wait, 30), "it had started: it runs on"
             again = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
             assert again.status_code == 503 and again.json()["code"] == "model_loading"
             assert again.headers["Retry-After"] == "1"
@@ -544,8 +536,8 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
             health = await running.client.get("/healthz")
             assert health.status_code == 200 and health.json()["loading"] == ["digits/3"]
         finally:
-            gate.set()
-        monkeypatch.setattr(LayeredModel, "load", real_load)
+            loads.gate.set()
+        loads.restore()
         async with asyncio.timeout(30):  # the late load ends: its model dropped, loads work again
             loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
             while loaded.status_code == 503:  # noqa: ASYNC110 (the end is a log line)

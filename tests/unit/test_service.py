@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
 import time
-import weakref
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from app.errors import Unavailable
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.service import InferenceService, State
 from app.settings import Settings
+from tests.lifecycle_support import StuckLoads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,37 +85,24 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
     manifest.write_text(manifest.read_text().replace('"version": "1"', '"version": "2"'))
     service = InferenceService(settings_for(repository, names=["digits"], load_timeout_s=1.0))
     await service.start()
-    real_load = LayeredModel.load
-    started, gate, calls = threading.Event(), threading.Event(), []
-
-    made: list[weakref.ref[LayeredModel]] = []
-
-    def stuck_load(*args: object, **kwargs: object) -> LayeredModel:
-        calls.append(args)
-        started.set()
-        gate.wait(30)
-        model = real_load(*args, **kwargs)  # type: ignore[arg-type]
-        made.append(weakref.ref(model))
-        return model
-
-    monkeypatch.setattr(LayeredModel, "load", stuck_load)
+    loads = StuckLoads(monkeypatch)
     try:
         with pytest.raises(ModelLoadError, match="load_timeout_s=1s"):
             await service.load_version("digits", "2")
-        assert await asyncio.to_thread(started.wait, 30), "it had started (the manifest read before it)"
+        assert await asyncio.to_thread(loads.started.wait, 30), "it had started (the manifest read before it)"
         with pytest.raises(Unavailable) as refused:
             await service.load_version("digits", "1")
         assert refused.value.code == "model_loading" and refused.value.retry_after_s == 1
         assert "digits/2" in refused.value.message
-        assert len(calls) == 1, "the second load never started"
-        gate.set()
+        assert loads.calls == 1, "the second load never started"
+        loads.gate.set()
         async with asyncio.timeout(30):
             while service._late_loads:  # noqa: ASYNC110 (the end is a log line and this set)
                 await asyncio.sleep(0.01)
-        assert made and made[0]() is None, "the late load's model (reference cycles and all) is gone"
-        monkeypatch.setattr(LayeredModel, "load", real_load)
+        assert loads.made and loads.made[0]() is None, "the late load's model (reference cycles and all) is gone"
+        loads.restore()
         served = await service.load_version("digits", "2")
         assert served.version == "2"
     finally:
-        gate.set()
+        loads.gate.set()
         await service.close(1.0)
