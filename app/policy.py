@@ -161,8 +161,9 @@ class PolicyManager:
         ``interval_s`` (0: only when woken). Runs until cancelled; a failed reload is logged and
         never ends it."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval_s or None)
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can drop the closing cancel
+                async with asyncio.timeout(interval_s or None):
+                    await self._wake.wait()
             forced = self._wake.is_set()
             self._wake.clear()
             stamp = await asyncio.to_thread(file_stamp, self.config_file)

@@ -39,5 +39,8 @@ class MonotonicClock:
     async def wait(self, event: asyncio.Event, timeout: float | None) -> None:
         if timeout is not None and timeout <= 0:
             return
+        # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancel that lands just as the
+        # event is set, and the batcher's close cancels its dispatcher in this wait
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()

@@ -60,7 +60,10 @@ class BoundedCall(Generic[T]):
         never starts or, if running, is ``late`` until it ends."""
         self._loop = asyncio.get_running_loop()
         try:
-            result: T = await asyncio.wait_for(threads.run(self._call), timeout_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancel (start-up's) that lands
+            # just as the call ends
+            async with asyncio.timeout(timeout_s):
+                result: T = await threads.run(self._call)
         except (TimeoutError, asyncio.CancelledError):
             with self._lock:
                 if self._state is _State.WAITING:

@@ -327,3 +327,23 @@ async def test_close_past_its_grace_fails_what_is_left_exactly_once(make) -> Non
         with pytest.raises(Draining):
             await task
     assert not h.batcher.running
+
+
+async def test_close_with_no_grace_stops_a_dispatcher_waiting_for_a_window_on_the_real_clock() -> None:
+    """The close's cancel lands just as its own wakeup ends the dispatcher's wait for a window: it
+    must not be lost (it was, through ``asyncio.wait_for`` on 3.11: the dispatcher went on, and
+    the close waited with no bound for the batch it then ran)."""
+    runner = FakeRunner()
+    runner.gate = asyncio.Event()  # a batch that started would never end
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy())  # the real clock
+    batcher.start()
+    queued = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 10.0))
+    await asyncio.sleep(0.001)  # queued, its window (25 ms) not yet over
+    try:
+        async with asyncio.timeout(10):
+            await batcher.close(grace_s=0)
+        with pytest.raises(Draining):
+            await queued
+        assert not batcher.running
+    finally:
+        runner.gate.set()
