@@ -48,7 +48,7 @@ from app.inference.repository import ModelEntry, Repository
 from app.inference.runner import ModelRunner
 from app.inference.workers import WorkerThreads
 from app.interpreter import Tuning
-from app.routing import ModelGroup, Routing
+from app.routing import ModelGroup, Routing, VersionNotLoaded
 from app.settings import BatchingSettings, LaneSettings, Settings
 from app.telemetry.metrics import Metrics
 
@@ -522,6 +522,10 @@ class InferenceService:
                 job.gone = True  # its client went: if its batch formed already, the device leaves it out
             queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             queue_span.end()
+            if isinstance(exc, Draining) and not self.draining:  # its version closed, not the service
+                raise VersionNotLoaded(
+                    f"version {served.version} of {served.name} was unloaded before this request ran"
+                ) from None
             raise
         # the batch's own times, not this coroutine's: requests later in a batch resume later
         dispatched_ns, ended_ns = done.output.started_ns, done.output.ended_ns

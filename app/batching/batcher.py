@@ -222,6 +222,8 @@ class DualWindowBatcher(Generic[P, R]):
         already, taken before closing began: it is still taken while the batcher runs.
         """
         if not self._accepting and not (seated and self.running):
+            if seated:  # admitted, and the close's grace ran out while its body or image was on the way
+                self._observer.on_dropped(lane, "cancelled")
             raise Draining("the service is shutting down")
         if timeout_s <= 0:
             if seated:  # admitted earlier, and its deadline passed on the way (its body, its decode)

@@ -330,6 +330,41 @@ async def test_a_request_routed_to_a_version_is_answered_though_the_version_is_u
         assert not batcher.running
 
 
+async def test_a_request_still_uploading_when_its_versions_grace_runs_out_is_told_the_version_went(
+    repository: Path,
+) -> None:
+    """The unload's grace ends before the body does: the answer says the version was unloaded
+    (503 ``version_not_loaded``), not that the service is shutting down (it is not), and the
+    request is counted as dropped."""
+    async with running_app(settings_for(repository)) as running:
+        running.service.settings.server.shutdown_grace_s = 0.1
+        body_may_finish = asyncio.Event()
+        png = sample_png(4)
+
+        async def slow_body():  # type: ignore[no-untyped-def]
+            yield png[:10]
+            await body_may_finish.wait()
+            yield png[10:]
+
+        headers = {"Content-Type": "image/png", "X-Model-Version": "2", "X-Request-Timeout": "20000"}
+        request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
+        batcher = running.service.groups["digits"].routing.loaded["2"].batcher
+        async with asyncio.timeout(10):
+            while sum(batcher._reserved.values()) == 0:  # noqa: ASYNC110 (routed to v2, its seat held)
+                await asyncio.sleep(0.005)
+        unload = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        assert unload.status_code == 200 and not batcher.running, "the grace ran out"
+        body_may_finish.set()
+        response = await request
+        assert response.status_code == 503, response.text
+        assert response.json()["code"] == "version_not_loaded", response.text
+        assert "version 2 of digits was unloaded" in response.json()["message"]
+        assert response.headers["Retry-After"]
+        assert (await running.client.get("/readyz")).status_code == 200
+        metrics = (await running.client.get("/metrics")).text
+        assert 'ai_backend_cancellations_total{reason="cancelled"} 1.0' in metrics.splitlines()
+
+
 async def test_a_version_whose_load_ends_after_the_drain_began_is_not_served(repository: Path) -> None:
     async with running_app(settings_for(repository)) as running:
         add_version(repository, "3")
