@@ -150,7 +150,7 @@ class PolicyManager:
     def _set(self, batching: BatchingSettings, source: str) -> None:
         self._apply(batching)
         self.current = batching
-        log.info("batching policy changed by %s: %s", source, batching.model_dump())
+        log.info("batching policy changed by %s: %s", source, batching.model_dump(mode="json"))
 
     def wake(self) -> None:
         """Re-read the config file now, as asked (SIGHUP): ``watch`` does it."""

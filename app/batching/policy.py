@@ -40,12 +40,20 @@ class UrgentFill(enum.StrEnum):
 
     @classmethod
     def parse(cls, value: object) -> object:
-        """``true``/``false`` (booleans or their spellings) as ``always``/``never``; else as given."""
+        """A mode's name (any case), or ``true``/``false`` (booleans or their spellings) as
+        ``always``/``never``; ``ValueError`` for any other string; anything else as given (for
+        the caller's validation to refuse). The mode itself, not its name: a strict validation
+        (the admin API's) takes nothing else."""
         if isinstance(value, bool):
             return cls.ALWAYS if value else cls.NEVER
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return cls.ALWAYS if value.strip().lower() == "true" else cls.NEVER
-        return value
+        if not isinstance(value, str):
+            return value
+        spelled = value.strip().lower()
+        if spelled in ("true", "false"):
+            return cls.ALWAYS if spelled == "true" else cls.NEVER
+        if spelled in cls._value2member_map_:
+            return cls(spelled)
+        raise ValueError("must be always, backlog or never (or true / false)")
 
 
 @dataclass(frozen=True)

@@ -145,9 +145,18 @@ async def test_the_canary_split_stays_within_statistical_bounds(repository: Path
         off = await running.client.put("/admin/models/digits/canary", headers=AUTH, json={"weights": {}})
         assert off.status_code == 200
         assert {(await running.predict_png(sample_png(1))).json()["version"] for _ in range(20)} == {"1"}
-        for bad, status in (({"1": 0.5}, 409), ({"7": 0.1}, 404), ({"2": 1.5}, 422)):
-            refused = await running.client.put("/admin/models/digits/canary", headers=AUTH, json={"weights": bad})
+        for bad, status in (
+            ({"weights": {"1": 0.5}}, 409),  # the default
+            ({"weights": {"7": 0.1}}, 404),
+            ({"weights": {"2": 1.5}}, 422),
+            ({"weights": {"2": True}}, 422),  # not a share of 1
+            ({"weights": {"2": "0.5"}}, 422),
+            ({"weights": {"2": 0.5}, "wieghts": {}}, 422),
+            ({"weights": {"2": 0.5, "3": 0.6}}, 422),  # more than all of it
+        ):
+            refused = await running.client.put("/admin/models/digits/canary", headers=AUTH, json=bad)
             assert refused.status_code == status, (bad, refused.text)
+        assert running.service.groups["digits"].routing.canary == {}, "each refused, the split stays off"
         promoted = await running.client.post("/admin/models/digits/versions/7/promote", headers=AUTH)
         assert promoted.status_code == 404 and promoted.json()["code"] == "version_not_found", "not in the repository"
 

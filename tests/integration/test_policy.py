@@ -69,6 +69,20 @@ async def test_a_policy_change_applies_from_the_next_batch(make_settings: Settin
         assert (await running.client.get("/admin/policy", headers=AUTH)).json() == changed.json()
 
 
+async def test_each_fill_mode_can_be_set_and_what_get_says_can_be_put_back(make_settings: SettingsFactory) -> None:
+    async with running_app(admin_settings(make_settings)) as running:
+        batcher = running.service.models[MODEL_NAME].batcher
+        for given, mode in (("never", "never"), ("Always", "always"), ("backlog", "backlog"), (False, "never")):
+            changed = await running.client.put("/admin/policy", headers=AUTH, json={"urgent_fill": given})
+            assert changed.status_code == 200, changed.text
+            assert changed.json()["urgent_fill"] == mode and batcher.policy.urgent_fill.value == mode
+        document = (await running.client.get("/admin/policy", headers=AUTH)).json()
+        again = await running.client.put("/admin/policy", headers=AUTH, json=document)
+        assert again.status_code == 200 and again.json() == document, again.text
+        refused = await running.client.put("/admin/policy", headers=AUTH, json={"urgent_fill": "sometimes"})
+        assert "always, backlog or never" in refused.json()["message"], refused.text
+
+
 @pytest.mark.parametrize(
     "patch",
     [

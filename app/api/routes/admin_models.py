@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.api.auth import require_admin
 from app.api.errors import error_responses
@@ -18,9 +18,18 @@ _ERRORS = error_responses(401, 403, 404, 409, 422, 503)
 
 
 class CanaryRequest(BaseModel):
+    # strict: JSON's true is not a share of 1, nor "0.5" a number; a key misspelled is refused
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     weights: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
         description="version -> share of unpinned traffic; the default gets the rest", examples=[{"2": 0.1}]
     )
+
+    @model_validator(mode="after")
+    def _at_most_all(self) -> CanaryRequest:
+        if sum(self.weights.values()) > 1 + 1e-9:
+            raise ValueError("the canary weights add up to more than 1")
+        return self
 
 
 class PromotionResponse(ModelVersion):
