@@ -15,6 +15,7 @@ log = logging.getLogger("app.cli")
 
 EXIT_START_FAILED = 1
 EXIT_BAD_SETTINGS = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -67,9 +68,16 @@ def _serve(args: argparse.Namespace) -> int:
     async def drain() -> None:
         await app.state.service.drain(settings.server.shutdown_grace_s)
 
-    server = DrainingServer(config, drain)
+    def halt() -> None:
+        service = getattr(app.state, "service", None)  # None before the lifespan made it
+        if service is not None:
+            service.halt()
+
+    server = DrainingServer(config, drain, halt)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught once it has shut down
+        return EXIT_INTERRUPTED
     except SystemExit:  # uvicorn's own start-up failure (the port in use, say): logged by it
         if not failure:  # the app's own failure was named already
             failure.append(f"the server could not start on {settings.server.host}:{settings.server.port}")

@@ -4,7 +4,7 @@ Plain uvicorn stops accepting connections the moment SIGTERM arrives, then re-ra
 signal so the process dies by it. A deploy wants the opposite order: readiness turns 503
 and new predictions get 503 ``draining`` while queued and running requests finish (within
 the grace period), and only then does the listener close and the process exit 0.
-A second SIGTERM, or SIGINT, stops at once.
+A second SIGTERM, or SIGINT, stops at once (what still runs is answered 503 ``draining``).
 
 When uvicorn then shuts down, it closes every connection that is not in the middle of an
 answer, and with it any request that had just arrived: its bytes unread in the socket, or
@@ -36,7 +36,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-from app.api.middleware import ARRIVED, new_request_id, request_id_from
+from app.api.middleware import ARRIVED, FOLLOWED, new_request_id, request_id_from
 from app.api.schemas import ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,12 @@ class _HeadRefused(Exception):
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose SIGTERM drains the service first and ends with exit code 0."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, halt: Callable[[], None] = lambda: None) -> None:
+        """``drain``: SIGTERM's, awaited before the server stops. ``halt``: SIGINT's, called on
+        the event loop as the server stops at once (what it cuts off is then answered 503)."""
         super().__init__(config)
         self._drain = drain
+        self._halt = halt
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
         self._sigterm = False
@@ -85,6 +88,8 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self._loop is None:
             self.config.timeout_graceful_shutdown = 0  # Ctrl-C: what still runs is answered 503 now
+            if self._loop is not None:  # the service says so first: 503 draining, not uvicorn's 500
+                self._loop.call_soon_threadsafe(contextvars.Context().run, self._halt)
             super().handle_exit(sig, frame)
             return
         # A signal handler runs in whatever context the main thread was in, a request's among
@@ -223,17 +228,18 @@ class ClosingProtocol(HttpToolsProtocol):
     _upgrade_body_left = 0  # body bytes still due to a request whose Upgrade header is ignored
 
     def shutdown(self) -> None:
-        if self.cycle is not None and not self.cycle.response_complete:
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if answering and not self._followed():
             super().shutdown()  # an answer is under way: it closes the connection when sent
             return
-        pending = self._receiving or unread_bytes(self.transport) > 0
+        pending = answering or self._receiving or unread_bytes(self.transport) > 0
         quiet_for = self.loop.time() - self._active_at
         if not pending and quiet_for >= QUIET_S:
             super().shutdown()  # nothing pending: closed now
             return
         self._closing = True
-        if self.cycle is not None:
-            self.cycle.keep_alive = False
+        if self.cycle is not None and not self._behind_last():
+            self.cycle.keep_alive = False  # the last request parsed closes it (else the one behind it)
         self._bounded = pending
         self._linger = self.loop.call_later(LAST_REQUEST_S if pending else QUIET_S - quiet_for, self._linger_done)
 
@@ -255,6 +261,7 @@ class ClosingProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["state"][ARRIVED] = time.perf_counter()  # the request's clock (and deadline) start here
+        self.scope["state"][FOLLOWED] = self._followed
         self._receiving = True
         self._in_head, self._head_bytes, self._head_size = True, 0, 0
         self._arm_head_timer()
@@ -326,6 +333,17 @@ class ClosingProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: object) -> None:
         self._started = cycle
         super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+
+    def _followed(self) -> bool:
+        """Another request came behind the one answered now: parsed and waiting (pipelined), or
+        arriving, or unread in the socket."""
+        return bool(self.pipeline) or self._behind_last()
+
+    def _behind_last(self) -> bool:
+        """A request behind the last one parsed whole: its head arriving, or bytes unread."""
+        if self._receiving and self.cycle is not None and self._completed is self.cycle:
+            return True
+        return not self.transport.is_closing() and unread_bytes(self.transport) > 0
 
     def _unanswered(self) -> bool:
         """A request on this connection is running, or waits behind one (pipelined)."""
@@ -463,8 +481,10 @@ class ClosingProtocol(HttpToolsProtocol):
         access log; an app task cut off by its own 400 counts it itself (``answered_as``)."""
 
     def _close_if_answered(self) -> None:
-        # answered before its body had all arrived (a refusal at the edge): closed once it has
-        if self._closing and not self._receiving and (self.cycle is None or self.cycle.response_complete):
+        # answered before its body had all arrived (a refusal at the edge): closed once it has;
+        # a request sent behind it is read and answered first
+        answered = self.cycle is None or self.cycle.response_complete
+        if self._closing and not self._receiving and answered and not self._behind_last():
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -584,6 +584,12 @@ class InferenceService:
             log.warning("could not read %s memory: %s", device, str(exc).splitlines()[0])
             return Memory(0, 0)
 
+    def halt(self) -> None:
+        """Stop taking work now, with no grace (Ctrl-C): readiness and predictions turn 503 at
+        once, and what the server then cuts off is answered 503 ``draining``."""
+        if self.state in (State.READY, State.STARTING):
+            self.state = State.DRAINING
+
     async def drain(self, grace_s: float | None) -> None:
         """Stop taking work (readiness and predictions turn 503 at once) and let queued and
         running requests finish within ``grace_s``; whatever is left then gets 503."""

@@ -31,7 +31,7 @@ from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from app.api.errors import retry_after
-from app.api.middleware import ARRIVED, caller_trace, finish, identity_headers, request_id_from
+from app.api.middleware import ARRIVED, caller_trace, ends_connection, finish, identity_headers, request_id_from
 from app.api.routes.predict import predict_call
 from app.api.schemas import ErrorResponse
 from app.api.shedding import shed
@@ -81,7 +81,7 @@ class Edge:
             (b"content-length", str(len(body)).encode()),
             (b"content-type", b"application/json"),
         ]
-        keep_alive = keep_alive and not state.service.draining  # no keep-alive past the drain, as the middleware
+        keep_alive = keep_alive and not ends_connection(scope, state.service.draining)  # as the middleware
         headers += identity_headers(request_id, caller[0] if caller else None, close=not keep_alive)
         response = [STATUS_LINE[refused.status]]
         for name, value in headers:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +113,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         "deadline": LONG_WINDOW,
         "disconnect": DISCONNECT_WINDOW,
         "queued_drain": DRAIN_WINDOW,
+        "interrupted": DRAIN_WINDOW,
         "steady": STEADY,
         "steady_impolite": STEADY,
     }
@@ -328,21 +329,25 @@ def test_a_deadline_shorter_than_the_window_is_answered_503_and_never_computed(s
 QUEUED = 10
 
 
+def _queue(server: Server, pool: ThreadPoolExecutor, control: httpx.Client) -> list[Future[Outcome]]:
+    """``QUEUED`` predictions sent on connections of their own (ids q0, q1, ...), once all are queued."""
+
+    def one(index: int) -> Outcome:
+        with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            return _send(client, "POST", "/predict", content=PNG, headers={**PNG_HEADERS, "X-Request-ID": f"q{index}"})
+
+    queued = [pool.submit(one, i) for i in range(QUEUED)]
+    _wait_for(lambda: _queue_depth(control) == QUEUED, f"{QUEUED} requests queued")
+    return queued
+
+
 def test_sigterm_flushes_the_queue_at_once_then_refuses_new_work(servers: dict[str, Server]) -> None:
     server = _ready(servers, "queued_drain")
     with (
         httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as control,
         ThreadPoolExecutor(QUEUED, thread_name_prefix="queued") as pool,
     ):
-
-        def one(index: int) -> Outcome:
-            with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
-                return _send(
-                    client, "POST", "/predict", content=PNG, headers={**PNG_HEADERS, "X-Request-ID": f"q{index}"}
-                )
-
-        queued = [pool.submit(one, i) for i in range(QUEUED)]
-        _wait_for(lambda: _queue_depth(control) == QUEUED, f"{QUEUED} requests queued")
+        queued = _queue(server, pool, control)
         assert not any(f.done() for f in queued)  # the window (20 s) holds them
 
         server.process.send_signal(signal.SIGTERM)
@@ -379,6 +384,27 @@ def test_sigterm_flushes_the_queue_at_once_then_refuses_new_work(servers: dict[s
         _check_503s([late], {"draining"})
     assert "drained" in stderr and "Application shutdown complete" in stderr, stderr[-4000:]
     assert '"level": "ERROR"' not in stderr and '"level": "CRITICAL"' not in stderr, stderr[-4000:]
+
+
+def test_ctrl_c_answers_what_it_cuts_off_503_draining_and_exits_130(servers: dict[str, Server]) -> None:
+    """SIGINT stops at once, with no grace: the queued requests are not computed, and each is
+    answered 503 ``draining`` in the envelope (not uvicorn's plain-text 500); the process ends
+    as a Ctrl-C does, with 130 and no traceback."""
+    server = _ready(servers, "interrupted")
+    with (
+        httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as control,
+        ThreadPoolExecutor(QUEUED, thread_name_prefix="interrupted") as pool,
+    ):
+        queued = _queue(server, pool, control)
+        server.process.send_signal(signal.SIGINT)
+        results = [f.result(timeout=GRACE_S + EXIT_SLACK_S) for f in queued]
+        code = server.wait_exit()
+
+    stderr = server.stderr()
+    assert [(r.status, r.code) for r in results] == [(503, "draining")] * QUEUED, results
+    _check_503s(results, {"draining"})
+    assert code == 130, stderr[-4000:]
+    assert "Traceback" not in stderr and "Exception in ASGI application" not in stderr, stderr[-4000:]
 
 
 # --- 3. SIGTERM under steady load ---------------------------------------------------------

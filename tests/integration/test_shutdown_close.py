@@ -18,6 +18,7 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app import server as server_module
+from app.batching import Lane
 from app.bench.rawhttp import read_response
 from app.server import close_listeners, unread_bytes
 from tests.conftest import SettingsFactory
@@ -256,3 +257,65 @@ async def test_an_edge_refusal_after_shutdown_began_says_connection_close(make_s
         assert running.reached == ["POST /predict"], "the refusal was the edge's"
     assert by_app.status == at_edge.status == 503 and app_closed and edge_closed  # type: ignore[attr-defined]
     assert by_app.headers.get("connection") == at_edge.headers.get("connection") == "close"  # type: ignore[attr-defined]
+
+
+LONG_WINDOW = {
+    "server": {"default_timeout_ms": 60_000, "max_timeout_ms": 120_000},
+    "batching": {"normal": {"window_ms": 20_000.0, "max_batch": 8, "max_queue": 64}},
+}
+
+
+async def _queued(running: Served, depth: int) -> None:
+    batcher = running.service.models["digits"].batcher
+    async with asyncio.timeout(10):
+        while batcher.queued(Lane.NORMAL) < depth:  # noqa: ASYNC110 (the batcher has no event for it)
+            await asyncio.sleep(0.005)
+
+
+async def _answers(reader: asyncio.StreamReader, count: int) -> list[tuple[str, int, str | None]]:
+    """The next ``count`` answers' request ids, statuses and ``Connection`` headers."""
+    heads = []
+    for _ in range(count):
+        head, _ = await asyncio.wait_for(read_response(reader), 10)
+        heads.append((head.headers["x-request-id"], head.status, head.headers.get("connection")))
+    return heads
+
+
+async def test_requests_pipelined_behind_one_the_drain_flushes_are_answered_before_the_close(
+    make_settings: SettingsFactory,
+) -> None:
+    """The drain computes the queued request; the two sent behind it on its connection (parsed,
+    waiting) get 503 draining; only the last answer says close. (Each answer closing its
+    connection during the drain dropped the two, though their bytes had arrived.)"""
+    async with served(make_settings(**LONG_WINDOW)) as running:
+        reader, writer = await running.connect()
+        writer.write(predict(X_Request_ID="a") + predict(X_Request_ID="b") + predict(X_Request_ID="c"))
+        await _queued(running, 1)
+        draining = asyncio.create_task(running.service.drain(5.0))
+        heads = await _answers(reader, 3)
+        assert heads == [("a", 200, None), ("b", 503, None), ("c", 503, "close")], heads
+        assert await closed(reader)
+        writer.close()
+        await draining
+
+
+async def test_requests_pipelined_behind_a_running_one_at_shutdown_are_answered(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None]
+) -> None:
+    """uvicorn's shutdown (no drain: Ctrl-C, a second SIGTERM) finds a request running and two
+    behind it, one parsed and one unread in the socket: all three are answered, the last one
+    with close. (The running one's answer closed the connection, and the two were dropped.)"""
+    quiet_s(0.0)
+    settings = make_settings(**{**LONG_WINDOW, "batching": {"normal": {"window_ms": 300.0, "max_batch": 8}}})
+    async with served(settings) as running:
+        reader, writer = await running.connect()
+        writer.write(predict(X_Request_ID="a") + predict(X_Request_ID="b"))
+        await _queued(running, 1)
+        protocol = server_side(running, (reader, writer))
+        writer.write(predict(X_Request_ID="c"))
+        arrived_unread(protocol)
+        shut_down(running)
+        heads = await _answers(reader, 3)
+        assert heads == [("a", 200, None), ("b", 200, None), ("c", 200, "close")], heads
+        assert await closed(reader)
+        writer.close()
