@@ -87,8 +87,9 @@ class LifecycleManager:
         async with self._lock:
             group = self._group(name)
             served = group.routing.loaded.get(version)
-            if served is None:
-                raise NotFound(f"version {version} of {name} is not loaded", code="version_not_loaded")
+            if served is None:  # 404 if the repository has no such version; else, as for a promotion, 409
+                await self._known(group, version)
+                raise Conflict(f"version {version} of {name} is not loaded")
             try:
                 group.routing = group.routing.without(version)
             except ValueError as exc:

@@ -244,6 +244,10 @@ async def test_unloading_drains_and_the_default_cannot_go(repository: Path) -> N
         assert unloaded.status_code == 200 and unloaded.json()["loaded_versions"] == ["1"]
         gone = await running.predict_png(sample_png(2), headers={"X-Model-Version": "2"})
         assert gone.status_code == 503 and gone.json()["code"] == "version_not_loaded"
+        again = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        assert again.status_code == 409 and again.json()["code"] == "conflict", "known, not loaded: as a promotion"
+        unknown = await running.client.post("/admin/models/digits/versions/99/unload", headers=AUTH)
+        assert unknown.status_code == 404 and unknown.json()["code"] == "version_not_found"
         back = await running.client.post("/admin/models/digits/versions/2/load", headers=AUTH)
         assert back.status_code == 200
 
