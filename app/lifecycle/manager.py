@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from app.errors import NotFound, ServiceError, Unavailable
+from app.errors import Draining, NotFound, ServiceError, Unavailable
 from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest, is_valid_version
 from app.inference.repository import RepositoryError
@@ -41,6 +41,8 @@ class LifecycleManager:
         self._lock = asyncio.Lock()
 
     def _group(self, name: str) -> ModelGroup[ServedModel]:
+        if self._service.draining:
+            raise Draining("the service is shutting down")
         if not self._service.ready:
             raise Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
         group = self._service.groups.get(name)

@@ -401,6 +401,8 @@ async def test_a_version_whose_load_ends_after_the_drain_began_is_not_served(rep
         assert refused.value.status == 503
         assert [s.version for s in service.all_served() if s.batcher.running] == []
         assert 'version="3"' not in (await running.client.get("/metrics")).text
+        later = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        assert later.status_code == 503 and later.json()["code"] == "draining", later.text
 
 
 async def test_unloading_during_shutdown_lets_that_versions_requests_finish(repository: Path) -> None:
