@@ -441,22 +441,38 @@ class DualWindowBatcher(Generic[P, R]):
             error.__cause__ = exc
         else:
             run_s = self._clock.now() - started
-            computed = self._computed(outputs)
-            if self._model_epoch() != epoch:  # another model now: estimates start again, from its batches
-                self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
-                self._ceiling.reset()  # and the old device's memory pressure no longer caps them
-            elif computed:
-                self.observe_batch(plan.lane, run_s)
-            self._report(plan, batch, started, run_s, capacity, ok=True)
-            self._ceiling.calm(computed, self._policy)
             for item, output in zip(batch, outputs, strict=True):
                 if not item.future.done():
                     item.future.set_result(
                         Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
                     )
+            try:  # answered first: a failure in what is counted after must not cost them their answers
+                self._after_success(plan, batch, outputs, started, run_s, capacity, epoch)
+            except Exception:
+                log.exception("counting a batch of %d that ran failed in %s", len(batch), self._name)
             return
         self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
         self._fail(batch, error)
+
+    def _after_success(
+        self,
+        plan: BatchPlan,
+        batch: Sequence[Pending[P, R]],
+        outputs: Sequence[R],
+        started: float,
+        run_s: float,
+        capacity: int,
+        epoch: object,
+    ) -> None:
+        """A batch ran: its time in the estimates, its report, and the ceiling's recovery."""
+        computed = self._computed(outputs)
+        if self._model_epoch() != epoch:  # another model now: estimates start again, from its batches
+            self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
+            self._ceiling.reset()  # and the old device's memory pressure no longer caps them
+        elif computed:
+            self.observe_batch(plan.lane, run_s)
+        self._report(plan, batch, started, run_s, capacity, ok=True)
+        self._ceiling.calm(computed, self._policy)
 
     def _report(
         self, plan: BatchPlan, batch: Sequence[Pending[P, R]], started: float, run_s: float, capacity: int, ok: bool

@@ -9,6 +9,7 @@ import pytest
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.batching.batcher import REFUSING_S
+from app.batching.observer import NullObserver
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
 from tests.support import cyclic_garbage
 from tests.unit.fakes import FakeClock, FakeRunner, settle
@@ -347,3 +348,24 @@ async def test_close_with_no_grace_stops_a_dispatcher_waiting_for_a_window_on_th
         assert not batcher.running
     finally:
         runner.gate.set()
+
+
+async def test_a_batch_that_ran_is_answered_though_counting_it_fails(caplog: pytest.LogCaptureFixture) -> None:
+    """The observer (metrics) raising after a batch ran must not cost its requests their answers:
+    they were computed (before, they waited for their deadline and expired)."""
+
+    class Broken(NullObserver):
+        def on_batch(self, *args: object) -> None:
+            raise RuntimeError("a metrics bug")
+
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(
+        FakeRunner(), policy(normal_max=2), clock=FakeClock(), observer=Broken()
+    )
+    batcher.start()
+    try:
+        tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in (1, 2)]
+        async with asyncio.timeout(5):
+            assert [r.output for r in await asyncio.gather(*tasks)] == [2, 4]
+        assert "counting a batch of 2 that ran failed" in caplog.text
+    finally:
+        await batcher.close(grace_s=0)
