@@ -386,7 +386,9 @@ class ClosingProtocol(HttpToolsProtocol):
         headers = dict(cycle.scope["headers"]) if cycle is not None else {}
         length = headers.get(b"content-length", b"0")
         if cycle is None or b"transfer-encoding" in headers or not length.isdigit():
-            self.send_400_response("an Upgrade request with a body of unknown length")
+            # the request itself is what breaks: the 400 is its own answer (httptools ended it
+            # at its headers, and its app task, started, would answer it too)
+            self._stop_reading(cycle)
             return
         self.parser = httptools.HttpRequestParser(self)
         with contextlib.suppress(AttributeError):  # httptools < 0.6.3, as uvicorn does
@@ -436,6 +438,8 @@ class ClosingProtocol(HttpToolsProtocol):
                 self.transport.close()
                 return
             self._answer_invalid()  # its own answer: the app, still waiting for the body, is cut off
+            broken.disconnected = True  # nothing it sends goes out; its receive says the client went
+            broken.message_event.set()
             self.transport.close()
             return
         if not self._unanswered():

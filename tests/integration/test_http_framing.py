@@ -213,6 +213,26 @@ async def test_the_body_of_an_upgrade_request_is_never_read_as_a_request(make_se
     assert (next_one.status, next_one.headers["x-request-id"]) == (200, "after")  # type: ignore[attr-defined]
 
 
+async def test_a_chunked_upgrade_request_gets_one_400_of_its_own_and_the_connection_closes(
+    make_settings: SettingsFactory,
+) -> None:
+    """Its body's end cannot be told from what follows it: the request is answered 400
+    ``invalid_http`` under its own id, once (the app also ran it with an empty body, and
+    answered a 400 of its own before the protocol's)."""
+    headers = {"Content-Type": "image/png", "X-Request-ID": "chunked-upgrade", "Transfer-Encoding": "chunked"}
+    headers |= UPGRADE
+    head = b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(
+        f"{name}: {value}\r\n".encode() for name, value in headers.items()
+    )
+    head += b"\r\n"
+    png = sample_png(3)
+    async with served(make_settings()) as running:
+        for request in (head, head + b"%x\r\n" % len(png) + png + b"\r\n0\r\n\r\n"):
+            ((answer, body),) = await answers_then_close(running, request, 1)
+            assert is_invalid_http(answer, body)
+            assert answer.headers["x-request-id"] == "chunked-upgrade"  # type: ignore[attr-defined]
+
+
 async def test_bytes_that_are_not_http_after_a_request_answered_before_its_body_get_their_400(
     make_settings: SettingsFactory,
 ) -> None:
