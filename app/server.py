@@ -62,6 +62,11 @@ DRAINED_CLOSE_S = 3
 # connection, its memory and a task slot open for ever. The body has the request's deadline.
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 15.0
+# A request answered before its body had come (413 on its declared length, a refusal at the edge)
+# has the rest of its body read and dropped: it must come within this many seconds of the answer,
+# or the connection closes (a client that sent ``Expect: 100-continue`` may never send it, and
+# nothing else would bound the wait: the request has its answer, and its deadline no longer runs).
+ANSWERED_BODY_S = HEAD_TIMEOUT_S
 
 
 class _HeadRefused(Exception):
@@ -226,6 +231,7 @@ class ClosingProtocol(HttpToolsProtocol):
     _head_size = 0  # the head's own bytes, as parsed
     _head_timer: asyncio.TimerHandle | None = None
     _upgrade_body_left = 0  # body bytes still due to a request whose Upgrade header is ignored
+    _body_timer: asyncio.TimerHandle | None = None  # bounds the body of a request answered before it came
 
     def shutdown(self) -> None:
         answering = self.cycle is not None and not self.cycle.response_complete
@@ -288,9 +294,21 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._completed = self.cycle  # (uvicorn's returns early for a request answered already)
+        self._cancel_body_timer()
         super().on_message_complete()
         self._receiving = False
         self._close_if_answered()
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self.transport.is_closing():
+            log.info("closing a connection: the body of a request answered already did not come")
+            self.transport.close()
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
@@ -323,6 +341,9 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
+        cycle = self.cycle
+        if self._receiving and cycle is not None and cycle.response_complete and self._completed is not cycle:
+            self._body_timer = self.loop.call_later(ANSWERED_BODY_S, self._body_timed_out)  # answered, body due
         super().on_response_complete()  # starts the next pipelined request, if any
         if self._invalid and not self._unanswered():
             self._answer_invalid()
@@ -495,6 +516,7 @@ class ClosingProtocol(HttpToolsProtocol):
         if self._linger is not None:
             self._linger.cancel()
         self._cancel_head_timer()
+        self._cancel_body_timer()
         # uvicorn tells only the last request parsed; the one running (pipelined requests were
         # read behind it) must see its client go too, and leave the queue uncomputed
         running = self._started

@@ -252,6 +252,35 @@ async def test_bytes_that_are_not_http_after_a_request_answered_before_its_body_
     assert is_invalid_http(second, second_body)
 
 
+async def test_a_request_answered_before_its_body_whose_body_never_comes_is_closed_after_a_bound(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 413 on the declared length comes at once; the client then sends a little and waits
+    (as one that asked ``Expect: 100-continue`` may): the connection closes after the bound, not
+    never. A body that does come is read and dropped, and the connection serves on."""
+    monkeypatch.setattr(server, "ANSWERED_BODY_S", 0.2)
+    head = predict().split(b"\r\n\r\n", 1)[0].replace(b"Content-Length: ", b"X-Was: ")
+    head += b"\r\nContent-Length: 2000000\r\n\r\n"
+    async with served(make_settings()) as running:
+        reader, writer = await running.connect()
+        try:
+            writer.write(head)
+            answer, body = await asyncio.wait_for(read_response(reader), 10)
+            assert answer.status == 413 and json.loads(body)["code"] == "image_too_large"
+            writer.write(b"x" * 10)
+            assert await asyncio.wait_for(reader.read(), 10) == b"", "closed once the bound passed"
+        finally:
+            writer.close()
+        reader, writer = await running.connect()
+        try:
+            writer.write(head + b"x" * 2_000_000 + predict(X_Request_ID="after"))
+            first, _ = await asyncio.wait_for(read_response(reader), 10)
+            second, _ = await asyncio.wait_for(read_response(reader), 10)
+            assert (first.status, second.status, second.headers["x-request-id"]) == (413, 200, "after")
+        finally:
+            writer.close()
+
+
 async def test_a_request_head_past_its_limit_is_431_and_the_connection_closes(make_settings: SettingsFactory) -> None:
     huge = predict(X_Padding="x" * (server.MAX_HEAD_BYTES + 1024), X_Request_ID="huge")
     async with served(make_settings()) as running:
