@@ -62,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_config=None,
         access_log=False,
         http=edge_protocol(app),  # overload refused by the protocol, before any ASGI work
+        ws="none",  # no WebSocket endpoints: a handshake is served as the HTTP request it also is
         timeout_graceful_shutdown=int(settings.server.shutdown_grace_s) + 1,
     )
 

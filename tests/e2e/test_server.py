@@ -212,6 +212,13 @@ def test_errors_over_http_keep_the_envelope(server: Server) -> None:
         assert client.get("/v1/models/..%2F..%2Fetc").status_code == 404
         ok = client.post("/predict", content=sample_png(6), headers={"Content-Type": "image/png"})
         assert ok.status_code == 200 and top_label(ok.json()) == "6"
+        # no WebSocket endpoints: a handshake is an HTTP request like any other (it was uvicorn's
+        # plain-text 403, with no id, metrics or access line)
+        handshake = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13"}
+        handshake |= {"Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "X-Request-ID": "ws"}
+        socket_upgrade = client.get("/predict", headers=handshake)
+        assert socket_upgrade.status_code == 405 and socket_upgrade.json()["request_id"] == "ws"
+        assert client.get("/healthz", headers=handshake).status_code == 200
 
 
 def test_sigterm_stops_the_server_cleanly(server: Server) -> None:

@@ -80,6 +80,7 @@ async def served(settings: Settings) -> AsyncIterator[Served]:
         log_config=None,
         access_log=False,
         http=edge_protocol(app),
+        ws="none",  # as ``ai-backend serve``
         timeout_graceful_shutdown=10,  # as ``ai-backend serve`` (grace + 1): an open connection cannot hang a test
         timeout_keep_alive=60,  # longer than any test waits: only the server's own rules close an idle connection
     )
