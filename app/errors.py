@@ -7,6 +7,14 @@ This module imports nothing heavy, so the batcher and the loader can use it free
 
 from __future__ import annotations
 
+SHOWN_CHARS = 64  # of a client's string quoted back in a message (a name, a JSON key)
+
+
+def quoted(value: str) -> str:
+    """``value`` as a message quotes it: its repr, cut to ``SHOWN_CHARS`` characters (an answer
+    must not echo a megabyte the client sent)."""
+    return repr(value) if len(value) <= SHOWN_CHARS else repr(value[:SHOWN_CHARS]) + "..."
+
 
 class ServiceError(Exception):
     """Base of every error the service knows how to answer."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
-from app.errors import NotFound, Unavailable
+from app.errors import NotFound, Unavailable, quoted
 
 V = TypeVar("V")
 
@@ -99,7 +99,7 @@ class ModelGroup(Generic[V]):
                 return routing.loaded[pinned]
             if pinned in self.known_versions:
                 raise VersionNotLoaded(f"version {pinned} of {self.name} is not loaded")
-            raise NotFound(f"model {self.name} has no version {pinned!r}", code="version_not_found")
+            raise NotFound(f"model {self.name} has no version {quoted(pinned)}", code="version_not_found")
         return routing.loaded[routing.pick(self._rng.random())]
 
     @property

@@ -25,7 +25,7 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.deadline import within
-from app.errors import DeadlineExceeded, Draining, NotFound, NotReady, ServiceError, Unavailable
+from app.errors import DeadlineExceeded, Draining, NotFound, NotReady, ServiceError, Unavailable, quoted
 from app.inference import preprocess
 from app.inference.bounded import BoundedCall
 from app.inference.device import (
@@ -450,7 +450,7 @@ class InferenceService:
         key = name or self.default_model
         group = self.groups.get(key) if key else None
         if group is None:
-            raise NotFound(f"no model named {name!r}", code="model_not_found")
+            raise NotFound(f"no model named {quoted(name) if name is not None else None}", code="model_not_found")
         return group.route(version)
 
     def admit(self, served: ServedModel, lane: Lane, timeout_s: float) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from app.errors import Draining, NotFound, ServiceError, Unavailable
+from app.errors import Draining, NotFound, ServiceError, Unavailable, quoted
 from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest, is_valid_version
 from app.inference.repository import RepositoryError
@@ -47,7 +47,7 @@ class LifecycleManager:
             raise Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
         group = self._service.groups.get(name)
         if group is None:
-            raise NotFound(f"no model named {name!r} is served", code="model_not_found")
+            raise NotFound(f"no model named {quoted(name)} is served", code="model_not_found")
         return group
 
     async def _known_versions(self, group: ModelGroup[ServedModel]) -> tuple[str, ...]:
@@ -131,7 +131,7 @@ class LifecycleManager:
     async def _known(self, group: ModelGroup[ServedModel], version: str) -> None:
         """404 ``version_not_found`` unless the repository has ``version``."""
         if not is_valid_version(version) or version not in await self._known_versions(group):
-            raise NotFound(f"model {group.name} has no version {version!r}", code="version_not_found")
+            raise NotFound(f"model {group.name} has no version {quoted(version)}", code="version_not_found")
 
     async def _manifest(self, group: ModelGroup[ServedModel], version: str) -> Manifest:
         """A loaded version's manifest as on disk now (``ai-backend eval`` records accuracy there);

@@ -342,3 +342,17 @@ async def test_a_head_past_its_limit_behind_a_request_is_answered_after_it(make_
     assert (first.status, first.headers["x-request-id"]) == (200, "ok")  # type: ignore[attr-defined]
     assert json.loads(first_body)["predictions"][0]["label"] == "3"
     assert second.status == 431 and json.loads(body)["code"] == "headers_too_large"  # type: ignore[attr-defined]
+
+
+async def test_an_error_quotes_at_most_a_little_of_what_the_client_sent(make_settings: SettingsFactory) -> None:
+    """A long key (up to the body's limit: a megabyte by default) or a 5,000-character model name
+    is named in the error cut short, not echoed whole."""
+    key = "k" * 60_000
+    async with served(make_settings()) as running:
+        body = json.dumps({key: 1}).encode()
+        ((schema, schema_body),) = await running.exchange(predict(body=body, content_type="application/json"))
+        ((missing, missing_body),) = await running.exchange(predict(path="/v1/models/" + "m" * 5000 + "/predict"))
+    assert schema.status == 422 and len(schema_body) < 1000, len(schema_body)  # type: ignore[attr-defined]
+    assert "k" * 64 + "..." in json.loads(schema_body)["message"]
+    assert missing.status == 404 and len(missing_body) < 1000, len(missing_body)  # type: ignore[attr-defined]
+    assert json.loads(missing_body)["code"] == "model_not_found"

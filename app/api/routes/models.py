@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from app.api.deps import Service
 from app.api.errors import error_responses
 from app.api.schemas import ModelsResponse, ModelVersion
-from app.errors import NotFound
+from app.errors import NotFound, quoted
 from app.inference.device import dtype_name
 from app.service import InferenceService
 
@@ -49,7 +49,7 @@ def describe_model(service: InferenceService, name: str) -> ModelVersion:
     for model in _describe(service).models:
         if model.name == name:
             return model
-    raise NotFound(f"no model named {name!r}", code="model_not_found")
+    raise NotFound(f"no model named {quoted(name)}", code="model_not_found")
 
 
 @router.get(
