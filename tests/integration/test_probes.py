@@ -167,11 +167,13 @@ async def test_health_fails_without_memory_headroom(make_settings: SettingsFacto
     """A failing check makes /healthz 503 (and says which), while readiness and serving go on."""
     async with running_app(make_settings(model={"min_free_memory_mb": 1 << 40})) as running:
         health = await running.client.get("/healthz")
-        assert health.status_code == 503
+        assert health.status_code == 503 and int(health.headers["retry-after"]) >= 1
         report = health.json()
         assert report["status"] == "failing" and report["state"] == "ready"
         assert report["memory"]["ok"] is False
         assert (await running.client.get("/readyz")).status_code == 200
+        metrics = (await running.client.get("/metrics")).text
+        assert 'ai_backend_requests_total{code="unhealthy",status="503"} 1.0' in metrics.splitlines()
 
 
 async def test_shutdown_drains_queued_requests(make_settings: SettingsFactory) -> None:

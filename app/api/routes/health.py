@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from app.api.deps import Service
@@ -43,7 +43,7 @@ async def readyz(service: Service) -> Status:
     responses={503: {"model": HealthResponse, "description": "A check failed; the body says which"}},
     summary="Models, device, memory headroom and queue depths; 503 when a check fails",
 )
-async def healthz(service: Service) -> JSONResponse:
+async def healthz(service: Service, request: Request) -> JSONResponse:
     free = await service.memory()
     min_free = service.settings.model.min_free_memory_mb << 20
     models = [
@@ -79,7 +79,10 @@ async def healthz(service: Service) -> JSONResponse:
         failure=service.failure,
         loading=service.late_loads,
     )
-    return JSONResponse(report.model_dump(), status_code=200 if healthy else 503)
+    if healthy:
+        return JSONResponse(report.model_dump())
+    request.scope["state"]["error_code"] = "unhealthy"  # the access line and the metrics say why
+    return JSONResponse(report.model_dump(), status_code=503, headers={"Retry-After": str(NotReady.retry_after_s)})
 
 
 # HEAD wherever GET is (RFC 9110, 9.1): balancers and uptime checks probe with it
