@@ -53,6 +53,15 @@ class _Group(BaseModel):
     # overflowed where it was used (``int(inf)``, a thread's ``Event.wait``)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_not_booleans(cls, value: object, info: ValidationInfo) -> object:
+        """A number is not ``true`` (TOML's, or JSON's): lax validation took it as 1."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and field.annotation in (int, float):
+            raise ValueError("must be a number, not true or false")
+        return value
+
 
 class ServerSettings(_Group):
     """HTTP, request limits and the preprocessing pool."""

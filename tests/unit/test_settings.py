@@ -176,3 +176,23 @@ def test_a_list_or_table_variable_that_is_not_json_is_named(
     monkeypatch.setenv("AI_SERVICE_SERVER__PORT", "9000")  # a readable one beside it is not named
     with pytest.raises(SettingsError, match=rf"^{variable} cannot be read: lists and tables are JSON"):
         load_settings()
+
+
+@pytest.mark.parametrize(
+    ("toml", "named"),
+    [
+        ("[batching.normal]\nmax_batch = true\n", "batching.normal.max_batch"),
+        ("[batching.urgent]\nwindow_ms = false\n", "batching.urgent.window_ms"),
+        ("[server]\nport = true\n", "server.port"),
+    ],
+)
+def test_a_boolean_where_a_number_goes_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, toml: str, named: str
+) -> None:
+    """TOML's ``true`` is not a batch of 1 (lax validation took it so; the admin API refused it)."""
+    config = tmp_path / "service.toml"
+    config.write_text(toml)
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert named in str(caught.value) and "not true or false" in str(caught.value)
