@@ -60,6 +60,13 @@ class LengthRequired(ServiceError):
     code = "length_required"
 
 
+class RequestTimeout(ServiceError):
+    """The request did not arrive in time (408): its body, where no deadline of its own bounds it."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class UnsupportedMediaType(ServiceError):
     """A Content-Type the endpoint does not take (415)."""
 

@@ -82,6 +82,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, ServiceError):  # raised as FastAPI read the body (its 408), and wrapped by it
+        return await service_error_response(request, exc.__cause__)
     if exc.status_code == 400 and exc.detail == _UNPARSABLE_BODY:  # JSON nested past Python's recursion limit, say
         return envelope(request, 400, "invalid_json", "the body is not valid JSON, or is nested too deeply")
     code = _HTTP_CODES.get(exc.status_code, "http_error")

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import service_error_response
-from app.errors import Draining
+from app.errors import Draining, RequestTimeout
 from app.telemetry.logging import caller_trace_var, request_id_var
 from app.telemetry.metrics import Metrics
 
@@ -48,6 +48,38 @@ os.register_at_fork(after_in_child=_ids.seed)  # a forked worker must not repeat
 # W3C Trace Context, as OpenTelemetry's propagator reads it when tracing is on: lower-case hex
 # only, version ff invalid, and version 00 with nothing after its flags
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?$")
+
+
+# A body the app reads through its router (the admin API's; a prediction's has the request's
+# deadline) must have come this long after the request began, or the request is answered 408.
+BODY_TIMEOUT_S = 15.0
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+            return True
+    return False
+
+
+def receive_within(receive: Receive, deadline: float) -> Receive:
+    """``receive``, answered 408 (``RequestTimeout``) if the body has not all come by ``deadline``
+    (``perf_counter``); once it has, as it was (a wait for the client to go is not bounded)."""
+    whole = False
+
+    async def bounded() -> Message:
+        nonlocal whole
+        if whole:
+            return await receive()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.perf_counter())):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout(f"the request's body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        whole = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    return bounded
 
 
 def caller_trace(scope: Scope) -> tuple[str, str] | None:
@@ -165,6 +197,14 @@ class RequestContextMiddleware:
         self.access_log = access_log
         self.direct = direct  # the routes served here, past the router (the predictions)
 
+    def _target(self, scope: Scope, receive: Receive, started: float) -> tuple[ASGIApp, Receive]:
+        """What serves the request (a prediction: ``direct``'s; else the router), and how it
+        receives: a body read through the router has ``BODY_TIMEOUT_S`` to come."""
+        target = self.direct(scope) if self.direct else None
+        if target is not None:
+            return target, receive
+        return self.app, (receive_within(receive, started + BODY_TIMEOUT_S) if _has_body(scope) else receive)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -190,7 +230,7 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            target = (self.direct(scope) if self.direct else None) or self.app
+            target, receive = self._target(scope, receive, started)
             await target(scope, receive, send_with_id)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs when its wait after the drain ends (a stalled upload,

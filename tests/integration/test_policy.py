@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import signal
@@ -582,3 +583,31 @@ async def test_a_non_ascii_admin_token_that_settings_accept_can_be_presented(mak
     async with running_app(settings) as running:
         answer = await running.client.get("/admin/policy", headers={"Authorization": b"Bearer " + token.encode()})
         assert answer.status_code == 200, answer.text
+
+
+async def test_an_admin_body_that_stops_coming_is_answered_408(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token checks out and the body never finishes: answered 408 ``request_timeout`` once
+    the body's bound passes (it waited for ever), and the policy is unchanged."""
+    from app.api import middleware
+    from app.bench.rawhttp import read_response
+    from tests.integration.test_edge import served
+
+    monkeypatch.setattr(middleware, "BODY_TIMEOUT_S", 0.3)
+    async with served(admin_settings(make_settings)) as running:
+        reader, writer = await running.connect()
+        try:
+            head = f"PUT /admin/policy HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            head += "Content-Type: application/json\r\nContent-Length: 100\r\nX-Request-ID: stalled\r\n\r\n"
+            writer.write(head.encode() + b'{"nor')
+            answer, body = await asyncio.wait_for(read_response(reader), 10)
+        finally:
+            writer.close()
+        assert answer.status == 408, body
+        assert json.loads(body) == {
+            "code": "request_timeout",
+            "message": "the request's body did not arrive within 0.3 s",
+            "request_id": "stalled",
+        }
+        assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 8
