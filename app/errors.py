@@ -7,6 +7,8 @@ This module imports nothing heavy, so the batcher and the loader can use it free
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 SHOWN_CHARS = 64  # of a client's string quoted back in a message (a name, a JSON key)
 
 
@@ -14,6 +16,19 @@ def quoted(value: str) -> str:
     """``value`` as a message quotes it: its repr, cut to ``SHOWN_CHARS`` characters (an answer
     must not echo a megabyte the client sent)."""
     return repr(value) if len(value) <= SHOWN_CHARS else repr(value[:SHOWN_CHARS]) + "..."
+
+
+def shown(part: str | int) -> str | int:
+    """A place in a body (a key, an index), as an error names it: a key cut as ``quoted`` cuts it."""
+    if isinstance(part, str) and len(part) > SHOWN_CHARS:
+        return part[:SHOWN_CHARS] + "..."
+    return part
+
+
+def dotted(location: Iterable[str | int], whole: str) -> str:
+    """A validation error's location as a message names it (``normal.max_batch``), each key cut as
+    ``shown`` cuts it; ``whole`` when it is the whole thing."""
+    return ".".join(str(shown(part)) for part in location) or whole
 
 
 class ServiceError(Exception):

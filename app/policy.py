@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.errors import SchemaError
+from app.errors import SchemaError, dotted
 from app.settings import (
     BatchingSettings,
     FileStamp,
@@ -135,9 +135,7 @@ class PolicyManager:
         try:
             valid = BatchingSettings.model_validate(batching, strict=strict)
         except ValidationError as exc:
-            raise SettingsError(
-                "; ".join(f"{'.'.join(map(str, e['loc'])) or 'batching'}: {e['msg']}" for e in exc.errors())
-            ) from exc
+            raise SettingsError("; ".join(f"{dotted(e['loc'], 'batching')}: {e['msg']}" for e in exc.errors())) from exc
         # the rule alone, not Settings.model_validate: that reads the environment and the config
         # file again (pydantic-settings' sources), on the event loop, and a broken file would
         # refuse a valid admin change, the one way left to change the policy then

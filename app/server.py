@@ -36,7 +36,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-from app.api.middleware import ARRIVED, FOLLOWED, new_request_id, request_id_from
+from app.api.middleware import ARRIVED, ENDS, new_request_id, request_id_from
 from app.api.schemas import ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class ClosingProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["state"][ARRIVED] = time.perf_counter()  # the request's clock (and deadline) start here
-        self.scope["state"][FOLLOWED] = self._followed
+        self.scope["state"][ENDS] = self._ends
         self._receiving = True
         self._in_head, self._head_bytes, self._head_size = True, 0, 0
         self._arm_head_timer()
@@ -289,8 +289,8 @@ class ClosingProtocol(HttpToolsProtocol):
             )
             raise _HeadRefused  # the parser stops here: its body is not read as anything
         super().on_headers_complete()
-        if self._closing and self.cycle is not None:
-            self.cycle.keep_alive = False  # the answer says Connection: close and closes it
+        # closing: whether its answer says Connection: close is decided as that answer starts
+        # (``_ends``), once what came behind it in the same read has been parsed too
 
     def on_message_complete(self) -> None:
         self._completed = self.cycle  # (uvicorn's returns early for a request answered already)
@@ -342,8 +342,10 @@ class ClosingProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
         cycle = self.cycle
-        if self._receiving and cycle is not None and cycle.response_complete and self._completed is not cycle:
-            self._body_timer = self.loop.call_later(ANSWERED_BODY_S, self._body_timed_out)  # answered, body due
+        # answered, its body still due (an ignored Upgrade's body arrives outside the parser)
+        body_due = (self._receiving and self._completed is not cycle) or self._upgrade_body_left
+        if cycle is not None and cycle.response_complete and body_due and self._body_timer is None:
+            self._body_timer = self.loop.call_later(ANSWERED_BODY_S, self._body_timed_out)
         super().on_response_complete()  # starts the next pipelined request, if any
         if self._invalid and not self._unanswered():
             self._answer_invalid()
@@ -354,6 +356,11 @@ class ClosingProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: object) -> None:
         self._started = cycle
         super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+
+    def _ends(self, draining: bool) -> bool:
+        """Whether the answer written now ends the connection: while the service drains or this
+        connection is shut down, unless a request came behind it (the last such one ends it)."""
+        return (draining or self._closing) and not self._followed()
 
     def _followed(self) -> bool:
         """Another request came behind the one answered now: parsed and waiting (pipelined), or
@@ -425,6 +432,8 @@ class ClosingProtocol(HttpToolsProtocol):
         """The body bytes due to a request whose Upgrade is ignored go to it; returns the rest."""
         take, data = data[: self._upgrade_body_left], data[self._upgrade_body_left :]
         self._upgrade_body_left -= len(take)
+        if not self._upgrade_body_left:
+            self._cancel_body_timer()
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             cycle.body += take

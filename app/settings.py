@@ -37,6 +37,7 @@ from pydantic_settings import (
 from pydantic_settings import SettingsError as EnvironmentValueError
 
 from app.batching.policy import UrgentFill
+from app.errors import dotted
 
 ENV_PREFIX = "AI_SERVICE_"
 CONFIG_FILE_ENV = "AI_SERVICE_CONFIG_FILE"
@@ -58,9 +59,21 @@ class _Group(BaseModel):
     def _numbers_not_booleans(cls, value: object, info: ValidationInfo) -> object:
         """A number is not ``true`` (TOML's, or JSON's): lax validation took it as 1."""
         field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and field.annotation in (int, float):
+        if field is not None and _boolean_for_number(field.annotation, value):
             raise ValueError("must be a number, not true or false")
         return value
+
+
+def _boolean_for_number(annotation: object, value: object) -> bool:
+    """``value`` holds a boolean where ``annotation`` wants a number (``int``, ``float``, either
+    optional, or the values of a mapping of them)."""
+    origin = get_origin(annotation)
+    if origin in (Union, UnionType):
+        return any(_boolean_for_number(arg, value) for arg in get_args(annotation) if arg is not type(None))
+    if isinstance(value, Mapping) and origin in (dict, Mapping):
+        inner = get_args(annotation)[-1] if get_args(annotation) else object
+        return any(_boolean_for_number(inner, item) for item in value.values())
+    return isinstance(value, bool) and annotation in (int, float)
 
 
 class ServerSettings(_Group):
@@ -484,8 +497,8 @@ def load_settings(**overrides: object) -> Settings:
         lines = []
         for error in exc.errors():
             location = tuple(part for part in error["loc"] if not isinstance(part, int) or part >= 0)
-            dotted = ".".join(str(part) for part in location) or "settings"
-            where = f"{dotted} ({env_name(location)})" if location else dotted
+            named = dotted(location, "settings")  # an admin body's keys cut short too
+            where = f"{named} ({env_name(location)})" if location else named
             lines.append(f"  {where}: {error['msg']}")
         raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
     except SettingsError:

@@ -11,7 +11,7 @@ from starlette.types import Scope
 
 from app.api.disconnect import ClientClosed
 from app.api.schemas import PredictRequest
-from app.errors import SHOWN_CHARS, BadRequest, PayloadTooLarge, SchemaError, ServiceError, UnsupportedMediaType
+from app.errors import BadRequest, PayloadTooLarge, SchemaError, ServiceError, UnsupportedMediaType, dotted
 from app.inference.preprocess import ACCEPTED_FORMATS, base64_bytes
 
 IMAGE_TYPES = frozenset(ACCEPTED_FORMATS.values())
@@ -77,14 +77,7 @@ def _body_error(exc: ValidationError) -> ServiceError:
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
     if any(error["type"] == "json_invalid" for error in errors):
         return BadRequest("the body is not valid JSON", code="invalid_json")
-    named = (f"{'.'.join(_shown(part) for part in e['loc']) or 'body'}: {e['msg']}" for e in errors)
-    return SchemaError("; ".join(named))
-
-
-def _shown(part: str | int) -> str:
-    """A place in the body, as an error names it: a key the client sent, cut as ``quoted`` cuts it."""
-    text = str(part)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+    return SchemaError("; ".join(f"{dotted(e['loc'], 'body')}: {e['msg']}" for e in errors))
 
 
 def media_type(value: str) -> str:

@@ -89,6 +89,12 @@ class Edge:
         response += [b"\r\n", body]
         return Refusal(b"".join(response), refused.status, keep_alive, request_id, caller)
 
+    @property
+    def draining(self) -> bool:
+        """The service is shutting down (False before it exists)."""
+        service = getattr(self.app.state, "service", None)
+        return bool(service is not None and service.draining)
+
     def answered(self, scope: Scope, refusal: Refusal) -> None:
         """The refusal's metrics and access line, once it is written."""
         self._record(scope, refusal.status, refusal.request_id, refusal.caller)
@@ -131,10 +137,16 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
         # hook, called from inside a refusal, leaves the next request to the loop below
         _refusing = False
         _next: tuple[RequestResponseCycle, object] | None = None
+        _after_read = False
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: object) -> None:
             if self._refusing:
                 self._next = (cycle, app)
+                return
+            if not self._after_read and (self._closing or edge.draining):
+                # whether its answer ends the connection depends on the requests behind it, some
+                # perhaps in the read being parsed now: it starts once that read is parsed
+                self.loop.call_soon(self._start_after_read, cycle, app)
                 return
             while True:
                 if self.transport.is_closing():
@@ -143,10 +155,7 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                 refusal = None
                 if app is self.app:  # not uvicorn's own 503 past ``limit_concurrency``
                     try:
-                        # shut down already: this answer closes the connection (ClosingProtocol
-                        # marks the cycle only after this hook ran)
-                        keep_alive = cycle.keep_alive and not self._closing
-                        refusal = edge.refusal(scope, self.server_state.default_headers, keep_alive)
+                        refusal = edge.refusal(scope, self.server_state.default_headers, cycle.keep_alive)
                     except Exception:  # a bug here must not cost the request its answer: the app gives it
                         log.exception("the edge failed on %s %s; the app serves it", scope["method"], scope["path"])
                 if refusal is None:
@@ -170,6 +179,13 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                 if self._next is None:
                     return
                 (cycle, app), self._next = self._next, None
+
+        def _start_after_read(self, cycle: RequestResponseCycle, app: object) -> None:
+            self._after_read = True
+            try:
+                self._start_asgi_task(cycle, app)
+            finally:
+                self._after_read = False
 
         def answered_invalid(
             self, scope: Scope | None, request_id: str, started: float, status: int = 400, code: str = "invalid_http"

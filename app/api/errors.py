@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from app.api.schemas import ErrorResponse
-from app.errors import ServiceError
+from app.errors import ServiceError, shown
 from app.telemetry.logging import request_id_var
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     if any(error.get("type") == "json_invalid" for error in exc.errors()):  # an admin body, say
         return envelope(request, 400, "invalid_json", "the body is not valid JSON")
     details = [
-        {"loc": list(error.get("loc", ())), "msg": error.get("msg", ""), "type": error.get("type", "")}
+        {"loc": [shown(part) for part in error.get("loc", ())], "msg": error.get("msg", ""), "type": error["type"]}
         for error in exc.errors()
     ]
     return envelope(request, 422, "validation_error", "the request does not match the schema", details=details)

@@ -34,10 +34,11 @@ _error_log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 ARRIVED = "arrived"  # scope["state"] key: perf_counter() when the request's first byte was parsed
-# scope["state"] key: set by the HTTP protocol, a callable saying whether another request has come
-# (whole or in part) behind this one on its connection; such a connection is not closed after
-# this answer while the service drains, or that request would go unanswered
-FOLLOWED = "followed"
+# scope["state"] key: set by the HTTP protocol, a callable taking whether the service drains and
+# saying whether this answer ends the connection: while it drains, or while the server shuts the
+# connection down, unless another request has come (whole or in part) behind this one, which
+# would go unanswered
+ENDS = "ends_connection"
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # Request ids need to be unique, not secret: 128 random bits from a seeded PRNG look like a
 # uuid4 hex and cost a tenth of one (uuid4 reads the OS entropy pool on every call).
@@ -133,11 +134,10 @@ def ends_connection(scope: Scope, draining: bool) -> bool:
     """Whether this request's answer closes its connection (here, and from the edge): while the
     service drains, each connection ends with its current answer, so that no client sends its
     next request on a connection the server is about to close; unless requests came behind it
-    already (pipelined): the last of them ends it."""
-    if not draining:
-        return False
-    followed = scope["state"].get(FOLLOWED)
-    return not (followed is not None and followed())
+    already (pipelined): the last of them ends it. The protocol knows (``ENDS``); under another
+    server, every answer while draining ends its connection."""
+    ends = scope["state"].get(ENDS)
+    return draining if ends is None else bool(ends(draining))
 
 
 def identity_headers(request_id: str, trace_id: str | None, close: bool) -> list[tuple[bytes, bytes]]:
@@ -225,7 +225,9 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                extra = identity_headers(request_id, trace_id, ends_connection(scope, _draining(scope)))
+                # a 408's body never came whole: what follows it on the connection cannot be told apart
+                ends = message["status"] == 408 or ends_connection(scope, _draining(scope))
+                extra = identity_headers(request_id, trace_id, ends)
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 

@@ -23,7 +23,7 @@ from app.telemetry.logging import RequestIdFilter
 from app.telemetry.metrics import PREFIX
 from tests.conftest import SettingsFactory
 from tests.integration.test_edge import Served, predict, samples, served
-from tests.support import sample_png
+from tests.support import running_app, sample_png
 
 GARBAGE = b"NOT A REQUEST\r\n\r\n"
 
@@ -261,16 +261,18 @@ async def test_a_request_answered_before_its_body_whose_body_never_comes_is_clos
     monkeypatch.setattr(server, "ANSWERED_BODY_S", 0.2)
     head = predict().split(b"\r\n\r\n", 1)[0].replace(b"Content-Length: ", b"X-Was: ")
     head += b"\r\nContent-Length: 2000000\r\n\r\n"
+    upgrade = head.replace(b"\r\n\r\n", b"\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")  # its body read apart
     async with served(make_settings()) as running:
-        reader, writer = await running.connect()
-        try:
-            writer.write(head)
-            answer, body = await asyncio.wait_for(read_response(reader), 10)
-            assert answer.status == 413 and json.loads(body)["code"] == "image_too_large"
-            writer.write(b"x" * 10)
-            assert await asyncio.wait_for(reader.read(), 10) == b"", "closed once the bound passed"
-        finally:
-            writer.close()
+        for request in (head, upgrade):
+            reader, writer = await running.connect()
+            try:
+                writer.write(request)
+                answer, body = await asyncio.wait_for(read_response(reader), 10)
+                assert answer.status == 413 and json.loads(body)["code"] == "image_too_large"
+                writer.write(b"x" * 10)
+                assert await asyncio.wait_for(reader.read(), 10) == b"", "closed once the bound passed"
+            finally:
+                writer.close()
         reader, writer = await running.connect()
         try:
             writer.write(head + b"x" * 2_000_000 + predict(X_Request_ID="after"))
@@ -356,3 +358,18 @@ async def test_an_error_quotes_at_most_a_little_of_what_the_client_sent(make_set
     assert "k" * 64 + "..." in json.loads(schema_body)["message"]
     assert missing.status == 404 and len(missing_body) < 1000, len(missing_body)  # type: ignore[attr-defined]
     assert json.loads(missing_body)["code"] == "model_not_found"
+
+
+async def test_admin_errors_quote_at_most_a_little_of_the_body(make_settings: SettingsFactory) -> None:
+    from tests.integration.test_policy import AUTH, admin_settings
+
+    key = "k" * 60_000
+    async with running_app(admin_settings(make_settings)) as running:
+        bodies = [
+            ("/admin/models/digits/canary", {"weights": {}, key: 1}),  # an unknown key
+            ("/admin/models/digits/canary", {"weights": {key: True}}),  # a version's share not a number
+            ("/admin/policy", {key: 1}),
+        ]
+        for path, body in bodies:
+            refused = await running.client.put(path, json=body, headers=AUTH)
+            assert refused.status_code == 422 and len(refused.content) < 2000, (path, len(refused.content))

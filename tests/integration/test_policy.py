@@ -604,7 +604,7 @@ async def test_an_admin_body_that_stops_coming_is_answered_408(
             answer, body = await asyncio.wait_for(read_response(reader), 10)
         finally:
             writer.close()
-        assert answer.status == 408, body
+        assert answer.status == 408 and answer.headers["connection"] == "close", body
         assert json.loads(body) == {
             "code": "request_timeout",
             "message": "the request's body did not arrive within 0.3 s",

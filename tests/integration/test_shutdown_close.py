@@ -302,9 +302,10 @@ async def test_requests_pipelined_behind_one_the_drain_flushes_are_answered_befo
 async def test_requests_pipelined_behind_a_running_one_at_shutdown_are_answered(
     make_settings: SettingsFactory, quiet_s: Callable[[float], None]
 ) -> None:
-    """uvicorn's shutdown (no drain: Ctrl-C, a second SIGTERM) finds a request running and two
-    behind it, one parsed and one unread in the socket: all three are answered, the last one
-    with close. (The running one's answer closed the connection, and the two were dropped.)"""
+    """uvicorn's shutdown (no drain: Ctrl-C, a second SIGTERM) finds a request running and three
+    behind it, one parsed and two unread in the socket in one write: all four are answered, the
+    last one with close. (The running one's answer closed the connection, and the rest were
+    dropped; then the first of the two read together closed it before the second.)"""
     quiet_s(0.0)
     settings = make_settings(**{**LONG_WINDOW, "batching": {"normal": {"window_ms": 300.0, "max_batch": 8}}})
     async with served(settings) as running:
@@ -312,10 +313,26 @@ async def test_requests_pipelined_behind_a_running_one_at_shutdown_are_answered(
         writer.write(predict(X_Request_ID="a") + predict(X_Request_ID="b"))
         await _queued(running, 1)
         protocol = server_side(running, (reader, writer))
-        writer.write(predict(X_Request_ID="c"))
+        writer.write(predict(X_Request_ID="c") + predict(X_Request_ID="d"))
         arrived_unread(protocol)
         shut_down(running)
-        heads = await _answers(reader, 3)
-        assert heads == [("a", 200, None), ("b", 200, None), ("c", 200, "close")], heads
+        heads = await _answers(reader, 4)
+        assert heads == [("a", 200, None), ("b", 200, None), ("c", 200, None), ("d", 200, "close")], heads
         assert await closed(reader)
         writer.close()
+
+
+async def test_predictions_sent_in_one_write_while_draining_are_each_refused_the_last_closing(
+    make_settings: SettingsFactory,
+) -> None:
+    """The edge refuses the first at its headers, while the other two are still in the read being
+    parsed: its answer waits for that read, sees them, and leaves the connection open for them."""
+    async with served(make_settings()) as running:
+        await running.service.drain(1.0)
+        reader, writer = await running.connect()
+        writer.write(predict(X_Request_ID="a") + predict(X_Request_ID="b") + predict(X_Request_ID="c"))
+        heads = await _answers(reader, 3)
+        assert heads == [("a", 503, None), ("b", 503, None), ("c", 503, "close")], heads
+        assert await closed(reader)
+        writer.close()
+        assert running.reached == [], "each refused by the edge"

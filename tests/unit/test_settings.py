@@ -196,3 +196,12 @@ def test_a_boolean_where_a_number_goes_is_refused(
     with pytest.raises(SettingsError) as caught:
         load_settings()
     assert named in str(caught.value) and "not true or false" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "group",
+    [{"model": {"urgent_workers": True}}, {"model": {"canary": {"digits": {"2": True}}}}],
+)
+def test_a_boolean_is_no_number_in_an_optional_number_or_a_table_of_them(group: dict[str, object]) -> None:
+    with pytest.raises(SettingsError, match="not true or false"):
+        load_settings(**group)
