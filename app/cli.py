@@ -77,15 +77,17 @@ def _serve(args: argparse.Namespace) -> int:
     server = DrainingServer(config, drain, halt)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught once it has shut down
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught once it has shut down (when
+        return EXIT_INTERRUPTED  # asyncio's runner turns it into one: not if serving ended first)
     except SystemExit:  # uvicorn's own start-up failure (the port in use, say): logged by it
         if not failure:  # the app's own failure was named already
             failure.append(f"the server could not start on {settings.server.host}:{settings.server.port}")
     if failure:
         print(f"ai-backend: start-up failed: {failure[0]}", file=sys.stderr)
         return EXIT_START_FAILED
-    return 0 if server.started else EXIT_START_FAILED
+    if not server.started:
+        return EXIT_START_FAILED
+    return EXIT_INTERRUPTED if server.interrupted else 0
 
 
 # subcommands that parse their own arguments: name -> (module, help)

@@ -82,6 +82,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._drain = drain
         self._halt = halt
+        self.interrupted = False  # a Ctrl-C (SIGINT) stopped it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
         self._sigterm = False
@@ -93,6 +94,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self._loop is None:
             self.config.timeout_graceful_shutdown = 0  # Ctrl-C: what still runs is answered 503 now
+            self.interrupted = self.interrupted or sig == signal.SIGINT
             if self._loop is not None:  # the service says so first: 503 draining, not uvicorn's 500
                 self._loop.call_soon_threadsafe(contextvars.Context().run, self._halt)
             super().handle_exit(sig, frame)

@@ -88,3 +88,4 @@ def test_ctrl_c_does_not_wait_for_open_requests() -> None:
     server = DrainingServer(uvicorn.Config(_app, timeout_graceful_shutdown=31), drain=lambda: asyncio.sleep(0))
     server.handle_exit(signal.SIGINT, None)
     assert server.should_exit and server.config.timeout_graceful_shutdown == 0
+    assert server.interrupted, "serve exits 130 whether or not asyncio's runner raises KeyboardInterrupt"
