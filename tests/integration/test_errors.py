@@ -118,6 +118,8 @@ CASES = [
     Case("query_top_k_zero", 422, "validation_error", PNG, "image/png", params={"top_k": 0}),
     Case("query_top_k_over_labels", 422, "validation_error", PNG, "image/png", params={"top_k": 11}),
     Case("query_top_k_not_int", 422, "validation_error", PNG, "image/png", params={"top_k": "many"}),
+    Case("query_top_k_signed", 422, "validation_error", PNG, "image/png", params={"top_k": "+3"}),
+    Case("query_top_k_underscored", 422, "validation_error", PNG, "image/png", params={"top_k": "1_0"}),
     # 413: too big
     Case("body_too_large_declared", 413, "body_too_large", OVERSIZED_BODY, JSON),
     Case("body_too_large_streamed", 413, "body_too_large", _streamed(OVERSIZED_BODY), JSON),

@@ -201,3 +201,6 @@ async def test_the_probes_answer_head_as_get(make_settings: SettingsFactory) -> 
             got, head = await running.client.get(path), await running.client.head(path)
             assert head.status_code == got.status_code == 200 and head.content == b"", path
             assert head.headers["content-length"] == got.headers["content-length"], path
+        metrics = await running.client.head("/metrics")  # scrapers' liveness checks, too
+        assert metrics.status_code == 200 and metrics.content == b""
+        assert metrics.headers["content-type"].startswith("text/plain")

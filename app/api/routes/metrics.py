@@ -12,3 +12,7 @@ router = APIRouter(tags=["metrics"])
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics in the text exposition format")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# HEAD wherever GET is (RFC 9110, 9.1), as the probes have it
+router.add_api_route("/metrics", metrics, methods=["HEAD"], include_in_schema=False)

@@ -17,7 +17,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.auth import check_api_key
@@ -44,6 +44,14 @@ _OPENAPI = {**OPENAPI_BODY, "parameters": PREDICT_PARAMETERS}
 
 class _Query(BaseModel):
     top_k: int | None = Field(default=None, ge=1)
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _digits(cls, value: object) -> object:
+        """Decimal digits only: Python's int() also reads "+3", " 3" and "1_0"."""
+        if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+            raise ValueError("must be a whole number written in digits")
+        return value
 
 
 def _query_top_k(request: Request) -> int | None:
