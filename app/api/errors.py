@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
+from starlette.types import Scope
 
 from app.api.schemas import ErrorResponse
 from app.errors import ServiceError, shown
@@ -89,7 +92,22 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     response = envelope(request, exc.status_code, code, str(exc.detail))
     response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+    if exc.status_code == 405 and (allowed := _allowed(request.app.routes, request.scope)):
+        response.headers["Allow"] = ", ".join(sorted(allowed))  # Starlette's names one route's only
     return response
+
+
+def _allowed(routes: Iterable[BaseRoute], scope: Scope) -> set[str]:
+    """Every method some route serves at this request's path (RFC 9110, 15.5.6), looking into
+    the routers FastAPI keeps whole (``original_router``); none when it cannot tell."""
+    methods: set[str] = set()
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            methods |= _allowed(inner.routes, scope)
+        elif route.matches(scope)[0] is not Match.NONE:  # PARTIAL: the path, not the method
+            methods |= set(getattr(route, "methods", None) or ())
+    return methods
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -611,3 +611,12 @@ async def test_an_admin_body_that_stops_coming_is_answered_408(
             "request_id": "stalled",
         }
         assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 8
+
+
+async def test_a_405_names_every_method_the_path_takes(make_settings: SettingsFactory) -> None:
+    async with running_app(admin_settings(make_settings)) as running:
+        refused = await running.client.delete("/admin/policy", headers=AUTH)
+        assert refused.status_code == 405 and refused.json()["code"] == "method_not_allowed"
+        assert refused.headers["allow"] == "GET, PUT", "Starlette's named the first route's method only"
+        wrong = await running.client.get("/predict")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
