@@ -18,7 +18,26 @@ EXIT_BAD_SETTINGS = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
+class _StoppedEarly(Exception):
+    """SIGTERM came before the server was up (torch importing, say): nothing to drain yet."""
+
+
+def _stop_early(signum: int, frame: object) -> None:
+    raise _StoppedEarly
+
+
 def _serve(args: argparse.Namespace) -> int:
+    # until uvicorn takes SIGTERM over (a drain), one ends start-up quietly with exit 0, as a drain
+    # with nothing to drain would: its default action killed the process mid-import, exit -15
+    signal.signal(signal.SIGTERM, _stop_early)
+    try:
+        return _serve_now(args)
+    except _StoppedEarly:
+        print("ai-backend: SIGTERM before the server started: stopped", file=sys.stderr)
+        return 0
+
+
+def _serve_now(args: argparse.Namespace) -> int:
     from app.settings import SettingsError, config_path, file_stamp, read_secrets, read_settings
 
     # SIGHUP's default action ends the process: until the app's handler (a reload) is set, and

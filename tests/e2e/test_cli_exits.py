@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,40 @@ def test_bench_against_a_port_where_nothing_listens_exits_1_at_once() -> None:
     assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
     assert "nothing answers at http://127.0.0.1:" in run.stderr and "Traceback" not in run.stderr
     assert run.stdout == "", "no report for a run that never started"
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """The process has a handler of its own for SIGTERM (``SigCgt`` in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to see the handler set")
+def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
+    """A deploy may stop a pod that is still importing torch: the process says so and exits 0,
+    as a drain with nothing to drain does (it died by the signal, -15, with no word)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve"],
+        cwd=REPO_ROOT,
+        env=server_environment({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": str(free_port())}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches_sigterm(process.pid):  # its handler set: start-up has begun
+            assert process.poll() is None and time.monotonic() < deadline, "serve never set its handler"
+            time.sleep(0.005)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=SERVE_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    assert process.returncode == 0, (process.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr
+    # the handler is set before torch's seconds-long import: the signal comes well before uvicorn's
+    assert "SIGTERM before the server started" in stderr, stderr[-2000:]
