@@ -69,6 +69,13 @@ HEAD_TIMEOUT_S = 15.0
 ANSWERED_BODY_S = HEAD_TIMEOUT_S
 
 
+def _stopped(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
+    """Cancel ``timer`` if there is one; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
+    return None
+
+
 class _HeadRefused(Exception):
     """Raised from a parser callback to stop parsing a request whose head is refused."""
 
@@ -284,7 +291,7 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._cancel_head_timer()
+        self._head_timer = _stopped(self._head_timer)
         if self._head_size > MAX_HEAD_BYTES:  # a head that came whole, in one read
             self._refuse_head(
                 431, "headers_too_large", f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
@@ -296,15 +303,10 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._completed = self.cycle  # (uvicorn's returns early for a request answered already)
-        self._cancel_body_timer()
+        self._body_timer = _stopped(self._body_timer)
         super().on_message_complete()
         self._receiving = False
         self._close_if_answered()
-
-    def _cancel_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
@@ -313,13 +315,8 @@ class ClosingProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
+        self._head_timer = _stopped(self._head_timer)
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
 
     def _head_timed_out(self) -> None:
         # armed at the connection's opening and at each request's first byte, cancelled at the end
@@ -435,7 +432,7 @@ class ClosingProtocol(HttpToolsProtocol):
         take, data = data[: self._upgrade_body_left], data[self._upgrade_body_left :]
         self._upgrade_body_left -= len(take)
         if not self._upgrade_body_left:
-            self._cancel_body_timer()
+            self._body_timer = _stopped(self._body_timer)
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             cycle.body += take
@@ -524,10 +521,9 @@ class ClosingProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._linger is not None:
-            self._linger.cancel()
-        self._cancel_head_timer()
-        self._cancel_body_timer()
+        self._linger = _stopped(self._linger)
+        self._head_timer = _stopped(self._head_timer)
+        self._body_timer = _stopped(self._body_timer)
         # uvicorn tells only the last request parsed; the one running (pipelined requests were
         # read behind it) must see its client go too, and leave the queue uncomputed
         running = self._started

@@ -31,7 +31,15 @@ from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from app.api.errors import retry_after
-from app.api.middleware import ARRIVED, caller_trace, ends_connection, finish, identity_headers, request_id_from
+from app.api.middleware import (
+    ARRIVED,
+    caller_trace,
+    draining,
+    ends_connection,
+    finish,
+    identity_headers,
+    request_id_from,
+)
 from app.api.routes.predict import predict_call
 from app.api.schemas import ErrorResponse
 from app.api.shedding import shed
@@ -89,12 +97,6 @@ class Edge:
         response += [b"\r\n", body]
         return Refusal(b"".join(response), refused.status, keep_alive, request_id, caller)
 
-    @property
-    def draining(self) -> bool:
-        """The service is shutting down (False before it exists)."""
-        service = getattr(self.app.state, "service", None)
-        return bool(service is not None and service.draining)
-
     def answered(self, scope: Scope, refusal: Refusal) -> None:
         """The refusal's metrics and access line, once it is written."""
         self._record(scope, refusal.status, refusal.request_id, refusal.caller)
@@ -143,7 +145,7 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
             if self._refusing:
                 self._next = (cycle, app)
                 return
-            if not self._after_read and (self._closing or edge.draining):
+            if not self._after_read and (self._closing or draining(edge.app)):
                 # whether its answer ends the connection depends on the requests behind it, some
                 # perhaps in the read being parsed now: it starts once that read is parsed
                 self.loop.call_soon(self._start_after_read, cycle, app)

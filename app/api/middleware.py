@@ -124,10 +124,14 @@ def _trace_of(scope: Scope, request_id: str) -> tuple[str | None, contextvars.To
     return (caller[0] if caller else None), caller_trace_var.set(caller)
 
 
-def _draining(scope: Scope) -> bool:
-    """The service is shutting down."""
-    service = getattr(getattr(scope.get("app"), "state", None), "service", None)
+def draining(app: object) -> bool:
+    """``app``'s service is shutting down (False before the service exists, or with no app)."""
+    service = getattr(getattr(app, "state", None), "service", None)
     return bool(getattr(service, "draining", False))
+
+
+def _draining(scope: Scope) -> bool:
+    return draining(scope.get("app"))
 
 
 def ends_connection(scope: Scope, draining: bool) -> bool:
@@ -226,7 +230,7 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 # a 408's body never came whole: what follows it on the connection cannot be told apart
-                ends = message["status"] == 408 or ends_connection(scope, _draining(scope))
+                ends = status == 408 or ends_connection(scope, _draining(scope))
                 extra = identity_headers(request_id, trace_id, ends)
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)

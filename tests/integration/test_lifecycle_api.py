@@ -11,7 +11,9 @@ import shutil
 import threading
 import weakref
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from torch import nn
 
@@ -22,7 +24,7 @@ from app.inference.packaging import sha256_file, write_version
 from app.settings import Settings
 from tests.integration.test_request_ends import Connection
 from tests.lifecycle_support import StuckLoads
-from tests.support import build_settings, running_app, sample_png, truncate_file
+from tests.support import RunningApp, build_settings, running_app, sample_png, truncate_file
 
 TOKEN = "lifecycle-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -314,24 +316,31 @@ async def test_a_degraded_version_is_refused_by_its_measured_accuracy_and_rollba
         assert [x for row in restored for x in row] == pytest.approx([x for row in before for x in row], abs=1e-5)
 
 
+async def _uploading_to_version_2(running: RunningApp) -> tuple[asyncio.Future[httpx.Response], asyncio.Event, Any]:
+    """A prediction pinned to version 2, its body half sent (the rest once the event is set),
+    returned once version 2's batcher holds its seat; and that batcher."""
+    body_may_finish = asyncio.Event()
+    png = sample_png(4)
+
+    async def slow_body():  # type: ignore[no-untyped-def]  # still uploading when the unload comes
+        yield png[:10]
+        await body_may_finish.wait()
+        yield png[10:]
+
+    headers = {"Content-Type": "image/png", "X-Model-Version": "2", "X-Request-Timeout": "20000"}
+    request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
+    batcher = running.service.groups["digits"].routing.loaded["2"].batcher
+    async with asyncio.timeout(10):
+        while sum(batcher._reserved.values()) == 0:  # noqa: ASYNC110 (routed to v2, its seat held)
+            await asyncio.sleep(0.005)
+    return request, body_may_finish, batcher
+
+
 async def test_a_request_routed_to_a_version_is_answered_though_the_version_is_unloaded_meanwhile(
     repository: Path,
 ) -> None:
     async with running_app(settings_for(repository)) as running:
-        body_may_finish = asyncio.Event()
-        png = sample_png(4)
-
-        async def slow_body():  # type: ignore[no-untyped-def]  # still uploading when the unload comes
-            yield png[:10]
-            await body_may_finish.wait()
-            yield png[10:]
-
-        headers = {"Content-Type": "image/png", "X-Model-Version": "2", "X-Request-Timeout": "20000"}
-        request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
-        batcher = running.service.groups["digits"].routing.loaded["2"].batcher
-        async with asyncio.timeout(10):
-            while sum(batcher._reserved.values()) == 0:  # noqa: ASYNC110 (routed to v2, its seat held)
-                await asyncio.sleep(0.005)
+        request, body_may_finish, batcher = await _uploading_to_version_2(running)
         unload = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH))
         async with asyncio.timeout(10):
             while "2" in running.service.groups["digits"].routing.loaded:  # noqa: ASYNC110
@@ -351,20 +360,7 @@ async def test_a_request_still_uploading_when_its_versions_grace_runs_out_is_tol
     request is counted as dropped."""
     async with running_app(settings_for(repository)) as running:
         running.service.settings.server.shutdown_grace_s = 0.1
-        body_may_finish = asyncio.Event()
-        png = sample_png(4)
-
-        async def slow_body():  # type: ignore[no-untyped-def]
-            yield png[:10]
-            await body_may_finish.wait()
-            yield png[10:]
-
-        headers = {"Content-Type": "image/png", "X-Model-Version": "2", "X-Request-Timeout": "20000"}
-        request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
-        batcher = running.service.groups["digits"].routing.loaded["2"].batcher
-        async with asyncio.timeout(10):
-            while sum(batcher._reserved.values()) == 0:  # noqa: ASYNC110 (routed to v2, its seat held)
-                await asyncio.sleep(0.005)
+        request, body_may_finish, batcher = await _uploading_to_version_2(running)
         unload = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
         assert unload.status_code == 200 and not batcher.running, "the grace ran out"
         body_may_finish.set()
