@@ -389,7 +389,7 @@ class LayeredModel:
                 batch = self.dummy_batch(size)
                 for _ in range(rounds):
                     features = self.features(batch)
-                    for head in self._heads.values():
+                    for head in list(self._heads.values()):  # another thread may load one meanwhile
                         head(features)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -108,17 +108,19 @@ class WorkerThreads:
         if workers < 1:
             raise ValueError(f"{name} needs at least one worker thread")
         self._queues: tuple[deque[Call], deque[Call]] = (deque(), deque())  # URGENT, NORMAL
+        self._own: list[deque[Call]] = [deque() for _ in range(workers + urgent_workers)]  # for one thread each
         self._ready = threading.Condition()
         self._closing = False
         self._normal_nice = normal_nice
         # without urgent-only threads a niced thread would run urgent calls at the low priority
         kind = NORMAL_ONLY if normal_nice and urgent_workers else ANY
+        names = [name if workers == 1 else f"{name}-{i}" for i in range(workers)]
+        names += [f"{name}-urgent-{i}" for i in range(urgent_workers)]
         self._threads = [
-            threading.Thread(target=self._work, args=(kind,), name=name if workers == 1 else f"{name}-{i}", daemon=True)
-            for i in range(workers)
-        ] + [
-            threading.Thread(target=self._work, args=(URGENT_ONLY,), name=f"{name}-urgent-{i}", daemon=True)
-            for i in range(urgent_workers)
+            threading.Thread(
+                target=self._work, args=(kind if i < workers else URGENT_ONLY, self._own[i]), name=names[i], daemon=True
+            )
+            for i in range(len(names))
         ]
         self.urgent_workers = urgent_workers
         for thread in self._threads:
@@ -159,13 +161,36 @@ class WorkerThreads:
             del outcome  # raised, its exception's traceback holds this frame: see ``_run``
         return result
 
-    def _next(self, kind: tuple[int, ...]) -> Call | None:
+    async def run_on_each(self, fn: Callable[[], T]) -> list[T]:
+        """Run ``fn`` once on every thread, urgent-only ones included, ahead of anything queued;
+        the results in the threads' order. What a thread keeps for itself (its allocator's
+        arena, grown to the largest batch it has run) is made by running there."""
+        loop = asyncio.get_running_loop()
+        outcomes = [LoopOutcome(loop) for _ in self._own]
+        with self._ready:
+            if self._closing:
+                raise RuntimeError("the worker threads are closed")
+            for own, outcome in zip(self._own, outcomes, strict=True):
+                own.append((functools.partial(contextvars.copy_context().run, fn), outcome))
+            self._ready.notify_all()
+        try:
+            return list(await asyncio.gather(*(outcome.future for outcome in outcomes)))
+        except BaseException:
+            for outcome in outcomes:  # one failed or the wait was cancelled: those not begun never run
+                outcome.future.cancel()
+            raise
+        finally:
+            del outcomes
+
+    def _next(self, kind: tuple[int, ...], own: deque[Call]) -> Call | None:
+        if own:
+            return own.popleft()
         for priority in kind:
             if self._queues[priority]:
                 return self._queues[priority].popleft()
         return None
 
-    def _work(self, kind: tuple[int, ...]) -> None:
+    def _work(self, kind: tuple[int, ...], own: deque[Call]) -> None:
         name_os_thread(threading.current_thread().name)
         if kind == NORMAL_ONLY and hasattr(os, "setpriority"):
             with contextlib.suppress(OSError):
@@ -173,7 +198,7 @@ class WorkerThreads:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, priority + self._normal_nice))
         while True:
             with self._ready:
-                while (call := self._next(kind)) is None and not self._closing:
+                while (call := self._next(kind, own)) is None and not self._closing:
                     self._ready.wait()
                 if call is None:
                     return
@@ -188,7 +213,7 @@ class WorkerThreads:
         with self._ready:
             self._closing = True
             if cancel_waiting:
-                for queue in self._queues:
+                for queue in (*self._queues, *self._own):
                     for _, future in queue:
                         future.cancel()
                     queue.clear()

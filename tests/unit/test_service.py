@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -105,4 +106,35 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
         assert served.version == "2"
     finally:
         loads.gate.set()
+        await service.close(1.0)
+
+
+async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_serving_warms_one(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each device thread keeps its own allocator arena, grown to the largest batch it has run:
+    warmed on one thread only, the others grew by hundreds of MiB under the first heavy load."""
+    warmed: list[tuple[str, str, int]] = []
+    real_warm_up = LayeredModel.warm_up
+
+    def recording_warm_up(model: LayeredModel, max_batch: int, rounds: int = 3) -> None:
+        warmed.append((model.manifest.version, threading.current_thread().name, max_batch))
+        real_warm_up(model, max_batch, rounds=1)
+
+    monkeypatch.setattr(LayeredModel, "warm_up", recording_warm_up)
+    shutil.copytree(repository / "digits" / "1", repository / "digits" / "2")
+    manifest = repository / "digits" / "2" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"version": "1"', '"version": "2"'))
+    settings = Settings(
+        model={"repository": repository, "warmup": True, "device_workers": 2, "urgent_workers": 1},  # type: ignore[arg-type]
+        batching={"normal": {"max_batch": 8}, "urgent": {"max_batch": 4}},  # type: ignore[arg-type]
+    )
+    service = InferenceService(settings)
+    await service.start()
+    try:
+        assert sorted(warmed) == [("2", "device-0", 8), ("2", "device-1", 8), ("2", "device-urgent-0", 8)]
+        warmed.clear()
+        await service.load_version("digits", "1")
+        assert [(version, size) for version, _, size in warmed] == [("1", 8)]
+    finally:
         await service.close(1.0)

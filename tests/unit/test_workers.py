@@ -7,6 +7,7 @@ import contextlib
 import os
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,82 @@ async def test_close_cancels_the_runs_still_waiting() -> None:
     assert await asyncio.wait_for(running, 10) is True
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(waiting, 10)
+
+
+def busy(workers: WorkerThreads, gate: threading.Event) -> Future[bool]:
+    """A call that holds a thread until ``gate`` is set, once a thread runs it."""
+    started = threading.Event()
+
+    def hold() -> bool:
+        started.set()
+        return gate.wait()
+
+    call = workers.submit(hold)
+    assert started.wait(10)
+    return call
+
+
+async def test_run_on_each_runs_once_on_every_thread_the_urgent_only_and_niced_ones_included() -> None:
+    workers = WorkerThreads("test", 2, urgent_workers=1, normal_nice=5)
+    try:
+        names = await workers.run_on_each(lambda: threading.current_thread().name)
+        assert names == ["test-0", "test-1", "test-urgent-0"]
+    finally:
+        workers.close()
+
+
+async def test_run_on_each_goes_ahead_of_calls_already_queued() -> None:
+    workers = WorkerThreads("test", 1)
+    gate, order = threading.Event(), []
+    try:
+        blocker = busy(workers, gate)
+        queued = [workers.submit(lambda: order.append("urgent"), urgent=True)]
+        queued.append(workers.submit(lambda: order.append("n")))
+        each = asyncio.ensure_future(workers.run_on_each(lambda: order.append("each")))
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.wait_for(each, 10)
+        for call in [blocker, *queued]:
+            call.result(10)
+        assert order == ["each", "urgent", "n"]
+    finally:
+        workers.close()
+
+
+async def test_run_on_each_raises_a_threads_error_and_calls_off_those_not_begun() -> None:
+    workers = WorkerThreads("test", 2)
+    gate, ran = threading.Event(), []
+    try:
+        blocker = busy(workers, gate)  # one thread busy: its own call waits
+
+        def fail_or_record() -> None:
+            if not blocker.done():  # the free thread
+                ran.append("first")
+                raise ZeroDivisionError
+            ran.append("late")
+
+        with pytest.raises(ZeroDivisionError):
+            await asyncio.wait_for(workers.run_on_each(fail_or_record), 10)
+        gate.set()
+        blocker.result(10)
+        workers.submit(lambda: None).result(10)  # both threads past their own queues
+        assert workers.submit(lambda: None).result(10) is None
+        assert ran == ["first"]
+    finally:
+        workers.close()
+
+
+async def test_close_cancels_the_calls_each_thread_waits_to_run() -> None:
+    workers = WorkerThreads("test", 1)
+    gate, ran = threading.Event(), []
+    blocker = busy(workers, gate)
+    each = asyncio.ensure_future(workers.run_on_each(lambda: ran.append("each")))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(asyncio.to_thread(workers.close, 10.0, True))
+    await asyncio.sleep(0.05)
+    gate.set()
+    await closing
+    blocker.result(10)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(each, 10)
+    assert ran == []
