@@ -25,14 +25,26 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 from app.admission import DecodeBacklog, Seat
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
 from app.deadline import within
-from app.errors import DeadlineExceeded, Draining, NotFound, NotReady, ServiceError, Unavailable, quoted
+from app.errors import (
+    DeadlineExceeded,
+    DeviceUnavailable,
+    Draining,
+    NotFound,
+    NotReady,
+    ServiceError,
+    Unavailable,
+    quoted,
+)
 from app.inference import preprocess
 from app.inference.bounded import BoundedCall
 from app.inference.device import (
     DeviceThread,
+    Fault,
     Memory,
     cpu_cores,
+    device_fault,
     dtype_name,
+    fault_line,
     memory,
     plan_threads,
     release_memory,
@@ -340,6 +352,13 @@ class InferenceService:
             time.perf_counter() - started,
         )
 
+    async def _device_failed(self, label: str, fault: Fault, exc: Exception) -> DeviceUnavailable:
+        """A load the device failed (out of memory beside the versions already loaded, say): the
+        memory it took released, a 503 ``device_unavailable`` (any other error is a bug: 500)."""
+        await self._device_thread.run(functools.partial(release_memory, self.device))
+        log.error("loading %s: the device failed (%s): %s", label, fault.value, fault_line(exc))
+        return DeviceUnavailable(f"loading {label}: the device failed ({fault.value}); try again later")
+
     async def _warm_up(self, model: LayeredModel, every_thread: bool) -> None:
         """Run the batch sizes serving will see. Before serving, on every device thread: each
         keeps its own allocator arena, grown to the largest batch it has run, and warmed on one
@@ -353,7 +372,8 @@ class InferenceService:
         else:
             await self._device_thread.run(warm)
 
-    async def _load(self, name: str, version: str, every_thread: bool = False) -> ServedModel:
+    async def _load_model(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
+        """Load, check and warm one version's model, within ``model.load_timeout_s``."""
         folder = self.repository.folder(name, version)
         timeout = self.settings.model.load_timeout_s
         if self._late_loads:
@@ -363,7 +383,6 @@ class InferenceService:
                 code="model_loading",
                 retry_after_s=max(1, math.ceil(timeout)),
             )
-        started = time.perf_counter()
 
         def load() -> LayeredModel:
             manifest = self.repository.manifest(name, version)
@@ -388,12 +407,27 @@ class InferenceService:
             ) from exc
         except ValueError as exc:  # a bad manifest
             raise ModelLoadError(str(exc)) from exc
+        except Exception as exc:
+            if (fault := device_fault(exc)) is None:
+                raise
+            raise await self._device_failed(label, fault, exc) from exc
         finally:
             if bounded.late:  # timed out or cancelled: a thread cannot be stopped, it ends when it ends
                 self._late_loads.add(label)
-        load_s = time.perf_counter() - started
         if self.settings.model.warmup:
-            await self._warm_up(model, every_thread)
+            try:
+                await self._warm_up(model, every_thread)
+            except Exception as exc:
+                if (fault := device_fault(exc)) is None:
+                    raise
+                del model
+                raise await self._device_failed(label, fault, exc) from exc
+        return model
+
+    async def _load(self, name: str, version: str, every_thread: bool = False) -> ServedModel:
+        started = time.perf_counter()
+        model = await self._load_model(name, version, started, every_thread)
+        load_s = time.perf_counter() - started
         log.info(
             "model %s/%s ready on %s (%s) in %.2fs",
             name,
@@ -409,7 +443,7 @@ class InferenceService:
         def on_pressure(size: int) -> None:  # called on the device thread
             loop.call_soon_threadsafe(batchers[0].lower_ceiling, size)
 
-        manifest = model.manifest  # not the model: the fallback lets it go
+        manifest, folder = model.manifest, model.folder  # not the model: the fallback lets it go
 
         def cpu_fallback() -> LayeredModel:  # called on the device thread
             fallback = LayeredModel.load(folder, manifest, torch.device("cpu"), torch.float32)

@@ -16,12 +16,16 @@ class Faulty:
 
     def __init__(self, inner: LayeredModel, fail_at: int = 10**9, always: bool = False) -> None:
         self.inner, self.fail_at, self.always = inner, fail_at, always
-        self.manifest, self.device = inner.manifest, inner.device
+        self.manifest, self.device, self.dtype = inner.manifest, inner.device, inner.dtype
         self.sizes: list[int] = []
 
     @property
     def failed_heads(self) -> dict[str, str]:
         return self.inner.failed_heads
+
+    @property
+    def unreadable_heads(self) -> dict[str, str]:
+        return self.inner.unreadable_heads
 
     def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.inner.batch(images)

@@ -79,12 +79,19 @@ class Status(BaseModel):
 class ModelHealth(BaseModel):
     name: str
     version: str
+    default: bool = Field(description="the version unpinned requests go to; the others are canaries or pinned only")
     device: str = Field(description="where it runs now: the configured device, or cpu after a fallback")
+    dtype: str = Field(description="the precision it runs in now: float32 after a CPU fallback")
     loaded: bool
     batcher_running: bool
     device_failures: int = Field(description="consecutive batches the device failed; the check fails at the limit")
     failed_heads: dict[str, str] = Field(
         description="heads that could not load or run on first use, and why; the check fails while any is listed"
+    )
+    unreadable_heads: dict[str, str] = Field(
+        default={},
+        description="heads whose files could not be read at their last try (tried again on their next use), and "
+        "why; the check fails while any is listed",
     )
     queue_depth: dict[str, int]
 
@@ -98,11 +105,13 @@ class MemoryHealth(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok", "degraded", "failing"] = Field(
-        description="degraded: serving, but from a CPU fallback after the device kept failing"
+        description="failing (503): not ready, short of memory, or a default version fails its checks; degraded: "
+        "serving, but some version is served from a CPU fallback after its device kept failing, or a version that "
+        "is not the default fails its checks"
     )
     state: str
-    device: str
-    dtype: str
+    device: str = Field(description="the configured device; each model says where it runs now")
+    dtype: str = Field(description="the configured precision; each model says the one it runs in now")
     models: list[ModelHealth]
     memory: MemoryHealth
     failure: str | None = None

@@ -167,8 +167,11 @@ def device_fault(exc: BaseException) -> Fault | None:
 
     TorchScript re-raises an error from inside a graph as a plain ``RuntimeError`` carrying
     the original message, so CUDA's out-of-memory error from the scripted backbone is known
-    by its text, as is the CPU allocator's (a plain ``RuntimeError`` everywhere). A CUDA
-    error (illegal address, launch failure, ECC) leaves the context unusable.
+    by its text, as is the CPU allocator's (a plain ``RuntimeError`` everywhere), and the
+    libraries' own (cuBLAS and cuDNN report a failed allocation as ``*_STATUS_ALLOC_FAILED``,
+    inside a "CUDA error" when cuBLAS makes its handle). A CUDA error (illegal address, launch
+    failure, ECC) leaves the context unusable; so, as far as this server can tell, does any
+    other cuDNN or cuBLAS failure: it is the device's, never the request's.
     """
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return Fault.MEMORY
@@ -177,8 +180,20 @@ def device_fault(exc: BaseException) -> Fault | None:
     text = str(exc)
     # first: CUDA raises its failed allocations as AcceleratorError too ("CUDA error: out of
     # memory", cudaErrorMemoryAllocation), and those leave the context usable (split, retry)
-    if "out of memory" in text or "can't allocate memory" in text:  # the latter: the CPU's allocator
+    if any(sign in text for sign in _OUT_OF_MEMORY):
         return Fault.MEMORY
-    if isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in text:
+    if isinstance(exc, getattr(torch, "AcceleratorError", ())) or any(sign in text for sign in _DEVICE_ERRORS):
         return Fault.DEVICE
     return None
+
+
+def fault_line(exc: BaseException) -> str:
+    """The line of a device error that says what happened (TorchScript's start with its own)."""
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    return next((line.strip() for line in lines if any(sign in line for sign in _TELLING)), lines[0])
+
+
+# "can't allocate memory": the CPU's allocator; the statuses: cuBLAS's and cuDNN's
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+_DEVICE_ERRORS = ("CUDA error", "CUBLAS_STATUS_", "cuDNN error", "CUDNN_STATUS_")
+_TELLING = _OUT_OF_MEMORY + _DEVICE_ERRORS

@@ -215,6 +215,7 @@ class LayeredModel:
     batched_backbone: Callable[[torch.Tensor], torch.Tensor] | None = None
     _heads: dict[str, torch.jit.ScriptModule] = field(default_factory=dict)
     _failed: dict[str, str] = field(default_factory=dict)  # why heads did not load: not tried again
+    _unreadable: dict[str, str] = field(default_factory=dict)  # heads whose files could not be read: tried again
     _lock: threading.Lock = field(default_factory=threading.Lock)
     head_loads: int = 0
 
@@ -259,6 +260,12 @@ class LayeredModel:
         """Heads that could not load or run, and why (not tried again: their requests get 503)."""
         return dict(self._failed)
 
+    @property
+    def unreadable_heads(self) -> dict[str, str]:
+        """Heads whose files could not be read at their last try, and why (tried again on their
+        next use: their requests get 503 until one succeeds)."""
+        return dict(self._unreadable)
+
     def head(self, name: str | None = None) -> torch.jit.ScriptModule:
         """The named head, loaded on first use exactly once even under concurrent callers.
 
@@ -284,6 +291,7 @@ class LayeredModel:
                     with torch.inference_mode():
                         self._check_head(name, head, self._checked_features(self.dummy_batch(2)))
                 except FileUnreadable as exc:  # tried again on its next use
+                    self._unreadable[name] = str(exc)
                     log.error(
                         "head %s of %s/%s cannot load now: %s", name, self.manifest.name, self.manifest.version, exc
                     )
@@ -296,6 +304,7 @@ class LayeredModel:
                     )
                     raise
                 self._heads[name] = head
+                self._unreadable.pop(name, None)
                 self.head_loads += 1
                 log.info("loaded head %s of %s/%s", name, self.manifest.name, self.manifest.version)
         return head

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from app.errors import BatchFailed, DeviceUnavailable, ServiceError, Unavailable
-from app.inference.device import DeviceThread, Fault, device_fault, release_memory
+from app.inference.device import DeviceThread, Fault, device_fault, fault_line, release_memory
 from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest
 from app.inference.postprocess import TopK
@@ -38,6 +38,7 @@ class Model(Protocol):
 
     manifest: Manifest
     device: torch.device
+    dtype: torch.dtype
 
     @property
     def failed_heads(self) -> dict[str, str]: ...
@@ -128,8 +129,12 @@ class ModelRunner:
             batch.answers[i] = error
         return batch.answers
 
-    def _compute(self, batch: _Batch, indices: Sequence[int], model: Model) -> None:
-        """Computes what is still wanted of ``indices``; what the device cannot, it marks failed."""
+    def _compute(self, batch: _Batch, indices: Sequence[int], model: Model, part: bool = False) -> None:
+        """Computes what is still wanted of ``indices``; what the device cannot, it marks failed.
+
+        An error that is not the device's (a bug) fails the whole batch, unless ``indices`` is a
+        part of it split off after an out-of-memory error: the other part may be answered already,
+        so only this part's images get the error."""
         wanted = batch.now(indices)
         if not wanted:
             return
@@ -142,9 +147,14 @@ class ModelRunner:
             raise Unavailable("the model cannot serve: a layer failed to load", code="model_unavailable") from exc
         except Exception as exc:
             fault = device_fault(exc)
-            if fault is None:
+            if fault is None and not part:
                 raise
-            log.warning("%s at batch %d: %s", fault.value, len(wanted), _summary(exc))
+            if fault is None:
+                log.exception("part of a batch split after running out of memory failed (%d images)", len(wanted))
+                for i in wanted:
+                    batch.answers[i] = BatchFailed("inference failed")
+                return
+            log.warning("%s at batch %d: %s", fault.value, len(wanted), fault_line(exc))
         else:
             for i, top in zip(wanted, computed, strict=True):
                 batch.answers[i] = top
@@ -157,8 +167,8 @@ class ModelRunner:
             return
         self._on_pressure(len(wanted))
         half = len(wanted) // 2
-        self._compute(batch, wanted[:half], model)
-        self._compute(batch, wanted[half:], model)
+        self._compute(batch, wanted[:half], model, part=True)
+        self._compute(batch, wanted[half:], model, part=True)
 
     def _forward(self, model: Model, images: list[torch.Tensor]) -> list[TopK | ServiceError]:
         with torch.inference_mode():
@@ -223,10 +233,3 @@ class _Batch:
         """The failed images, to try on another device: none has failed there yet."""
         failed, self.failed, self.lost = self.failed, [], False
         return failed
-
-
-def _summary(exc: BaseException) -> str:
-    """The line of a device error that says what happened (TorchScript's start with its own)."""
-    lines = str(exc).splitlines() or [type(exc).__name__]
-    telling = ("out of memory", "can't allocate memory", "CUDA error")
-    return next((line.strip() for line in lines if any(text in line for text in telling)), lines[0])

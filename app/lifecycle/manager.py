@@ -121,7 +121,7 @@ class LifecycleManager:
                 )
             if default.files != (serving := group.routing.loaded[current].model.manifest).files:
                 default = serving  # re-exported on disk since: its figures are not those of what serves
-            reasons = self.gate(candidate, default)
+            reasons = self.gate(candidate, default, group.routing.loaded[version].model.dtype)
             if reasons and not force:
                 raise Conflict("promotion refused: " + " ".join(reasons), code="promotion_refused")
             group.routing = group.routing.promoted(version)
@@ -143,9 +143,10 @@ class LifecycleManager:
             log.warning("manifest of %s/%s unreadable (%s): gating on the one loaded", group.name, version, exc)
             return group.routing.loaded[version].model.manifest
 
-    def gate(self, candidate: Manifest, current: Manifest | None) -> list[str]:
+    def gate(self, candidate: Manifest, current: Manifest | None, dtype: torch.dtype) -> list[str]:
+        """Why ``candidate``, served in ``dtype`` (fp32 once a CPU fallback serves it), may not replace ``current``."""
         settings = self._service.settings.model
-        precision: Precision = "fp16" if self._service.dtype == torch.float16 else "fp32"
+        precision: Precision = "fp16" if dtype == torch.float16 else "fp32"
         return check_promotion(candidate, current, precision, settings.promotion_accuracy_margin, settings.fp16_margin)
 
     async def rollback(self, name: str) -> str:

@@ -174,3 +174,29 @@ async def test_a_request_too_big_for_the_device_fails_alone(make_settings: Setti
     assert "device_unavailable" in (failed[0].status.description or "")
     (batch,) = [s for s in spans if s.name == "batch" and s.attributes["batch.size"] == 4]
     assert batch.status.status_code.name == "ERROR" and batch.status.description == "1 of 4 images failed"
+
+
+async def test_after_the_fallback_healthz_gives_the_models_device_and_precision_as_served(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = make_settings(model={"cpu_fallback": True, "fallback_after_failures": 1})
+    async with running_app(settings) as running:
+        service = running.service
+        monkeypatch.setattr(service, "device", torch.device("cuda"))  # as served from a GPU in fp16
+        monkeypatch.setattr(service, "dtype", torch.float16)
+        monkeypatch.setattr("app.service.memory", lambda device: Memory(8 << 30, 16 << 30))
+        served = service.models[MODEL_NAME]
+        served.runner.model = DeviceLost(served.model)  # type: ignore[assignment]
+        assert (await running.predict_png(sample_png(2))).status_code == 200
+        report = (await running.client.get("/healthz")).json()
+        assert (report["status"], report["device"], report["dtype"]) == ("degraded", "cuda", "float16")
+        assert (report["models"][0]["device"], report["models"][0]["dtype"]) == ("cpu", "float32")
+        # a promotion is judged on the precision the version serves in: fp32 now, not the configured fp16
+        gates = running.app.state.lifecycle
+        judged: list[str] = []
+        monkeypatch.setattr(
+            "app.lifecycle.manager.check_promotion",
+            lambda candidate, current, precision, *margins: judged.append(precision) or [],
+        )
+        gates.gate(served.model.manifest, None, served.model.dtype)
+        assert judged == ["fp32"]

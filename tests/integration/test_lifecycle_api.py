@@ -15,10 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from torch import nn
 
 from app.batching import Lane
 from app.errors import ServiceError
+from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Provenance
 from app.inference.packaging import sha256_file, write_version
 from app.settings import Settings
@@ -467,6 +469,62 @@ async def test_a_version_whose_head_cannot_run_on_its_backbone_is_refused_at_loa
         assert (await running.predict_png(sample_png(5))).status_code == 200
 
 
+@pytest.mark.parametrize("during", ["self-check", "warm-up"])
+async def test_a_load_the_device_cannot_fit_is_a_503_its_memory_released_and_serving_goes_on(
+    repository: Path, monkeypatch: pytest.MonkeyPatch, during: str
+) -> None:
+    """On a GPU a version loaded beside others may not fit: out of memory in its self-check or its
+    warm-up is the device's, not a bug (it was a 500)."""
+    settings = settings_for(repository, load_versions="latest", default_versions={}, warmup=True)
+    async with running_app(settings) as running:
+        add_version(repository, "3")
+        real_features, real_warm_up = LayeredModel.features, LayeredModel.warm_up
+
+        def features(model: LayeredModel, images: torch.Tensor) -> torch.Tensor:
+            if model.folder.name == "3" and during == "self-check":
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+            return real_features(model, images)
+
+        def warm_up(model: LayeredModel, max_batch: int, rounds: int = 3) -> None:
+            if model.folder.name == "3" and during == "warm-up":
+                raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+            real_warm_up(model, max_batch, rounds)
+
+        released: list[str] = []
+        monkeypatch.setattr(LayeredModel, "features", features)
+        monkeypatch.setattr(LayeredModel, "warm_up", warm_up)
+        monkeypatch.setattr("app.service.release_memory", lambda device: released.append(str(device)))
+        refused = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+        assert refused.status_code == 503 and refused.json()["code"] == "device_unavailable", refused.text
+        assert refused.headers["Retry-After"] == "5" and "digits/3" in refused.json()["message"]
+        assert released == ["cpu"]
+        still = await running.predict_png(sample_png(5))
+        assert still.status_code == 200 and still.json()["version"] == "2"
+        monkeypatch.setattr(LayeredModel, "features", real_features)
+        monkeypatch.setattr(LayeredModel, "warm_up", real_warm_up)
+        loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+        assert loaded.status_code == 200 and loaded.json()["loaded_versions"] == ["2", "3"], loaded.text
+
+
+async def test_a_version_that_is_not_the_default_and_fails_shows_in_healthz_without_failing_the_probes(
+    repository: Path, tmp_path: Path
+) -> None:
+    """A canary whose head cannot run: pinned requests get 503, the default serves on; /healthz lists
+    every loaded version and says degraded (200), /readyz stays 200 (the default traffic is served)."""
+    misfit_head(repository / "digits" / "2", tmp_path / "other")
+    async with running_app(settings_for(repository, warmup=False)) as running:
+        pinned = await running.predict_png(sample_png(5), headers={"X-Model-Version": "2"})
+        assert pinned.status_code == 503 and pinned.json()["code"] == "model_unavailable", pinned.text
+        assert (await running.predict_png(sample_png(5))).status_code == 200
+        health = await running.client.get("/healthz")
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        models = {(m["version"], m["default"]): m for m in health.json()["models"]}
+        assert set(models) == {("1", True), ("2", False)}
+        assert "cannot run" in models["2", False]["failed_heads"]["classifier"]
+        assert models["1", True]["failed_heads"] == {}
+        assert (await running.client.get("/readyz")).status_code == 200
+
+
 async def test_a_lazily_loaded_head_that_fails_turns_the_probes_and_is_not_loaded_again(
     repository: Path, tmp_path: Path
 ) -> None:
@@ -482,6 +540,25 @@ async def test_a_lazily_loaded_head_that_fails_turns_the_probes_and_is_not_loade
         health = await running.client.get("/healthz")
         assert health.status_code == 503 and health.json()["status"] == "failing"
         assert "cannot run" in health.json()["models"][0]["failed_heads"]["classifier"]
+
+
+async def test_a_lazily_loaded_head_whose_file_cannot_be_read_fails_healthz_until_it_loads(repository: Path) -> None:
+    """Its requests get 503 and it is tried again on the next one; /healthz says why meanwhile
+    (it said ok while every prediction failed)."""
+    head = repository / "digits" / "1" / "classifier.safetensors"
+    async with running_app(settings_for(repository, warmup=False)) as running:
+        saved = head.read_bytes()
+        head.unlink()
+        failed = await running.predict_png(sample_png(5))
+        assert failed.status_code == 503, failed.text
+        health = await running.client.get("/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "failing"
+        default = next(m for m in health.json()["models"] if m["default"])
+        assert "classifier.safetensors" in default["unreadable_heads"]["classifier"]
+        head.write_bytes(saved)
+        assert (await running.predict_png(sample_png(5))).status_code == 200
+        health = await running.client.get("/healthz")
+        assert health.status_code == 200 and health.json()["status"] == "ok", health.text
 
 
 async def test_a_version_changed_on_disk_since_its_load_is_not_promoted(repository: Path) -> None:

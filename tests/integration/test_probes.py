@@ -128,11 +128,14 @@ async def test_health_report_when_ready(make_settings: SettingsFactory) -> None:
                 {
                     "name": MODEL_NAME,
                     "version": "1",
+                    "default": True,
                     "device": "cpu",
+                    "dtype": "float32",
                     "loaded": True,
                     "batcher_running": True,
                     "device_failures": 0,
                     "failed_heads": {},
+                    "unreadable_heads": {},
                     "queue_depth": {"urgent": 0, "normal": 0},
                 }
             ],

@@ -19,7 +19,7 @@ from torch import nn
 
 from app.batching import Lane
 from app.errors import DeviceUnavailable, Unavailable
-from app.inference.device import DeviceThread, Fault, device_fault
+from app.inference.device import DeviceThread, Fault, device_fault, fault_line
 from app.inference.jobs import Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.manifest import Manifest, Provenance
@@ -241,6 +241,15 @@ def test_device_faults_are_told_from_other_errors() -> None:
         assert device_fault(torch.AcceleratorError("device-side assert triggered")) is Fault.DEVICE
         # a failed allocation comes as AcceleratorError too, and leaves the context usable
         assert device_fault(torch.AcceleratorError("CUDA error: out of memory")) is Fault.MEMORY
+    # cuBLAS and cuDNN failing to allocate: out of memory, the context usable; their other failures: the device's
+    cublas = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    assert device_fault(RuntimeError(cublas)) is Fault.MEMORY
+    assert device_fault(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")) is Fault.MEMORY
+    assert device_fault(RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")) is Fault.DEVICE
+    assert device_fault(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`")) is Fault.DEVICE
+    assert (
+        fault_line(RuntimeError(f"The following operation failed in the TorchScript interpreter.\n{cublas}")) == cublas
+    )
     assert device_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert device_fault(ValueError("out of memory")) is None
 
@@ -269,6 +278,28 @@ def test_a_device_lost_mid_batch_keeps_what_it_computed(model: LayeredModel, dev
     assert [type(a).__name__ for a in answers] == ["TopK", "TopK", "DeviceUnavailable", "DeviceUnavailable"]
     assert lost.sizes == [4, 2, 2], "nothing more runs on a lost device: the second half is not split"
     assert runner.failures == 1
+
+
+def test_a_bug_in_a_half_split_off_fails_that_half_and_keeps_the_answers_of_the_other(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    class BuggyAfter(Faulty):  # out of memory at 4; the first half computes, the second hits a bug
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            if len(self.sizes) == 2:
+                self.sizes.append(len(images))
+                raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+            return super().probabilities(images, head)
+
+    buggy = BuggyAfter(model, fail_at=4)
+    runner = ModelRunner(buggy, device, top_k=3)
+    answers = runner.run_sync(images(model, 4))
+    assert [type(a).__name__ for a in answers] == ["TopK", "TopK", "BatchFailed", "BatchFailed"]
+    assert buggy.sizes == [4, 2, 2]
+    assert runner.failures == 0, "a bug is not the device failing"
+    whole = BuggyAfter(model)
+    whole.sizes = [0, 0]  # the bug at once, on the whole batch: it still fails as a whole
+    with pytest.raises(RuntimeError, match="mat1"):
+        ModelRunner(whole, device, top_k=3).run_sync(images(model, 2))
 
 
 def test_the_fallback_computes_only_what_the_device_could_not(model: LayeredModel, device: DeviceThread) -> None:

@@ -46,31 +46,36 @@ async def readyz(service: Service) -> Status:
 async def healthz(service: Service, request: Request) -> JSONResponse:
     free = await service.memory()
     min_free = service.settings.model.min_free_memory_mb << 20
+    defaults = {(s.name, s.version) for s in service.models.values()}
     models = [
         ModelHealth(
             name=s.name,
             version=s.version,
+            default=(s.name, s.version) in defaults,
             device=str(s.runner.model.device),
+            dtype=dtype_name(s.model.dtype),
             loaded=True,
             batcher_running=s.batcher.running,
             device_failures=s.runner.failures,
             failed_heads=s.runner.model.failed_heads,
+            unreadable_heads=s.model.unreadable_heads,
             queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
         )
-        for s in service.models.values()
+        for s in service.all_served()
     ]
     memory = MemoryHealth(
         free_bytes=free.free, total_bytes=free.total, min_free_bytes=min_free, ok=free.free >= min_free
     )
     failure_limit = service.settings.model.fallback_after_failures
-    healthy = (
-        service.ready
-        and memory.ok
-        and bool(models)
-        and all(m.batcher_running and m.device_failures < failure_limit and not m.failed_heads for m in models)
-    )
+
+    def sound(m: ModelHealth) -> bool:
+        return m.batcher_running and m.device_failures < failure_limit and not m.failed_heads and not m.unreadable_heads
+
+    # a version that is not the default failing its checks: the default traffic is served, the rest says why
+    healthy = service.ready and memory.ok and bool(models) and all(sound(m) for m in models if m.default)
+    degraded = service.degraded or not all(sound(m) for m in models)
     report = HealthResponse(
-        status=("degraded" if service.degraded else "ok") if healthy else "failing",
+        status=("degraded" if degraded else "ok") if healthy else "failing",
         state=service.state.value,
         device=str(service.device),
         dtype=dtype_name(service.dtype),
