@@ -151,7 +151,7 @@ class InferenceService:
         self.groups: dict[str, ModelGroup[ServedModel]] = {}
         self.entries: list[ModelEntry] = []
         self._retiring: set[ServedModel] = set()  # unloaded versions whose requests still finish
-        self._late_loads: set[str] = set()  # loads past their timeout, still running on a device thread
+        self._late_loads: set[str] = set()  # loads past their timeout, still running on the loader thread
         self._rng = random.Random()
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
@@ -167,6 +167,9 @@ class InferenceService:
         self._device_thread = DeviceThread(
             workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=model.normal_nice
         )
+        # loads read, checksum, build and self-check a version on a thread of their own: on the
+        # device's (a GPU has one) a version loaded while serving held every batch for seconds
+        self._loader = WorkerThreads("loader")
         server = settings.server
         self._tuning = Tuning(
             server.switch_interval_ms / 1000, server.gc_freeze, server.gc_young_threshold, server.malloc_retain_mb << 20
@@ -338,7 +341,7 @@ class InferenceService:
 
     @property
     def late_loads(self) -> list[str]:
-        """``name/version`` of the loads past their timeout that still run on a device thread."""
+        """``name/version`` of the loads past their timeout that still run on the loader thread."""
         return sorted(self._late_loads)
 
     def _late_load_ended(self, label: str, started: float, timeout: float) -> None:
@@ -364,13 +367,14 @@ class InferenceService:
         keeps its own allocator arena, grown to the largest batch it has run, and warmed on one
         the others grew under the first heavy load instead (mobilenet_v3_small at batch 32: 750
         MiB resident once ready, 960 once the other two threads had run a batch of 32). A version
-        loaded while serving warms on one thread (the arenas are grown by then), so urgent
-        batches do not wait behind it."""
-        warm = functools.partial(model.warm_up, max(self._policy.urgent.max_batch, self._policy.normal.max_batch))
+        loaded while serving warms one batch size a call (the arenas are grown by then), so the
+        batches queued meanwhile run between them, urgent ones first: a GPU has one thread."""
+        biggest = max(self._policy.urgent.max_batch, self._policy.normal.max_batch)
         if every_thread:
-            await self._device_thread.run_on_each(warm)
-        else:
-            await self._device_thread.run(warm)
+            await self._device_thread.run_on_each(functools.partial(model.warm_up, biggest))
+            return
+        for size in model.warm_up_sizes(biggest):
+            await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
 
     async def _load_model(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
         """Load, check and warm one version's model, within ``model.load_timeout_s``."""
@@ -399,7 +403,7 @@ class InferenceService:
             on_late_end=functools.partial(self._late_load_ended, label, started, timeout),
         )
         try:
-            model = await bounded.run(self._device_thread, timeout)
+            model = await bounded.run(self._loader, timeout)
         except TimeoutError as exc:
             raise ModelLoadError(
                 f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
@@ -651,7 +655,7 @@ class InferenceService:
         await self.drain(grace_s)
         # joined, bounded: threads left inside torch at interpreter exit can abort the process
         await asyncio.to_thread(self._pool.close, cancel_waiting=True)
-        await asyncio.to_thread(self._device_thread.close)
+        await asyncio.gather(asyncio.to_thread(self._device_thread.close), asyncio.to_thread(self._loader.close))
         if self.device.type == "cuda":
             self.groups.clear()  # the models sit in reference cycles: collected, then released
             await self.release_unloaded()

@@ -117,5 +117,5 @@ class HealthResponse(BaseModel):
     failure: str | None = None
     loading: list[str] = Field(
         default=[],
-        description="model loads past model.load_timeout_s still running on a device thread; other loads wait",
+        description="model loads past model.load_timeout_s still running on the loader thread; other loads wait",
     )

@@ -1,9 +1,9 @@
 """A call on worker threads that its caller waits for a bounded time.
 
 A thread cannot be stopped. When a model load passes ``model.load_timeout_s`` its caller is
-answered, but a load already running goes on holding a device thread and, as it completes, a
+answered, but a load already running goes on holding its thread and, as it completes, a
 second copy of the model's memory; a second load started then would run beside it (with two
-device threads) or queue behind it, and time out in turn. ``BoundedCall`` tells the two cases
+threads) or queue behind it, and time out in turn. ``BoundedCall`` tells the two cases
 apart: a call that had not started when its caller gave up never starts, and one that had is
 ``late`` until it ends, when its result is dropped on the thread and ``on_late_end`` is called
 on the event loop.

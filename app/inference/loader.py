@@ -388,13 +388,18 @@ class LayeredModel:
         if not torch.isfinite(logits).all():
             raise ModelLoadError(f"{self.folder}: self-check failed, head {name} output is not finite")
 
-    def warm_up(self, max_batch: int, rounds: int = 3) -> None:
-        """Run the batch sizes serving will see, so the first requests pay no compilation and
-        no load: the default head, which every request uses, is loaded (and checked) first;
-        the others stay lazy."""
+    @staticmethod
+    def warm_up_sizes(max_batch: int) -> list[int]:
+        """The batch sizes a warm-up runs: the smallest, the largest and one between."""
+        return sorted({1, max(1, max_batch // 2), max_batch})
+
+    def warm_up(self, max_batch: int, rounds: int = 3, sizes: Sequence[int] | None = None) -> None:
+        """Run the batch sizes serving will see (``sizes``: some of them), so the first requests
+        pay no compilation and no load: the default head, which every request uses, is loaded
+        (and checked) first; the others stay lazy."""
         self.head()
         with torch.inference_mode():
-            for size in sorted({1, max(1, max_batch // 2), max_batch}):
+            for size in self.warm_up_sizes(max_batch) if sizes is None else sizes:
                 batch = self.dummy_batch(size)
                 for _ in range(rounds):
                     features = self.features(batch)

@@ -10,6 +10,7 @@ import random
 import shutil
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -485,10 +486,10 @@ async def test_a_load_the_device_cannot_fit_is_a_503_its_memory_released_and_ser
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
             return real_features(model, images)
 
-        def warm_up(model: LayeredModel, max_batch: int, rounds: int = 3) -> None:
+        def warm_up(model: LayeredModel, max_batch: int, rounds: int = 3, sizes: Sequence[int] | None = None) -> None:
             if model.folder.name == "3" and during == "warm-up":
                 raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
-            real_warm_up(model, max_batch, rounds)
+            real_warm_up(model, max_batch, rounds, sizes)
 
         released: list[str] = []
         monkeypatch.setattr(LayeredModel, "features", features)

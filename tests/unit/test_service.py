@@ -6,7 +6,9 @@ import asyncio
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,19 +111,30 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
         await service.close(1.0)
 
 
-async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_serving_warms_one(
+async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_serving_warms_a_size_a_call(
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each device thread keeps its own allocator arena, grown to the largest batch it has run:
-    warmed on one thread only, the others grew by hundreds of MiB under the first heavy load."""
-    warmed: list[tuple[str, str, int]] = []
-    real_warm_up = LayeredModel.warm_up
+    warmed on one thread only, the others grew by hundreds of MiB under the first heavy load.
+    While serving, a load runs on the loader thread and its warm-up one batch size a call, so the
+    batches queued meanwhile run between them."""
+    warmed: list[tuple[str, str, int, tuple[int, ...] | None]] = []
+    loaded_on: list[str] = []
+    real_warm_up, real_load = LayeredModel.warm_up, LayeredModel.load
 
-    def recording_warm_up(model: LayeredModel, max_batch: int, rounds: int = 3) -> None:
-        warmed.append((model.manifest.version, threading.current_thread().name, max_batch))
-        real_warm_up(model, max_batch, rounds=1)
+    def recording_warm_up(
+        model: LayeredModel, max_batch: int, rounds: int = 3, sizes: Sequence[int] | None = None
+    ) -> None:
+        name = threading.current_thread().name
+        warmed.append((model.manifest.version, name, max_batch, None if sizes is None else tuple(sizes)))
+        real_warm_up(model, max_batch, rounds=1, sizes=sizes)
+
+    def recording_load(*args: Any, **kwargs: Any) -> LayeredModel:
+        loaded_on.append(threading.current_thread().name)
+        return real_load(*args, **kwargs)
 
     monkeypatch.setattr(LayeredModel, "warm_up", recording_warm_up)
+    monkeypatch.setattr(LayeredModel, "load", recording_load)
     shutil.copytree(repository / "digits" / "1", repository / "digits" / "2")
     manifest = repository / "digits" / "2" / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"version": "1"', '"version": "2"'))
@@ -132,9 +145,12 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
     service = InferenceService(settings)
     await service.start()
     try:
-        assert sorted(warmed) == [("2", "device-0", 8), ("2", "device-1", 8), ("2", "device-urgent-0", 8)]
+        threads = ["device-0", "device-1", "device-urgent-0"]
+        assert sorted(warmed) == [("2", thread, 8, None) for thread in threads]
         warmed.clear()
         await service.load_version("digits", "1")
-        assert [(version, size) for version, _, size in warmed] == [("1", 8)]
+        assert [(version, sizes) for version, _, _, sizes in warmed] == [("1", (1,)), ("1", (4,)), ("1", (8,))]
+        assert {thread for _, thread, _, _ in warmed} <= {"device-0", "device-1"}
+        assert loaded_on == ["loader", "loader"], "no load holds a device thread"
     finally:
         await service.close(1.0)
