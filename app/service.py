@@ -540,43 +540,14 @@ class InferenceService:
         seat = seat or self.reserve(served, lane, timeout_s)
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
-        try:
-            with self.tracer.start_as_current_span("preprocess", attributes=ids):
-                spec = served.model.manifest.input
-                decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
-                # answered at its deadline, not when a decode thread is free (a decode that
-                # has not started is called off; one that has is not, and its image is dropped)
-                expired = functools.partial(served.batcher.observer.on_dropped, lane, "deadline")
-                async with within(deadline, "while its image waited to be decoded", expired):
-                    tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
-            self._backlog.record(decode_s)
-        except asyncio.CancelledError:  # its client went (or the close called the decode off)
-            served.batcher.observer.on_dropped(lane, "cancelled")
-            raise
-        finally:
-            seat.release()
+        tensor = await self._decode(served, image, lane, deadline, ids, seat)
         preprocessed = time.perf_counter()
         job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
         queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})
         try:
             done = await served.batcher.submit(job, lane, deadline - time.monotonic(), admitted=True)
         except BaseException as exc:
-            failed = None if isinstance(exc, asyncio.CancelledError) else batch_trace_of(exc)
-            if failed is not None:  # its whole batch failed: the queue did its part, inference did not
-                queue_span.end(end_time=failed.started_ns)
-                if job.left_out:  # not computed: its deadline passed at the device (or its client went)
-                    exc = DeadlineExceeded("the request's deadline passed while its batch waited for the device")
-                self._inference_span(ids, failed, exc).end()
-                raise exc
-            if isinstance(exc, asyncio.CancelledError):
-                job.gone = True  # its client went: if its batch formed already, the device leaves it out
-            queue_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            queue_span.end()
-            if isinstance(exc, Draining) and not self.draining:  # its version closed, not the service
-                raise VersionNotLoaded(
-                    f"version {served.version} of {served.name} was unloaded before this request ran"
-                ) from None
-            raise
+            raise self._queue_failed(served, job, queue_span, ids, exc) from exc.__cause__
         # the batch's own times, not this coroutine's: requests later in a batch resume later
         dispatched_ns, ended_ns = done.output.started_ns, done.output.ended_ns
         queue_span.end(end_time=dispatched_ns)
@@ -603,6 +574,61 @@ class InferenceService:
             done.queued_s,
             done.run_s,
         )
+
+    async def _decode(
+        self, served: ServedModel, image: bytes | str, lane: Lane, deadline: float, ids: dict[str, str], seat: Seat
+    ) -> torch.Tensor:
+        """The request's image, decoded on the pool by its deadline; its seat released either way."""
+        try:
+            # the exception recorded, the span failed only for a failure of the service's (a 5xx):
+            # a bad upload or a client that went is the client's, and Jaeger's error search would list them
+            with self.tracer.start_as_current_span(
+                "preprocess", attributes=ids, record_exception=False, set_status_on_exception=False
+            ) as span:
+                spec = served.model.manifest.input
+                decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
+                # answered at its deadline, not when a decode thread is free (a decode that
+                # has not started is called off; one that has is not, and its image is dropped)
+                expired = functools.partial(served.batcher.observer.on_dropped, lane, "deadline")
+                try:
+                    async with within(deadline, "while its image waited to be decoded", expired):
+                        tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
+                except BaseException as exc:
+                    _fail(span, exc)
+                    raise
+            self._backlog.record(decode_s)
+        except asyncio.CancelledError:  # its client went (or the close called the decode off)
+            served.batcher.observer.on_dropped(lane, "cancelled")
+            raise
+        finally:
+            seat.release()
+        return tensor
+
+    def _queue_failed(
+        self, served: ServedModel, job: Job, queue_span: Span, ids: dict[str, str], exc: BaseException
+    ) -> BaseException:
+        """What to raise for a request that left the queue with ``exc``, its spans ended: the
+        queue's at its batch's start if one ran it, and then its ``inference`` span, linked."""
+        failed = None if isinstance(exc, asyncio.CancelledError) else batch_trace_of(exc)
+        if failed is not None:  # its whole batch failed: the queue did its part, inference did not
+            queue_span.end(end_time=failed.started_ns)
+            if job.left_out:  # not computed: its deadline passed at the device (or its client went)
+                exc = DeadlineExceeded("the request's deadline passed while its batch waited for the device")
+            self._inference_span(ids, failed, exc).end()
+            return exc
+        if isinstance(exc, asyncio.CancelledError):
+            job.gone = True  # its client went: if its batch formed already, the device leaves it out
+        if (running := job.batch) is not None:  # it ended while its batch ran: the queue's part ended then
+            queue_span.end(end_time=running.started_ns)
+            inference = self._inference_span(ids, running, None)
+            _fail(inference, exc)
+            inference.end()
+        else:
+            _fail(queue_span, exc)
+            queue_span.end()
+        if isinstance(exc, Draining) and not self.draining:  # its version closed, not the service
+            return VersionNotLoaded(f"version {served.version} of {served.name} was unloaded before this request ran")
+        return exc
 
     def _inference_span(self, ids: dict[str, str], batch: BatchTrace, error: BaseException | None) -> Span:
         """A request's ``inference`` span: from its batch's start, linked to the batch's span
@@ -661,3 +687,15 @@ class InferenceService:
             await self.release_unloaded()
         self._tuning.restore()
         self.state = State.STOPPED
+
+
+def _fail(span: Span, exc: BaseException) -> None:
+    """Record why a request's stage ended; fail the span only for what fails the service (a 5xx),
+    not the client's mistakes (4xx) or its going away."""
+    if isinstance(exc, asyncio.CancelledError):
+        span.add_event("client went")
+        return
+    span.record_exception(exc)
+    if not isinstance(exc, ServiceError) or exc.status >= 500:
+        code = exc.code if isinstance(exc, ServiceError) else type(exc).__name__
+        span.set_status(Status(StatusCode.ERROR, f"{code}: {exc}"))

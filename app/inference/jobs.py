@@ -31,6 +31,7 @@ class Job:
     deadline: float = float("inf")  # time.monotonic(); checked again just before compute
     gone: bool = False  # set on the event loop when its client went; read on the device thread
     left_out: bool = False  # not computed, its client gone or its deadline past, in a batch that failed
+    batch: BatchTrace | None = None  # its batch, once one runs it (set on the event loop)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class TracedRunner:
         started_ns = time.time_ns()
         # the context manager records an exception and marks the span as failed
         with self._tracer.start_as_current_span("batch", links=links, attributes=attributes) as span:
+            ran = BatchTrace(span.get_span_context(), started_ns, len(jobs), lane)
+            for job in jobs:  # a request that ends while its batch runs (deadline, client gone) leads here
+                job.batch = ran
             try:
                 tops = await self.runner(
                     [job.image for job in jobs],
@@ -110,7 +114,7 @@ class TracedRunner:
                     gone=lambda i: jobs[i].gone,
                 )
             except Exception as exc:  # the whole batch failed: each request's trace leads to it
-                exc.batch_trace = BatchTrace(span.get_span_context(), started_ns, len(jobs), lane)  # type: ignore[attr-defined]
+                exc.batch_trace = ran  # type: ignore[attr-defined]
                 for i in getattr(exc, "left_out", ()):  # those the device left out failed with nothing
                     jobs[i].left_out = True
                     self._observer.on_dropped(jobs[i].lane, "cancelled" if jobs[i].gone else "deadline")

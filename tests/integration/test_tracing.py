@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from asgi_lifespan import LifespanManager
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -17,7 +19,7 @@ from opentelemetry.util.http import parse_excluded_urls
 
 from app.main import UNTRACED_PATHS, create_app
 from tests.conftest import SettingsFactory
-from tests.faults import DeviceLost
+from tests.faults import DeviceLost, Faulty
 from tests.integration.test_lifecycle_api import AUTH, ROOT, TOKEN, add_version
 from tests.support import MODEL_NAME, running_app, sample_png, state_per_request
 
@@ -324,3 +326,70 @@ async def test_every_request_of_a_batch_shows_the_batchs_own_times(make_settings
     ((started, ended),) = {(s.start_time, s.end_time) for s in inference}
     assert queue_ends == {started}
     assert started <= batch.start_time and ended >= batch.end_time  # type: ignore[operator]
+
+
+async def test_a_deadline_passing_while_its_batch_runs_ends_the_queue_span_at_the_dispatch_and_leads_to_the_batch(
+    make_settings: SettingsFactory,
+) -> None:
+    """Answered 503 at its deadline while the device computes its batch: the queue's part ended
+    when the batch started, and the request's trace must still lead to the batch (it blamed the
+    queue up to the deadline, with no link)."""
+    settings = make_settings(telemetry={"exporter": "console"})
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        served = running.service.models[MODEL_NAME]
+        inner = served.model
+        started, release = threading.Event(), threading.Event()
+
+        class Held(Faulty):  # the batch runs until the test lets it end
+            def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+                started.set()
+                release.wait(10)
+                return inner.probabilities(images, head)
+
+        served.runner.model = Held(inner)  # type: ignore[assignment]
+        request = asyncio.ensure_future(
+            running.predict_png(
+                sample_png(3),
+                headers={"X-Request-ID": "late-in-batch", "X-Request-Timeout": "300", "X-Urgency": "high"},
+            )
+        )
+        assert await asyncio.to_thread(started.wait, 10)
+        answered = await request
+        release.set()
+        assert answered.status_code == 503 and answered.json()["code"] == "deadline_exceeded"
+        await asyncio.sleep(0.05)  # the batch ends
+        running.app.state.tracer_provider.force_flush()
+    spans = exporter.get_finished_spans()
+    (batch,) = [s for s in spans if s.name == "batch"]
+    own = {s.name: s for s in spans if s.attributes.get("request.id") == "late-in-batch"}
+    assert own["queue"].status.status_code.name != "ERROR"
+    assert own["queue"].end_time == batch.start_time or abs(own["queue"].end_time - batch.start_time) < 5_000_000
+    assert own["inference"].status.status_code.name == "ERROR"
+    assert "deadline_exceeded" in own["inference"].status.description
+    assert [link.context.span_id for link in own["inference"].links] == [batch.context.span_id]
+
+
+async def test_a_clients_mistake_or_its_going_marks_no_span_failed(make_settings: SettingsFactory) -> None:
+    """Jaeger's error search should list the service's failures, not every bad upload or client
+    that gave up: the exception is recorded, the status left unset."""
+    settings = held_batches(make_settings, 4, 16)
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        bad = await running.client.post(
+            "/predict", content=b"not an image", headers={"Content-Type": "image/png", "X-Request-ID": "bad-1"}
+        )
+        assert bad.status_code == 400
+        gone = asyncio.ensure_future(running.predict_png(sample_png(4), headers={"X-Request-ID": "gone-1"}))
+        await asyncio.sleep(0.3)  # queued, under a window no test outlasts
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        await asyncio.sleep(0.05)
+        running.app.state.tracer_provider.force_flush()
+    spans = exporter.get_finished_spans()
+    preprocess = next(s for s in spans if s.name == "preprocess" and s.attributes.get("request.id") == "bad-1")
+    assert preprocess.status.status_code.name != "ERROR"
+    assert [event.name for event in preprocess.events] == ["exception"]
+    queue = next(s for s in spans if s.name == "queue" and s.attributes.get("request.id") == "gone-1")
+    assert queue.status.status_code.name != "ERROR" and [event.name for event in queue.events] == ["client went"]
