@@ -37,6 +37,7 @@ class ServiceError(Exception):
     status: int = 500
     code: str = "internal_error"
     retry_after_s: int | None = None
+    logged: bool = False  # its cause's traceback is in the log already (a batch's bug, once for its requests)
 
     def __init__(self, message: str, *, code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)

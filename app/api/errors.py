@@ -63,7 +63,10 @@ def retry_after(exc: ServiceError) -> int:
 async def service_error_response(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
     if exc.status >= 500 and exc.status != 503:
-        log.error("request failed: %s", exc.code, exc_info=exc.__cause__ or exc)
+        if exc.logged:  # one traceback for the batch, not one more for each of its requests
+            log.error("request failed: %s (%s; its traceback is logged with its batch)", exc.code, exc)
+        else:
+            log.error("request failed: %s", exc.code, exc_info=exc.__cause__ or exc)
         return envelope(request, 500, "internal_error", "internal server error")
     retry = retry_after(exc) if exc.status == 503 else None
     response = envelope(request, exc.status, exc.code, exc.message, retry_after_s=retry)

@@ -438,7 +438,7 @@ class DualWindowBatcher(Generic[P, R]):
         except Exception as exc:  # a bug in the runner: fail exactly this batch, keep serving
             log.exception("batch of %d failed in %s", len(batch), self._name)
             error = BatchFailed("inference failed")
-            error.__cause__ = exc
+            error.__cause__, error.logged = exc, True
         else:
             run_s = self._clock.now() - started
             for item, output in zip(batch, outputs, strict=True):

@@ -97,6 +97,18 @@ class JsonFormatter(logging.Formatter):
         return _ENCODER.encode(entry)
 
 
+class PlainFormatter(logging.Formatter):
+    """Text lines for a terminal, one a record: what a message carries from a client (a path with
+    an encoded newline, say) cannot start a line of its own that reads as another record. Line
+    breaks and other control characters are escaped (a traceback keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        return super().formatMessage(record).translate(_CONTROL)
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+
+
 def configure_logging(level: str, json_format: bool) -> None:
     """Route the root logger (and uvicorn's) to stderr in the chosen format."""
     handler = logging.StreamHandler(sys.stderr)
@@ -104,7 +116,7 @@ def configure_logging(level: str, json_format: bool) -> None:
     if json_format:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+        handler.setFormatter(PlainFormatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
     logging.captureWarnings(True)
     # The logging HOWTO's optimisations: no caller frame looked up, no thread or process fields
     # (no line shows them); microseconds off every line, and the access log writes one per request

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -172,8 +173,8 @@ def make_exporter(settings: TelemetrySettings) -> SpanExporter | None:
     timeout = settings.export_timeout_s
     if settings.exporter == "none":
         return None
-    if settings.exporter == "console":
-        return ConsoleSpanExporter()
+    if settings.exporter == "console":  # a span a line, as the JSON logs beside it on the same stream
+        return ConsoleSpanExporter(formatter=lambda span: span.to_json(indent=None) + os.linesep)
     if settings.exporter == "otlp_grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 import pytest
+import torch
 
 from app.telemetry.logging import JsonFormatter, RequestIdFilter
 from tests.conftest import SettingsFactory
-from tests.support import b64, running_app, sample_png
+from tests.faults import Faulty
+from tests.support import MODEL_NAME, b64, running_app, sample_png
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -50,3 +53,29 @@ async def test_request_lines_are_json_with_the_request_id_and_no_payload(
     text = "\n".join(lines)
     assert encoded[:64] not in text and encoded[-64:] not in text
     assert repr(image[:32])[2:-1] not in text
+
+
+async def test_a_batch_the_model_fails_logs_its_traceback_once_not_once_more_for_each_request(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 3, "max_queue": 16}},
+    )
+
+    class Broken(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            raise ValueError("a bug in the model's code")
+
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        served.runner.model = Broken(served.model)  # type: ignore[assignment]
+        with caplog.at_level(logging.ERROR):
+            answers = await asyncio.gather(
+                *(running.predict_png(sample_png(d), headers={"X-Request-ID": f"bug-{d}"}) for d in range(3))
+            )
+    assert [(a.status_code, a.json()["code"]) for a in answers] == [(500, "internal_error")] * 3
+    with_traceback = [r for r in caplog.records if r.exc_info]
+    assert len(with_traceback) == 1 and "batch of 3 failed" in with_traceback[0].getMessage()
+    per_request = [r for r in caplog.records if r.getMessage().startswith("request failed")]
+    assert len(per_request) == 3 and all("inference_failed" in r.getMessage() for r in per_request)

@@ -1,16 +1,23 @@
-"""The JSON formatter's shortcuts give exactly what the plain way gives."""
+"""The JSON formatter's shortcuts give exactly what the plain way gives; plain lines and console
+spans stay a record a line."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import sys
 from datetime import UTC, datetime
 from typing import Any
 
 from hypothesis import example, given
 from hypothesis import strategies as st
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 
-from app.telemetry.logging import JsonFormatter
+from app.settings import TelemetrySettings
+from app.telemetry.logging import JsonFormatter, PlainFormatter
+from app.telemetry.tracing import make_exporter
 
 
 @given(st.floats(min_value=-1e9, max_value=4e9, allow_nan=False))
@@ -58,3 +65,32 @@ def test_every_field_passed_or_stamped_is_written_and_nothing_of_the_records_own
 def test_a_value_json_cannot_write_is_written_as_its_text() -> None:
     entry = json.loads(JsonFormatter().format(_record({"path": datetime(2026, 11, 30, tzinfo=UTC)})))
     assert entry["path"] == "2026-11-30 00:00:00+00:00" and entry["request_id"] is None
+
+
+def test_plain_lines_escape_what_a_client_could_use_to_start_a_line_of_its_own() -> None:
+    formatter = PlainFormatter("%(levelname)s %(message)s")
+    forged = "/x\n2026-12-03 18:00:00,000 CRITICAL app.security admin token rotated\r\x1b[2J"
+    record = logging.LogRecord("app.access", logging.INFO, __file__, 1, "GET %s", (forged,), None)
+    line = formatter.format(record)
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line
+    assert line == "INFO GET /x\\n2026-12-03 18:00:00,000 CRITICAL app.security admin token rotated\\r\\x1b[2J"
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = logging.LogRecord("app", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    assert formatter.format(failed).splitlines()[1] == "Traceback (most recent call last):", (
+        "tracebacks keep their lines"
+    )
+
+
+def test_the_console_span_exporter_writes_a_span_a_line() -> None:
+    exporter = make_exporter(TelemetrySettings(exporter="console"))
+    assert isinstance(exporter, ConsoleSpanExporter)
+    out = io.StringIO()
+    exporter.out = out
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("test").start_as_current_span("one", attributes={"request.id": "r-1"}):
+        pass
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["name"] == "one"
