@@ -460,11 +460,13 @@ class InferenceService:
                     self.metrics.model_info.remove(name, version, *served_from)
             return fallback
 
+        faults = self.metrics.device_faults
         runner = ModelRunner(
             model,
             self._device_thread,
             self.settings.server.max_top_k,
             on_pressure=on_pressure,
+            on_fault=lambda fault: faults.labels(name, version, fault.value.replace(" ", "_")).inc(),
             fallback=cpu_fallback if self.settings.model.cpu_fallback else None,
             fallback_after=self.settings.model.fallback_after_failures,
         )
@@ -474,7 +476,7 @@ class InferenceService:
             traced,
             self._policy,
             observer=observer,
-            name=name,
+            name=f"{name}/{version}",
             max_in_flight=self.threads.workers,
             urgent_in_flight=self.threads.urgent,
             computed=lambda answers: sum(answer.top is not None for answer in answers),

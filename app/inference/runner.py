@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+from opentelemetry import trace
 
 from app.errors import BatchFailed, DeviceUnavailable, ServiceError, Unavailable
 from app.inference.device import DeviceThread, Fault, device_fault, fault_line, release_memory
@@ -58,10 +59,13 @@ class ModelRunner:
         top_k: int,
         *,
         on_pressure: Callable[[int], None] = lambda size: None,
+        on_fault: Callable[[Fault], None] = lambda fault: None,
         fallback: Callable[[], Model] | None = None,
         fallback_after: int = 3,
     ) -> None:
         self.model = model
+        self._on_fault = on_fault  # called on the device thread, once a failed forward pass
+        self._ids = {"model": model.manifest.name, "version": model.manifest.version}  # on its log lines
         self._device = device
         self._k = min(top_k, len(model.manifest.labels))
         self._on_pressure = on_pressure
@@ -150,11 +154,16 @@ class ModelRunner:
             if fault is None and not part:
                 raise
             if fault is None:
-                log.exception("part of a batch split after running out of memory failed (%d images)", len(wanted))
+                log.exception(
+                    "part of a batch split after running out of memory failed (%d images)", len(wanted), extra=self._ids
+                )
                 for i in wanted:
                     batch.answers[i] = BatchFailed("inference failed")
                 return
-            log.warning("%s at batch %d: %s", fault.value, len(wanted), fault_line(exc))
+            log.warning("%s at batch %d: %s", fault.value, len(wanted), fault_line(exc), extra=self._ids)
+            self._on_fault(fault)
+            # on the batch's span (this thread runs in the batcher's context): a split shows in its trace
+            trace.get_current_span().add_event(fault.value, {"batch.size": len(wanted), "fault": fault_line(exc)})
         else:
             for i, top in zip(wanted, computed, strict=True):
                 batch.answers[i] = top
@@ -179,7 +188,9 @@ class ModelRunner:
         if bool(finite.all()):
             return [TopK(tuple(v), tuple(i)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
         # NaN or inf (an input the model divides by zero on, an fp16 overflow): not an answer
-        log.error("%d of %d images gave a non-finite output", len(images) - int(finite.sum()), len(images))
+        log.error(
+            "%d of %d images gave a non-finite output", len(images) - int(finite.sum()), len(images), extra=self._ids
+        )
         return [
             TopK(tuple(v), tuple(i)) if ok else BatchFailed("the model's output for this image is not finite")
             for v, i, ok in zip(values.tolist(), indices.tolist(), finite.tolist(), strict=True)
@@ -188,13 +199,15 @@ class ModelRunner:
     def _fall_back(self, batch: _Batch) -> None:
         """The CPU fallback takes over for good, and computes what the device could not."""
         assert self._fallback is not None
-        log.error("the device failed %d batches in a row: serving from the CPU fallback", self.failures)
+        log.error(
+            "the device failed %d batches in a row: serving from the CPU fallback", self.failures, extra=self._ids
+        )
         load, self._fallback = self._fallback, None  # once: there is no fallback from the fallback
         try:
             fallback = load()
         except Exception:
             # it would fail the same way again, seconds on the device thread for every batch
-            log.exception("the CPU fallback did not load: the model stays unavailable")
+            log.exception("the CPU fallback did not load: the model stays unavailable", extra=self._ids)
             batch.reason = "the device failed, and the CPU fallback could not load"
             return
         failed, self.model = self.model, fallback

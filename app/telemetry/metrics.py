@@ -134,6 +134,12 @@ class Metrics:
         self.batch_failures = Counter(
             f"{PREFIX}_batch_failures", "Batches that failed", ["model", "version"], registry=r
         )
+        self.device_faults = Counter(
+            f"{PREFIX}_device_faults",
+            "Forward passes the device failed: out_of_memory (the batch is split and retried) or device_error",
+            ["model", "version", "fault"],
+            registry=r,
+        )
         self.rejections = Counter(f"{PREFIX}_rejections", "Requests refused at admission", ["reason"], registry=r)
         self.cancellations = Counter(
             f"{PREFIX}_cancellations", "Requests admitted, then dropped uncomputed", ["reason"], registry=r

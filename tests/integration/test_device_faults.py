@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 
 import pytest
@@ -200,3 +201,27 @@ async def test_after_the_fallback_healthz_gives_the_models_device_and_precision_
         )
         gates.gate(served.model.manifest, None, served.model.dtype)
         assert judged == ["fp32"]
+
+
+async def test_each_out_of_memory_is_counted_shown_on_its_batch_span_and_logged_with_the_version(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    normal = {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 64}
+    settings = make_settings(batching={"normal": normal, "admission_headroom": 1.0}, telemetry={"exporter": "console"})
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        served = running.service.models[MODEL_NAME]
+        served.runner.model = Faulty(served.model, fail_at=3)  # type: ignore[assignment]
+        with caplog.at_level(logging.WARNING):
+            answers = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(4)))
+        assert [a.status_code for a in answers] == [200] * 4
+        metrics = (await running.client.get("/metrics")).text
+        running.app.state.tracer_provider.force_flush()
+    counted = f'ai_backend_device_faults_total{{fault="out_of_memory",model="{MODEL_NAME}",version="1"}} 1.0'
+    assert counted in metrics.splitlines()
+    (batch,) = [s for s in exporter.get_finished_spans() if s.name == "batch"]
+    assert [(e.name, e.attributes["batch.size"]) for e in batch.events] == [("out of memory", 4)]
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("out of memory at batch 4")]
+    assert (line.model, line.version) == (MODEL_NAME, "1")  # type: ignore[attr-defined]
+    (lowered,) = [r for r in caplog.records if "ceiling lowered" in r.getMessage()]
+    assert lowered.getMessage().startswith(f"{MODEL_NAME}/1: ")
