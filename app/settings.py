@@ -76,6 +76,12 @@ def _boolean_for_number(annotation: object, value: object) -> bool:
     return isinstance(value, bool) and annotation in (int, float)
 
 
+def _stripped(secret: SecretStr | None) -> SecretStr | None:
+    """A secret without the whitespace around it, as one read from its file is: a variable set
+    from a file or a secret store often ends in a newline, which no header can carry."""
+    return None if secret is None else SecretStr(secret.get_secret_value().strip())
+
+
 class ServerSettings(_Group):
     """HTTP, request limits and the preprocessing pool."""
 
@@ -129,9 +135,10 @@ class ServerSettings(_Group):
     @field_validator("api_key")
     @classmethod
     def _key_long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        key = _stripped(key)
         if key is not None and len(key.get_secret_value()) < 16:
             # an empty one (an unset variable in a compose file) must not pass for protection
-            raise ValueError("server.api_key must be at least 16 characters")
+            raise ValueError("server.api_key must be at least 16 characters (whitespace around it not counted)")
         return key
 
     @property
@@ -302,12 +309,17 @@ class AdminSettings(_Group):
         default=2.0, ge=0, le=86_400, description="poll the config file this often and apply batching changes (0: off)"
     )
 
+    @field_validator("token")
+    @classmethod
+    def _token_stripped(cls, token: SecretStr | None) -> SecretStr | None:
+        return _stripped(token)
+
     @model_validator(mode="after")
     def _token_when_enabled(self) -> AdminSettings:
         if self.enabled and self.token is None and self.token_file is None:
             raise ValueError("admin.enabled needs admin.token or admin.token_file")
         if self.token is not None and len(self.token.get_secret_value()) < 16:
-            raise ValueError("admin.token must be at least 16 characters")
+            raise ValueError("admin.token must be at least 16 characters (whitespace around it not counted)")
         return self
 
 
