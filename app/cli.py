@@ -27,6 +27,11 @@ def _stop_early(signum: int, frame: object) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # SIGHUP's default action ends the process: until the app's handler (a reload) is set, and
+    # after it is taken down, one is ignored (an edit of the config file is still picked up).
+    # Set first, before any import that takes time (pydantic's, torch's)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # until uvicorn takes SIGTERM over (a drain), one ends start-up quietly with exit 0, as a drain
     # with nothing to drain would: its default action killed the process mid-import, exit -15
     signal.signal(signal.SIGTERM, _stop_early)
@@ -39,11 +44,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_now(args: argparse.Namespace) -> int:
     from app.settings import SettingsError, config_path, file_stamp, read_secrets, read_settings
-
-    # SIGHUP's default action ends the process: until the app's handler (a reload) is set, and
-    # after it is taken down, one is ignored (an edit of the config file is still picked up)
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     server_overrides: dict[str, object] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     stamp = file_stamp(config_path())  # before the read: an edit from now on is a change to pick up
