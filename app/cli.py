@@ -57,11 +57,13 @@ def _serve_now(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.api.edge import edge_protocol
+    from app.environment import warn_unknown_variables
     from app.main import create_app
     from app.server import DrainingServer
     from app.telemetry.logging import configure_logging
 
     configure_logging(settings.logging.level, settings.logging.json_format)
+    warn_unknown_variables()
 
     failure: list[str] = []
     server: DrainingServer | None = None
