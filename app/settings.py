@@ -46,6 +46,7 @@ DEFAULT_CONFIG_FILE = Path("config/default.toml")
 Seconds = Annotated[float, Field(gt=0, le=86_400)]  # a day: longer overflows what waits on it
 
 
+MIN_CONFIG_WATCH_S = 0.1  # the shortest poll of the config file (0 turns it off)
 MAX_BATCH = 4096  # the most a lane's max_batch may be (a batch span links at most this many requests)
 
 
@@ -306,8 +307,19 @@ class AdminSettings(_Group):
     token: SecretStr | None = Field(default=None, description="bearer token for /admin (prefer token_file)")
     token_file: Path | None = Field(default=None, description="file holding the bearer token")
     config_watch_s: float = Field(
-        default=2.0, ge=0, le=86_400, description="poll the config file this often and apply batching changes (0: off)"
+        default=2.0,
+        ge=0,
+        le=86_400,
+        description="poll the config file this often and apply batching changes (0: off; else at least 0.1)",
     )
+
+    @field_validator("config_watch_s")
+    @classmethod
+    def _poll_not_busy(cls, seconds: float) -> float:
+        # a poll stats and hashes the file: every 0.1 ms that kept most of a core busy while idle
+        if 0 < seconds < MIN_CONFIG_WATCH_S:
+            raise ValueError(f"admin.config_watch_s must be 0 (off) or at least {MIN_CONFIG_WATCH_S:g} s")
+        return seconds
 
     @field_validator("token")
     @classmethod

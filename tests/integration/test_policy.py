@@ -153,7 +153,7 @@ def watched_config(make_settings: SettingsFactory, tmp_path: Path, monkeypatch: 
     config.write_text(CONFIG.format(window=12000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     settings = make_settings(
-        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.1}, server={"default_timeout_ms": 60_000}
     )
     return config, settings
 
@@ -312,7 +312,7 @@ async def test_an_edit_while_the_service_starts_is_picked_up(
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     stamp = file_stamp(config)  # what `ai-backend serve` takes as it reads its settings
     settings = make_settings(
-        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.1}, server={"default_timeout_ms": 60_000}
     )
     config.write_text(CONFIG.format(window=12000.0, batch=3))  # edited while torch imports, models load
     os.utime(config, (2, 2))

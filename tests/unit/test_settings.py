@@ -234,3 +234,23 @@ def test_whitespace_around_a_secret_does_not_count_towards_its_16_characters(
     monkeypatch.setenv(variable, "   short-secret \n")  # 18 characters, 12 of them the secret
     with pytest.raises(SettingsError, match="at least 16 characters"):
         load_settings()
+
+
+@pytest.mark.parametrize("value", ["0.0001", "0.05", "0.099"])
+def test_a_config_poll_more_often_than_every_tenth_of_a_second_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """A poll stats and hashes the file: every 0.1 ms it kept most of a core busy while idle."""
+    monkeypatch.setenv("AI_SERVICE_ADMIN__CONFIG_WATCH_S", value)
+    with pytest.raises(SettingsError) as refused:
+        load_settings()
+    assert "AI_SERVICE_ADMIN__CONFIG_WATCH_S" in str(refused.value)
+    assert "0 (off) or at least 0.1" in str(refused.value)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("0", 0.0), ("0.1", 0.1), ("2", 2.0)])
+def test_the_config_poll_may_be_off_or_a_tenth_of_a_second_and_more(
+    monkeypatch: pytest.MonkeyPatch, value: str, seconds: float
+) -> None:
+    monkeypatch.setenv("AI_SERVICE_ADMIN__CONFIG_WATCH_S", value)
+    assert load_settings().admin.config_watch_s == seconds
