@@ -26,6 +26,18 @@ def _stop_early(signum: int, frame: object) -> None:
     raise _StoppedEarly
 
 
+def _port(text: str) -> int:
+    """``--port``, checked by the parser as ``server.port`` is (0: any free port): a refusal from
+    the settings would blame ``AI_SERVICE_SERVER__PORT``, which nobody set."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
 def _serve(args: argparse.Namespace) -> int:
     # SIGHUP's default action ends the process: until the app's handler (a reload) is set, and
     # after it is taken down, one is ignored (an edit of the config file is still picked up).
@@ -131,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the model repository over HTTP")
     serve.add_argument("--host", help="bind address (default: server.host, 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default: server.port, 8000)")
+    serve.add_argument("--port", type=_port, help="port, 0-65535 (default: server.port, 8000)")
     for name, (_, help_text) in _DELEGATED.items():
         commands.add_parser(name, help=help_text, add_help=False)
     if argv and argv[0] in _DELEGATED:
