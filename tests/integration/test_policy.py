@@ -380,8 +380,8 @@ async def test_a_policy_change_while_versions_load_reaches_every_version(
     gate, first_loaded = asyncio.Event(), asyncio.Event()
     real_load = InferenceService._load
 
-    async def slow_load(self: InferenceService, name: str, version: str):  # type: ignore[no-untyped-def]
-        served = await real_load(self, name, version)
+    async def slow_load(self: InferenceService, name: str, version: str, **options: bool):  # type: ignore[no-untyped-def]
+        served = await real_load(self, name, version, **options)
         if version == "1":  # the next version takes its time
             first_loaded.set()
             await gate.wait()
