@@ -100,6 +100,8 @@ class PolicyManager:
             changes = self._changes
             stamp = await asyncio.to_thread(file_stamp, self.config_file)
             try:
+                if isinstance(stamp, str):  # its mode, say: as start-up would say
+                    raise SettingsError(f"config file {self.config_file} cannot be read: {stamp}")
                 if stamp is None and self._had_file:  # between an editor's delete and its write, say
                     raise SettingsError(f"config file {self.config_file} is missing")
                 if stamp is not None and stamp[1] == 0 and self._had_file:  # truncated for a write

@@ -488,8 +488,9 @@ def config_path() -> Path:
     return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
 
 
-FileStamp = tuple[int, int, int, bytes] | None
-"""A file's identity and version: inode, size, mtime in ns and a digest of its bytes; None: absent."""
+FileStamp = tuple[int, int, int, bytes] | str | None
+"""A file's identity and version: inode, size, mtime in ns and a digest of its bytes; a string:
+why it cannot be read (``Permission denied``); None: absent."""
 
 
 def file_stamp(path: Path) -> FileStamp:
@@ -498,8 +499,10 @@ def file_stamp(path: Path) -> FileStamp:
     try:
         stat = path.stat()
         digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):  # a dangling link (a ConfigMap's key removed) too
         return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return stat.st_ino, stat.st_size, stat.st_mtime_ns, digest
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
 import logging
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from app.errors import SchemaError
 from app.policy import PolicyManager
 from app.settings import SettingsError, file_stamp, load_settings, read_settings
 from tests.conftest import SettingsFactory
@@ -620,3 +622,36 @@ async def test_a_405_names_every_method_the_path_takes(make_settings: SettingsFa
         assert refused.headers["allow"] == "GET, PUT", "Starlette's named the first route's method only"
         wrong = await running.client.get("/predict")
         assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+
+
+def deny_reading(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``path`` cannot be read, as a file of mode 000 is not to a service without
+    CAP_DAC_OVERRIDE (the tests may run as root, which reads through file modes)."""
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+
+
+async def test_a_config_file_that_cannot_be_read_is_said_so_not_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Start-up says Permission denied; a reload said the file was missing."""
+    config = tmp_path / "service.toml"
+    config.write_text(REVIEWED.format(window=10000.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    manager = PolicyManager(load_settings(server={"default_timeout_ms": 60_000}), lambda b: None)
+    assert file_stamp(config) is not None
+    deny_reading(monkeypatch, config)
+    assert file_stamp(config) == "Permission denied"
+    with caplog.at_level(logging.ERROR, logger="app.policy"), pytest.raises(SchemaError) as refused:
+        await manager.reload(strict=True)  # POST /admin/policy/reload: its 422
+    assert str(refused.value).endswith(f"config file {config} cannot be read: Permission denied")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"config reload refused, the old policy stays: config file {config} cannot be read: Permission denied"
+    ]
+    assert manager.current.normal.max_batch == 8
