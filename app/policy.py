@@ -5,7 +5,8 @@ invalid one is refused with the reason and the old policy stays. A valid one app
 every batcher from its next batch. Changes are applied one at a time, on the event loop.
 
 The config file is polled for changes (and re-read on SIGHUP); only the batching group
-applies live, and a change to anything else is logged as needing a restart. Which wins,
+applies live, and every reload names the other settings that differ from those the process
+runs with (they need a restart). Which wins,
 the file or the admin API: the file when its batching changes (an edit), or when asked to
 (SIGHUP, ``POST /admin/policy/reload``); an admin change stays until then, whatever else in
 the file is edited.
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from app.errors import SchemaError, dotted
 from app.settings import (
@@ -46,6 +47,20 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
             _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
         )
     return merged
+
+
+def _differences(running: BaseModel, read: BaseModel, location: tuple[str, ...]) -> list[str]:
+    """The settings, dotted (``server.max_top_k``), whose values differ between two groups of
+    the same model. Names only: a value may be a secret."""
+    found: list[str] = []
+    for name in type(running).model_fields:
+        here = (*location, name)
+        mine, theirs = getattr(running, name), getattr(read, name)
+        if isinstance(mine, BaseModel) and isinstance(theirs, BaseModel):
+            found += _differences(mine, theirs, here)
+        elif mine != theirs:
+            found.append(".".join(here))
+    return found
 
 
 class PolicyManager:
@@ -117,11 +132,16 @@ class PolicyManager:
                 return False
             self._stamp = stamp
             self._had_file = self._had_file or stamp is not None
-            others = {
-                k for k in Settings.model_fields if k != "batching" and getattr(fresh, k) != getattr(self._read, k)
-            }
-            if others:
-                log.warning("config changes to %s need a restart; only batching applies live", sorted(others))
+            # against what runs, not the last read: an edit undone needs no restart, and one
+            # still pending is said again at every reload until the restart
+            pending = [
+                name
+                for group in Settings.model_fields
+                if group != "batching"
+                for name in _differences(getattr(self._settings, group), getattr(fresh, group), (group,))
+            ]
+            if pending:
+                log.warning("config changes to %s need a restart (only batching applies live)", ", ".join(pending))
             edited = fresh.batching != self._read.batching
             self._read = fresh
             if changes != self._changes:  # the admin API changed the policy while the file was read

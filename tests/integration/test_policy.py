@@ -366,7 +366,7 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
     with caplog.at_level(logging.WARNING, logger="app.policy"):
         await manager.reload()
     assert [r.getMessage() for r in caplog.records if "need a restart" in r.getMessage()] == [
-        "config changes to ['server'] need a restart; only batching applies live"
+        "config changes to server.max_top_k need a restart (only batching applies live)"
     ]
 
 
@@ -655,3 +655,32 @@ async def test_a_config_file_that_cannot_be_read_is_said_so_not_missing(
         f"config reload refused, the old policy stays: config file {config} cannot be read: Permission denied"
     ]
     assert manager.current.normal.max_batch == 8
+
+
+async def test_a_restart_is_asked_for_on_every_reload_while_the_file_differs_from_what_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warning compared with the file's last read: an edit back to the running value warned
+    again, and a restart still pending went unsaid at the next reload."""
+    config = tmp_path / "service.toml"
+    file = "[server]\ndefault_timeout_ms = 60000\nmax_top_k = {top_k}\n[logging]\nlevel = '{level}'\n" + CONFIG
+    config.write_text(file.format(top_k=20, level="INFO", window=12000.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    manager = PolicyManager(read_settings(), lambda b: None)
+
+    async def said(top_k: int, level: str = "INFO", batch: int = 8) -> list[str]:
+        caplog.clear()
+        config.write_text(file.format(top_k=top_k, level=level, window=12000.0, batch=batch))
+        with caplog.at_level(logging.WARNING, logger="app.policy"):
+            await manager.reload(forced=False)
+        return [r.getMessage() for r in caplog.records if "restart" in r.getMessage()]
+
+    pending = "config changes to server.max_top_k need a restart (only batching applies live)"
+    assert await said(top_k=10) == [pending]
+    assert await said(top_k=20) == [], "back to what runs: nothing to restart for"
+    assert await said(top_k=10) == [pending]
+    assert await said(top_k=10, batch=4) == [pending], "still pending at the next reload"
+    assert manager.current.normal.max_batch == 4
+    assert await said(top_k=10, level="DEBUG", batch=4) == [
+        "config changes to server.max_top_k, logging.level need a restart (only batching applies live)"
+    ]
