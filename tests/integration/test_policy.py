@@ -684,3 +684,51 @@ async def test_a_restart_is_asked_for_on_every_reload_while_the_file_differs_fro
     assert await said(top_k=10, level="DEBUG", batch=4) == [
         "config changes to server.max_top_k, logging.level need a restart (only batching applies live)"
     ]
+
+
+LANES = """
+[server]
+default_timeout_ms = 60000
+[batching.normal]
+window_ms = {window}
+max_batch = {batch}
+max_queue = 64
+[batching.urgent]
+window_ms = 2.0
+max_batch = {urgent}
+"""
+
+
+async def test_an_edit_of_the_file_that_a_variable_overrides_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The environment wins over the file (as documented): an edit of a batching value that a
+    variable sets changed nothing, and nothing said so."""
+    config = tmp_path / "service.toml"
+    config.write_text(LANES.format(window=12000.0, batch=8, urgent=16))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "10000")
+    monkeypatch.setenv("AI_SERVICE_BATCHING__URGENT", '{"max_batch": 4}')  # a lane as JSON: the keys it holds
+    manager = PolicyManager(read_settings(), lambda b: None)
+
+    async def said(window: float, batch: int = 8, urgent: int = 16) -> list[str]:
+        caplog.clear()
+        config.write_text(LANES.format(window=window, batch=batch, urgent=urgent))
+        with caplog.at_level(logging.WARNING, logger="app.policy"):
+            await manager.reload(forced=False)
+        return [r.getMessage() for r in caplog.records]
+
+    overridden = "config file edits that the environment overrides do not apply (it wins over the file): "
+    assert await said(window=11000.0) == [
+        overridden + "batching.normal.window_ms (AI_SERVICE_BATCHING__NORMAL__WINDOW_MS)"
+    ]
+    assert manager.current.normal.window_ms == 10000.0
+    assert await said(window=9000.0, batch=4) == [
+        overridden + "batching.normal.window_ms (AI_SERVICE_BATCHING__NORMAL__WINDOW_MS)"
+    ], "the edit that applies is not named"
+    assert manager.current.normal.max_batch == 4
+    assert await said(window=9000.0, batch=2) == [], "no edit of an overridden value"
+    assert await said(window=9000.0, batch=2, urgent=8) == [
+        overridden + "batching.urgent.max_batch (AI_SERVICE_BATCHING__URGENT)"
+    ]
+    assert manager.current.urgent.max_batch == 4
