@@ -26,7 +26,24 @@ def _stop_early(signum: int, frame: object) -> None:
     raise _StoppedEarly
 
 
+def _port(text: str) -> int:
+    """``--port``, checked by the parser as ``server.port`` is (0: any free port): a refusal from
+    the settings would blame ``AI_SERVICE_SERVER__PORT``, which nobody set."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
 def _serve(args: argparse.Namespace) -> int:
+    # SIGHUP's default action ends the process: until the app's handler (a reload) is set, and
+    # after it is taken down, one is ignored (an edit of the config file is still picked up).
+    # Set first, before any import that takes time (pydantic's, torch's)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # until uvicorn takes SIGTERM over (a drain), one ends start-up quietly with exit 0, as a drain
     # with nothing to drain would: its default action killed the process mid-import, exit -15
     signal.signal(signal.SIGTERM, _stop_early)
@@ -40,11 +57,6 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_now(args: argparse.Namespace) -> int:
     from app.settings import SettingsError, config_path, file_stamp, read_secrets, read_settings
 
-    # SIGHUP's default action ends the process: until the app's handler (a reload) is set, and
-    # after it is taken down, one is ignored (an edit of the config file is still picked up)
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
     server_overrides: dict[str, object] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     stamp = file_stamp(config_path())  # before the read: an edit from now on is a change to pick up
     try:
@@ -57,11 +69,13 @@ def _serve_now(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.api.edge import edge_protocol
+    from app.environment import warn_unknown_variables
     from app.main import create_app
     from app.server import DrainingServer
     from app.telemetry.logging import configure_logging
 
     configure_logging(settings.logging.level, settings.logging.json_format)
+    warn_unknown_variables()
 
     failure: list[str] = []
     server: DrainingServer | None = None
@@ -129,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the model repository over HTTP")
     serve.add_argument("--host", help="bind address (default: server.host, 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default: server.port, 8000)")
+    serve.add_argument("--port", type=_port, help="port, 0-65535 (default: server.port, 8000)")
     for name, (_, help_text) in _DELEGATED.items():
         commands.add_parser(name, help=help_text, add_help=False)
     if argv and argv[0] in _DELEGATED:

@@ -5,7 +5,8 @@ invalid one is refused with the reason and the old policy stays. A valid one app
 every batcher from its next batch. Changes are applied one at a time, on the event loop.
 
 The config file is polled for changes (and re-read on SIGHUP); only the batching group
-applies live, and a change to anything else is logged as needing a restart. Which wins,
+applies live, and every reload names the other settings that differ from those the process
+runs with (they need a restart). Which wins,
 the file or the admin API: the file when its batching changes (an edit), or when asked to
 (SIGHUP, ``POST /admin/policy/reload``); an admin change stays until then, whatever else in
 the file is edited.
@@ -15,21 +16,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-from collections.abc import Callable
+import os
+import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from app.errors import SchemaError, dotted
 from app.settings import (
+    ENV_PREFIX,
     BatchingSettings,
     FileStamp,
     Settings,
     SettingsError,
     check_windows,
     config_path,
+    env_name,
     file_stamp,
     read_settings,
 )
@@ -46,6 +52,67 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
             _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
         )
     return merged
+
+
+def _differences(running: BaseModel, read: BaseModel, location: tuple[str, ...]) -> list[str]:
+    """The settings, dotted (``server.max_top_k``), whose values differ between two groups of
+    the same model. Names only: a value may be a secret."""
+    found: list[str] = []
+    for name in type(running).model_fields:
+        here = (*location, name)
+        mine, theirs = getattr(running, name), getattr(read, name)
+        if isinstance(mine, BaseModel) and isinstance(theirs, BaseModel):
+            found += _differences(mine, theirs, here)
+        elif mine != theirs:
+            found.append(".".join(here))
+    return found
+
+
+def _batching_table(path: Path) -> dict[str, Any] | None:
+    """The config file's batching table as written, ``{}`` without one (blocking); None when it
+    is no TOML. What an edit changed is told from it: the settings are the environment's where
+    a variable sets a value."""
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8")).get("batching", {})
+    except (OSError, ValueError):
+        return None
+    return table if isinstance(table, dict) else None
+
+
+def _edited(
+    before: Mapping[str, Any], after: Mapping[str, Any], location: tuple[str, ...] = ()
+) -> list[tuple[str, ...]]:
+    """The keys, as paths, that two tables set otherwise (added and removed ones included)."""
+    found: list[tuple[str, ...]] = []
+    for key in [*before, *(k for k in after if k not in before)]:
+        here = (*location, key)
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += _edited(old, new, here)
+        elif old != new or (key in before) != (key in after):
+            found.append(here)
+    return found
+
+
+def _overriding(location: tuple[str, ...], environ: Mapping[str, str]) -> list[str]:
+    """The variables that set ``batching.<location>`` (or a key under it) over the file: its
+    own, one under it, or a table above it given as JSON that holds it."""
+    target = env_name(("batching", *location))
+    found = []
+    for name, value in environ.items():
+        upper = name.upper()  # pydantic-settings reads them whatever their case
+        if upper == target or upper.startswith(target + "__"):
+            found.append(name)
+        elif upper.startswith(ENV_PREFIX) and target.startswith(upper + "__"):
+            try:
+                held: Any = json.loads(value)
+            except ValueError:
+                continue
+            for part in target[len(upper) + 2 :].lower().split("__"):
+                held = held.get(part) if isinstance(held, dict) else None
+            if held is not None:
+                found.append(name)
+    return sorted(found)
 
 
 class PolicyManager:
@@ -77,6 +144,9 @@ class PolicyManager:
         self._wake = asyncio.Event()
         self._changes = 0  # admin changes applied: one made while a reload reads the file is newer
         self._settling: FileStamp = None  # a change the watcher saw once: read if the next poll sees it too
+        # the file's batching as written, to name the edits a variable overrides (blocking, as
+        # the stamp's read: a small file, once, before serving)
+        self._table = _batching_table(self.config_file)
 
     def update(self, patch: dict[str, Any]) -> BatchingSettings:
         """Merge ``patch`` into the live policy; ``SchemaError`` (422) names what is wrong."""
@@ -100,11 +170,13 @@ class PolicyManager:
             changes = self._changes
             stamp = await asyncio.to_thread(file_stamp, self.config_file)
             try:
+                if isinstance(stamp, str):  # its mode, say: as start-up would say
+                    raise SettingsError(f"config file {self.config_file} cannot be read: {stamp}")
                 if stamp is None and self._had_file:  # between an editor's delete and its write, say
                     raise SettingsError(f"config file {self.config_file} is missing")
                 if stamp is not None and stamp[1] == 0 and self._had_file:  # truncated for a write
                     raise SettingsError(f"config file {self.config_file} is empty")
-                fresh = await asyncio.to_thread(self._reader)
+                fresh, table = await asyncio.to_thread(self._read_file)
                 # against the live settings: only batching applies, the rest waits for a restart
                 batching = self._checked(fresh.batching.model_dump())
             except SettingsError as exc:
@@ -115,11 +187,17 @@ class PolicyManager:
                 return False
             self._stamp = stamp
             self._had_file = self._had_file or stamp is not None
-            others = {
-                k for k in Settings.model_fields if k != "batching" and getattr(fresh, k) != getattr(self._read, k)
-            }
-            if others:
-                log.warning("config changes to %s need a restart; only batching applies live", sorted(others))
+            # against what runs, not the last read: an edit undone needs no restart, and one
+            # still pending is said again at every reload until the restart
+            pending = [
+                name
+                for group in Settings.model_fields
+                if group != "batching"
+                for name in _differences(getattr(self._settings, group), getattr(fresh, group), (group,))
+            ]
+            if pending:
+                log.warning("config changes to %s need a restart (only batching applies live)", ", ".join(pending))
+            self._say_overridden(table)
             edited = fresh.batching != self._read.batching
             self._read = fresh
             if changes != self._changes:  # the admin API changed the policy while the file was read
@@ -128,6 +206,27 @@ class PolicyManager:
                 return False
             self._set(batching, str(self.config_file))
             return True
+
+    def _read_file(self) -> tuple[Settings, dict[str, Any] | None]:
+        """Blocking: the settings, read again, and the file's batching table as written."""
+        return self._reader(), _batching_table(self.config_file)
+
+    def _say_overridden(self, table: dict[str, Any] | None) -> None:
+        """Warn of the file's batching edits that a variable overrides: they change nothing (the
+        environment wins over the file), and without a word the edit looked ignored."""
+        if self._table is not None and table is not None:
+            named = []
+            for location in _edited(self._table, table):
+                variables = _overriding(location, os.environ)
+                if variables:
+                    named.append(f"batching.{'.'.join(location)} ({', '.join(variables)})")
+            if named:
+                log.warning(
+                    "config file edits that the environment overrides do not apply (it wins over the file): %s",
+                    "; ".join(named),
+                )
+        if table is not None:  # else a write landed between the two reads: the next read tells
+            self._table = table
 
     def _checked(self, batching: dict[str, Any], strict: bool = False) -> BatchingSettings:
         """The policy, valid on its own and with the live settings (a window shorter than the

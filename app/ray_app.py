@@ -107,11 +107,13 @@ class Classifier:
         """The app this replica serves, built here (Serve calls this once, after ``__init__``).
         The replica's log lines take the settings' level and format, with request and trace
         ids, as ``ai-backend serve``'s do (Ray leaves the root logger to the process)."""
+        from app.environment import warn_unknown_variables
         from app.telemetry.logging import configure_logging
 
         app = replica_app(self._overrides, self._config_file)
         logging_settings = app.state.settings.logging
         configure_logging(logging_settings.level, logging_settings.json_format)
+        warn_unknown_variables()
         served_lifespan = app.router.lifespan_context
 
         @contextlib.asynccontextmanager

@@ -46,6 +46,7 @@ DEFAULT_CONFIG_FILE = Path("config/default.toml")
 Seconds = Annotated[float, Field(gt=0, le=86_400)]  # a day: longer overflows what waits on it
 
 
+MIN_CONFIG_WATCH_S = 0.1  # the shortest poll of the config file (0 turns it off)
 MAX_BATCH = 4096  # the most a lane's max_batch may be (a batch span links at most this many requests)
 
 
@@ -74,6 +75,12 @@ def _boolean_for_number(annotation: object, value: object) -> bool:
         inner = get_args(annotation)[-1] if get_args(annotation) else object
         return any(_boolean_for_number(inner, item) for item in value.values())
     return isinstance(value, bool) and annotation in (int, float)
+
+
+def _stripped(secret: SecretStr | None) -> SecretStr | None:
+    """A secret without the whitespace around it, as one read from its file is: a variable set
+    from a file or a secret store often ends in a newline, which no header can carry."""
+    return None if secret is None else SecretStr(secret.get_secret_value().strip())
 
 
 class ServerSettings(_Group):
@@ -129,9 +136,10 @@ class ServerSettings(_Group):
     @field_validator("api_key")
     @classmethod
     def _key_long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        key = _stripped(key)
         if key is not None and len(key.get_secret_value()) < 16:
             # an empty one (an unset variable in a compose file) must not pass for protection
-            raise ValueError("server.api_key must be at least 16 characters")
+            raise ValueError("server.api_key must be at least 16 characters (whitespace around it not counted)")
         return key
 
     @property
@@ -299,15 +307,31 @@ class AdminSettings(_Group):
     token: SecretStr | None = Field(default=None, description="bearer token for /admin (prefer token_file)")
     token_file: Path | None = Field(default=None, description="file holding the bearer token")
     config_watch_s: float = Field(
-        default=2.0, ge=0, le=86_400, description="poll the config file this often and apply batching changes (0: off)"
+        default=2.0,
+        ge=0,
+        le=86_400,
+        description="poll the config file this often and apply batching changes (0: off; else at least 0.1)",
     )
+
+    @field_validator("config_watch_s")
+    @classmethod
+    def _poll_not_busy(cls, seconds: float) -> float:
+        # a poll stats and hashes the file: every 0.1 ms that kept most of a core busy while idle
+        if 0 < seconds < MIN_CONFIG_WATCH_S:
+            raise ValueError(f"admin.config_watch_s must be 0 (off) or at least {MIN_CONFIG_WATCH_S:g} s")
+        return seconds
+
+    @field_validator("token")
+    @classmethod
+    def _token_stripped(cls, token: SecretStr | None) -> SecretStr | None:
+        return _stripped(token)
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> AdminSettings:
         if self.enabled and self.token is None and self.token_file is None:
             raise ValueError("admin.enabled needs admin.token or admin.token_file")
         if self.token is not None and len(self.token.get_secret_value()) < 16:
-            raise ValueError("admin.token must be at least 16 characters")
+            raise ValueError("admin.token must be at least 16 characters (whitespace around it not counted)")
         return self
 
 
@@ -464,8 +488,9 @@ def config_path() -> Path:
     return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
 
 
-FileStamp = tuple[int, int, int, bytes] | None
-"""A file's identity and version: inode, size, mtime in ns and a digest of its bytes; None: absent."""
+FileStamp = tuple[int, int, int, bytes] | str | None
+"""A file's identity and version: inode, size, mtime in ns and a digest of its bytes; a string:
+why it cannot be read (``Permission denied``); None: absent."""
 
 
 def file_stamp(path: Path) -> FileStamp:
@@ -474,8 +499,10 @@ def file_stamp(path: Path) -> FileStamp:
     try:
         stat = path.stat()
         digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):  # a dangling link (a ConfigMap's key removed) too
         return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return stat.st_ino, stat.st_size, stat.st_mtime_ns, digest
 
 

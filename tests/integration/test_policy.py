@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
 import logging
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from app.errors import SchemaError
 from app.policy import PolicyManager
 from app.settings import SettingsError, file_stamp, load_settings, read_settings
 from tests.conftest import SettingsFactory
@@ -153,7 +155,7 @@ def watched_config(make_settings: SettingsFactory, tmp_path: Path, monkeypatch: 
     config.write_text(CONFIG.format(window=12000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     settings = make_settings(
-        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.1}, server={"default_timeout_ms": 60_000}
     )
     return config, settings
 
@@ -312,7 +314,7 @@ async def test_an_edit_while_the_service_starts_is_picked_up(
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     stamp = file_stamp(config)  # what `ai-backend serve` takes as it reads its settings
     settings = make_settings(
-        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.05}, server={"default_timeout_ms": 60_000}
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0.1}, server={"default_timeout_ms": 60_000}
     )
     config.write_text(CONFIG.format(window=12000.0, batch=3))  # edited while torch imports, models load
     os.utime(config, (2, 2))
@@ -364,7 +366,7 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
     with caplog.at_level(logging.WARNING, logger="app.policy"):
         await manager.reload()
     assert [r.getMessage() for r in caplog.records if "need a restart" in r.getMessage()] == [
-        "config changes to ['server'] need a restart; only batching applies live"
+        "config changes to server.max_top_k need a restart (only batching applies live)"
     ]
 
 
@@ -380,8 +382,8 @@ async def test_a_policy_change_while_versions_load_reaches_every_version(
     gate, first_loaded = asyncio.Event(), asyncio.Event()
     real_load = InferenceService._load
 
-    async def slow_load(self: InferenceService, name: str, version: str):  # type: ignore[no-untyped-def]
-        served = await real_load(self, name, version)
+    async def slow_load(self: InferenceService, name: str, version: str, **options: bool):  # type: ignore[no-untyped-def]
+        served = await real_load(self, name, version, **options)
         if version == "1":  # the next version takes its time
             first_loaded.set()
             await gate.wait()
@@ -620,3 +622,113 @@ async def test_a_405_names_every_method_the_path_takes(make_settings: SettingsFa
         assert refused.headers["allow"] == "GET, PUT", "Starlette's named the first route's method only"
         wrong = await running.client.get("/predict")
         assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+
+
+def deny_reading(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``path`` cannot be read, as a file of mode 000 is not to a service without
+    CAP_DAC_OVERRIDE (the tests may run as root, which reads through file modes)."""
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+
+
+async def test_a_config_file_that_cannot_be_read_is_said_so_not_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Start-up says Permission denied; a reload said the file was missing."""
+    config = tmp_path / "service.toml"
+    config.write_text(REVIEWED.format(window=10000.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    manager = PolicyManager(load_settings(server={"default_timeout_ms": 60_000}), lambda b: None)
+    assert file_stamp(config) is not None
+    deny_reading(monkeypatch, config)
+    assert file_stamp(config) == "Permission denied"
+    with caplog.at_level(logging.ERROR, logger="app.policy"), pytest.raises(SchemaError) as refused:
+        await manager.reload(strict=True)  # POST /admin/policy/reload: its 422
+    assert str(refused.value).endswith(f"config file {config} cannot be read: Permission denied")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"config reload refused, the old policy stays: config file {config} cannot be read: Permission denied"
+    ]
+    assert manager.current.normal.max_batch == 8
+
+
+async def test_a_restart_is_asked_for_on_every_reload_while_the_file_differs_from_what_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warning compared with the file's last read: an edit back to the running value warned
+    again, and a restart still pending went unsaid at the next reload."""
+    config = tmp_path / "service.toml"
+    file = "[server]\ndefault_timeout_ms = 60000\nmax_top_k = {top_k}\n[logging]\nlevel = '{level}'\n" + CONFIG
+    config.write_text(file.format(top_k=20, level="INFO", window=12000.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    manager = PolicyManager(read_settings(), lambda b: None)
+
+    async def said(top_k: int, level: str = "INFO", batch: int = 8) -> list[str]:
+        caplog.clear()
+        config.write_text(file.format(top_k=top_k, level=level, window=12000.0, batch=batch))
+        with caplog.at_level(logging.WARNING, logger="app.policy"):
+            await manager.reload(forced=False)
+        return [r.getMessage() for r in caplog.records if "restart" in r.getMessage()]
+
+    pending = "config changes to server.max_top_k need a restart (only batching applies live)"
+    assert await said(top_k=10) == [pending]
+    assert await said(top_k=20) == [], "back to what runs: nothing to restart for"
+    assert await said(top_k=10) == [pending]
+    assert await said(top_k=10, batch=4) == [pending], "still pending at the next reload"
+    assert manager.current.normal.max_batch == 4
+    assert await said(top_k=10, level="DEBUG", batch=4) == [
+        "config changes to server.max_top_k, logging.level need a restart (only batching applies live)"
+    ]
+
+
+LANES = """
+[server]
+default_timeout_ms = 60000
+[batching.normal]
+window_ms = {window}
+max_batch = {batch}
+max_queue = 64
+[batching.urgent]
+window_ms = 2.0
+max_batch = {urgent}
+"""
+
+
+async def test_an_edit_of_the_file_that_a_variable_overrides_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The environment wins over the file (as documented): an edit of a batching value that a
+    variable sets changed nothing, and nothing said so."""
+    config = tmp_path / "service.toml"
+    config.write_text(LANES.format(window=12000.0, batch=8, urgent=16))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "10000")
+    monkeypatch.setenv("AI_SERVICE_BATCHING__URGENT", '{"max_batch": 4}')  # a lane as JSON: the keys it holds
+    manager = PolicyManager(read_settings(), lambda b: None)
+
+    async def said(window: float, batch: int = 8, urgent: int = 16) -> list[str]:
+        caplog.clear()
+        config.write_text(LANES.format(window=window, batch=batch, urgent=urgent))
+        with caplog.at_level(logging.WARNING, logger="app.policy"):
+            await manager.reload(forced=False)
+        return [r.getMessage() for r in caplog.records]
+
+    overridden = "config file edits that the environment overrides do not apply (it wins over the file): "
+    assert await said(window=11000.0) == [
+        overridden + "batching.normal.window_ms (AI_SERVICE_BATCHING__NORMAL__WINDOW_MS)"
+    ]
+    assert manager.current.normal.window_ms == 10000.0
+    assert await said(window=9000.0, batch=4) == [
+        overridden + "batching.normal.window_ms (AI_SERVICE_BATCHING__NORMAL__WINDOW_MS)"
+    ], "the edit that applies is not named"
+    assert manager.current.normal.max_batch == 4
+    assert await said(window=9000.0, batch=2) == [], "no edit of an overridden value"
+    assert await said(window=9000.0, batch=2, urgent=8) == [
+        overridden + "batching.urgent.max_batch (AI_SERVICE_BATCHING__URGENT)"
+    ]
+    assert manager.current.urgent.max_batch == 4

@@ -109,7 +109,7 @@ async def test_a_replica_picks_up_an_edit_made_while_it_starts(tmp_path: Path) -
     own_file.write_text(default)
     os.utime(own_file, (1, 1))
     own, overrides = split_args({"config_file": str(own_file)})
-    test = merge(TEST_DEFAULTS, {"admin": {"config_watch_s": 0.02}})
+    test = merge(TEST_DEFAULTS, {"admin": {"config_watch_s": 0.1}})
     test["batching"] = {}  # the file's batching
     app = replica_app(merge(test, overrides), own.config_file)
     assert app.state.settings.batching.urgent.window_ms == 2.0

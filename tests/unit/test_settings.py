@@ -205,3 +205,52 @@ def test_a_boolean_where_a_number_goes_is_refused(
 def test_a_boolean_is_no_number_in_an_optional_number_or_a_table_of_them(group: dict[str, object]) -> None:
     with pytest.raises(SettingsError, match="not true or false"):
         load_settings(**group)
+
+
+@pytest.mark.parametrize("around", [("", "\n"), ("  ", " \r\n"), ("\t", "")])
+def test_a_secret_from_the_environment_loses_the_whitespace_around_it_as_one_from_a_file_does(
+    monkeypatch: pytest.MonkeyPatch, around: tuple[str, str]
+) -> None:
+    """``AI_SERVICE_ADMIN__TOKEN=$(cat token)`` keeps no newline, but a secret mounted as a
+    variable often does: it passed start-up and no header could carry it (every request 403)."""
+    from app.settings import read_secrets
+
+    before, after = around
+    token, key = "admin-token-0123456789", "api-key-0123456789"
+    monkeypatch.setenv("AI_SERVICE_ADMIN__ENABLED", "true")
+    monkeypatch.setenv("AI_SERVICE_ADMIN__TOKEN", before + token + after)
+    monkeypatch.setenv("AI_SERVICE_SERVER__API_KEY", before + key + after)
+    settings = load_settings()
+    assert read_secrets(settings) == (token.encode(), key.encode())
+    assert settings.admin.token is not None and settings.admin.token.get_secret_value() == token
+
+
+@pytest.mark.parametrize("variable", ["AI_SERVICE_ADMIN__TOKEN", "AI_SERVICE_SERVER__API_KEY"])
+def test_whitespace_around_a_secret_does_not_count_towards_its_16_characters(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    monkeypatch.setenv("AI_SERVICE_ADMIN__ENABLED", "true")
+    monkeypatch.setenv("AI_SERVICE_ADMIN__TOKEN", "admin-token-0123456789")
+    monkeypatch.setenv(variable, "   short-secret \n")  # 18 characters, 12 of them the secret
+    with pytest.raises(SettingsError, match="at least 16 characters"):
+        load_settings()
+
+
+@pytest.mark.parametrize("value", ["0.0001", "0.05", "0.099"])
+def test_a_config_poll_more_often_than_every_tenth_of_a_second_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """A poll stats and hashes the file: every 0.1 ms it kept most of a core busy while idle."""
+    monkeypatch.setenv("AI_SERVICE_ADMIN__CONFIG_WATCH_S", value)
+    with pytest.raises(SettingsError) as refused:
+        load_settings()
+    assert "AI_SERVICE_ADMIN__CONFIG_WATCH_S" in str(refused.value)
+    assert "0 (off) or at least 0.1" in str(refused.value)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("0", 0.0), ("0.1", 0.1), ("2", 2.0)])
+def test_the_config_poll_may_be_off_or_a_tenth_of_a_second_and_more(
+    monkeypatch: pytest.MonkeyPatch, value: str, seconds: float
+) -> None:
+    monkeypatch.setenv("AI_SERVICE_ADMIN__CONFIG_WATCH_S", value)
+    assert load_settings().admin.config_watch_s == seconds
