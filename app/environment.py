@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 # Kubernetes' service links of a Service NAME (upper case, "-" as "_"): NAME_SERVICE_HOST,
 # NAME_SERVICE_PORT[_<port name>], NAME_PORT_<n>_<PROTO>[_PROTO|_PORT|_ADDR], and NAME_PORT,
-# told from a typo such as AI_SERVICE_SERVER_PORT=8080 by its value, a URL (tcp://10.0.0.1:80)
+# told from a typo such as AI_SERVICE_SERVER_PORT=8080 by its value, a URL (tcp://10.0.0.1:80).
+# A Service named "ai" links AI_SERVICE_HOST and AI_SERVICE_PORT (plain values): left out too
 _SERVICE_LINK = re.compile(r"_SERVICE_HOST$|_SERVICE_PORT(_\w+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?$")
 _SERVICE_URL = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
 

@@ -87,8 +87,8 @@ def _edited(
     for key in [*before, *(k for k in after if k not in before)]:
         here = (*location, key)
         old, new = before.get(key), after.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            found += _edited(old, new, here)
+        if isinstance(old, dict) or isinstance(new, dict):  # a table edited, added or removed: its keys
+            found += _edited(old if isinstance(old, dict) else {}, new if isinstance(new, dict) else {}, here)
         elif old != new or (key in before) != (key in after):
             found.append(here)
     return found

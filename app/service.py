@@ -355,11 +355,13 @@ class InferenceService:
             time.perf_counter() - started,
         )
 
-    async def _device_failed(self, label: str, fault: Fault, exc: Exception) -> DeviceUnavailable:
+    async def _device_failed(self, label: str, fault: Fault, line: str) -> DeviceUnavailable:
         """A load the device failed (out of memory beside the versions already loaded, say): the
-        memory it took released, a 503 ``device_unavailable`` (any other error is a bug: 500)."""
-        await self._device_thread.run(functools.partial(release_memory, self.device))
-        log.error("loading %s: the device failed (%s): %s", label, fault.value, fault_line(exc))
+        memory it took released, a 503 ``device_unavailable`` (any other error is a bug: 500).
+        Called once the error is handled and gone: its traceback held the model's frames, and
+        with them the memory to release."""
+        await self.release_unloaded()  # the model sits in reference cycles: collected, then released
+        log.error("loading %s: the device failed (%s): %s", label, fault.value, line)
         return DeviceUnavailable(f"loading {label}: the device failed ({fault.value}); try again later")
 
     async def _warm_up(self, model: LayeredModel, every_thread: bool) -> None:
@@ -383,7 +385,7 @@ class InferenceService:
         if self._late_loads:
             raise Unavailable(
                 f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
-                "the device; another load can start once it ends",
+                "the loader thread; another load can start once it ends",
                 code="model_loading",
                 retry_after_s=max(1, math.ceil(timeout)),
             )
@@ -393,6 +395,8 @@ class InferenceService:
             model = LayeredModel.load(folder, manifest, self.device, self.dtype)
             if self.settings.model.eager_heads:
                 model.load_all_heads()
+            elif self.settings.model.warmup:  # the warm-up's first use: here, not on a device thread
+                model.head()
             model.self_check()
             return model
 
@@ -402,6 +406,7 @@ class InferenceService:
             release=functools.partial(release_memory, self.device),
             on_late_end=functools.partial(self._late_load_ended, label, started, timeout),
         )
+        failed: tuple[Fault, str] | None = None  # the device failed it: released once the error is gone
         try:
             model = await bounded.run(self._loader, timeout)
         except TimeoutError as exc:
@@ -414,18 +419,21 @@ class InferenceService:
         except Exception as exc:
             if (fault := device_fault(exc)) is None:
                 raise
-            raise await self._device_failed(label, fault, exc) from exc
+            failed = fault, fault_line(exc)
         finally:
             if bounded.late:  # timed out or cancelled: a thread cannot be stopped, it ends when it ends
                 self._late_loads.add(label)
-        if self.settings.model.warmup:
+        if failed is None and self.settings.model.warmup:
             try:
                 await self._warm_up(model, every_thread)
             except Exception as exc:
                 if (fault := device_fault(exc)) is None:
                     raise
-                del model
-                raise await self._device_failed(label, fault, exc) from exc
+                failed = fault, fault_line(exc)
+            if failed is not None:
+                del model  # the last reference, now the error's frames are gone: before the release
+        if failed is not None:
+            raise await self._device_failed(label, *failed)
         return model
 
     async def _load(self, name: str, version: str, every_thread: bool = False) -> ServedModel:

@@ -171,7 +171,8 @@ def device_fault(exc: BaseException) -> Fault | None:
     libraries' own (cuBLAS and cuDNN report a failed allocation as ``*_STATUS_ALLOC_FAILED``,
     inside a "CUDA error" when cuBLAS makes its handle). A CUDA error (illegal address, launch
     failure, ECC) leaves the context unusable; so, as far as this server can tell, does any
-    other cuDNN or cuBLAS failure: it is the device's, never the request's.
+    cuBLAS or cuDNN failing to execute, map or initialise (a status about the call's arguments,
+    as ``NOT_SUPPORTED``, is a bug of ours, not the device's).
     """
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return Fault.MEMORY
@@ -195,5 +196,11 @@ def fault_line(exc: BaseException) -> str:
 
 # "can't allocate memory": the CPU's allocator; the statuses: cuBLAS's and cuDNN's
 _OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
-_DEVICE_ERRORS = ("CUDA error", "CUBLAS_STATUS_", "cuDNN error", "CUDNN_STATUS_")
+# the statuses that say the device or the library's state failed, not the call's arguments
+# (NOT_SUPPORTED, INVALID_VALUE, BAD_PARAM: a shape or a batch size, a bug of ours: no fallback)
+_DEVICE_ERRORS = (
+    "CUDA error",
+    *(f"{lib}_STATUS_{what}" for lib in ("CUBLAS", "CUDNN") for what in ("EXECUTION_FAILED", "INTERNAL_ERROR")),
+    *(f"{lib}_STATUS_{what}" for lib in ("CUBLAS", "CUDNN") for what in ("MAPPING_ERROR", "NOT_INITIALIZED")),
+)
 _TELLING = _OUT_OF_MEMORY + _DEVICE_ERRORS

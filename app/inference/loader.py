@@ -299,6 +299,7 @@ class LayeredModel:
                 except ModelLoadError as exc:
                     # its text only: the error itself would keep this batch's frames alive
                     self._failed[name] = reason = str(exc)
+                    self._unreadable.pop(name, None)  # read this time: that reason is no longer the one
                     log.error(
                         "head %s of %s/%s cannot serve: %s", name, self.manifest.name, self.manifest.version, reason
                     )

@@ -116,7 +116,7 @@ class ModelRunner:
         # several device threads may share this runner: one counts at a time, one falls back
         with self._failing:
             if self._generation != generation:  # another batch's failure brought the fallback meanwhile
-                self._compute(batch, batch.retry(), self.model)
+                self._compute(batch, batch.retry(), self.model, part=True)
             else:
                 self.failures += 1
                 if self._fallback is not None and self.failures >= self._fallback_after:
@@ -125,7 +125,7 @@ class ModelRunner:
                 self.failures = 0
                 return batch.answers
         error = DeviceUnavailable(batch.reason)
-        if not batch.computed:
+        if not batch.computed and all(answer is None for answer in batch.answers):
             failed = set(batch.failed)  # the rest were left out, uncomputed: gone, or past their deadline
             error.left_out = tuple(i for i in range(len(images)) if i not in failed)  # type: ignore[attr-defined]
             raise error
@@ -137,8 +137,8 @@ class ModelRunner:
         """Computes what is still wanted of ``indices``; what the device cannot, it marks failed.
 
         An error that is not the device's (a bug) fails the whole batch, unless ``indices`` is a
-        part of it split off after an out-of-memory error: the other part may be answered already,
-        so only this part's images get the error."""
+        part of it (split off after an out-of-memory error, or retried on the fallback): the rest
+        may be answered already, so only this part's images get the error."""
         wanted = batch.now(indices)
         if not wanted:
             return
@@ -157,8 +157,10 @@ class ModelRunner:
                 log.exception(
                     "part of a batch split after running out of memory failed (%d images)", len(wanted), extra=self._ids
                 )
+                failed = BatchFailed("inference failed")
+                failed.logged = True  # the traceback above, once for the images of this part
                 for i in wanted:
-                    batch.answers[i] = BatchFailed("inference failed")
+                    batch.answers[i] = failed
                 return
             log.warning("%s at batch %d: %s", fault.value, len(wanted), fault_line(exc), extra=self._ids)
             self._on_fault(fault)
@@ -216,7 +218,7 @@ class ModelRunner:
         self.degraded = True
         del failed  # nothing else holds it (the service reads the runner's model)
         release_memory(device)
-        self._compute(batch, batch.retry(), fallback)
+        self._compute(batch, batch.retry(), fallback, part=True)
 
 
 class _Batch:

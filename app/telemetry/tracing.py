@@ -173,7 +173,7 @@ def make_exporter(settings: TelemetrySettings) -> SpanExporter | None:
     timeout = settings.export_timeout_s
     if settings.exporter == "none":
         return None
-    if settings.exporter == "console":  # a span a line, as the JSON logs beside it on the same stream
+    if settings.exporter == "console":  # a span a line on stdout, as the JSON logs on stderr: one stream in a container
         return ConsoleSpanExporter(formatter=lambda span: span.to_json(indent=None) + os.linesep)
     if settings.exporter == "otlp_grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter

@@ -25,6 +25,7 @@ from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Provenance
 from app.inference.packaging import sha256_file, write_version
 from app.settings import Settings
+from tests.faults import DeviceLost
 from tests.integration.test_request_ends import Connection
 from tests.lifecycle_support import StuckLoads
 from tests.support import RunningApp, build_settings, running_app, sample_png, truncate_file
@@ -481,7 +482,11 @@ async def test_a_load_the_device_cannot_fit_is_a_503_its_memory_released_and_ser
         add_version(repository, "3")
         real_features, real_warm_up = LayeredModel.features, LayeredModel.warm_up
 
+        loaded: list[weakref.ref[LayeredModel]] = []
+
         def features(model: LayeredModel, images: torch.Tensor) -> torch.Tensor:
+            if model.folder.name == "3":
+                loaded.append(weakref.ref(model))
             if model.folder.name == "3" and during == "self-check":
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
             return real_features(model, images)
@@ -491,14 +496,18 @@ async def test_a_load_the_device_cannot_fit_is_a_503_its_memory_released_and_ser
                 raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
             real_warm_up(model, max_batch, rounds, sizes)
 
-        released: list[str] = []
+        released: list[tuple[str, bool]] = []
+
+        def release(device: torch.device) -> None:  # what the load held is gone by then, or nothing is released
+            released.append((str(device), any(ref() is not None for ref in loaded)))
+
         monkeypatch.setattr(LayeredModel, "features", features)
         monkeypatch.setattr(LayeredModel, "warm_up", warm_up)
-        monkeypatch.setattr("app.service.release_memory", lambda device: released.append(str(device)))
+        monkeypatch.setattr("app.service.release_memory", release)
         refused = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
         assert refused.status_code == 503 and refused.json()["code"] == "device_unavailable", refused.text
         assert refused.headers["Retry-After"] == "5" and "digits/3" in refused.json()["message"]
-        assert released == ["cpu"]
+        assert released == [("cpu", False)] and loaded
         still = await running.predict_png(sample_png(5))
         assert still.status_code == 200 and still.json()["version"] == "2"
         monkeypatch.setattr(LayeredModel, "features", real_features)
@@ -524,6 +533,31 @@ async def test_a_version_that_is_not_the_default_and_fails_shows_in_healthz_with
         assert "cannot run" in models["2", False]["failed_heads"]["classifier"]
         assert models["1", True]["failed_heads"] == {}
         assert (await running.client.get("/readyz")).status_code == 200
+
+
+async def test_a_promotion_is_judged_on_the_precision_the_version_serves_in_after_its_fallback(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Configured fp16 on a GPU, version 2 fell back to the CPU: it serves fp32, and its figures
+    for fp32 are the ones that decide (the gate took the configured precision)."""
+    settings = settings_for(repository, cpu_fallback=True, fallback_after_failures=1)
+    async with running_app(settings) as running:
+        service = running.service
+        monkeypatch.setattr(service, "dtype", torch.float16)
+        candidate = service.groups["digits"].routing.loaded["2"]
+        candidate.runner.model = DeviceLost(candidate.model)  # type: ignore[assignment]
+        pinned = await running.predict_png(sample_png(5), headers={"X-Model-Version": "2"})
+        assert pinned.status_code == 200 and candidate.runner.degraded
+        judged: list[str] = []
+
+        def check_promotion(candidate: object, current: object, precision: str, *margins: float) -> list[str]:
+            judged.append(precision)
+            return []
+
+        monkeypatch.setattr("app.lifecycle.manager.check_promotion", check_promotion)
+        promoted = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
+        assert promoted.status_code == 200, promoted.text
+        assert judged == ["fp32"]
 
 
 async def test_a_lazily_loaded_head_that_fails_turns_the_probes_and_is_not_loaded_again(

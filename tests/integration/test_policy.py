@@ -732,3 +732,14 @@ async def test_an_edit_of_the_file_that_a_variable_overrides_says_so(
         overridden + "batching.urgent.max_batch (AI_SERVICE_BATCHING__URGENT)"
     ]
     assert manager.current.urgent.max_batch == 4
+    # the lanes' tables removed, then added back: each key is an edit, named only where overridden
+    both = overridden + (
+        "batching.normal.window_ms (AI_SERVICE_BATCHING__NORMAL__WINDOW_MS); "
+        "batching.urgent.max_batch (AI_SERVICE_BATCHING__URGENT)"
+    )
+    caplog.clear()
+    config.write_text(LANES.format(window=9000.0, batch=2, urgent=8).split("[batching.normal]")[0])
+    with caplog.at_level(logging.WARNING, logger="app.policy"):
+        await manager.reload(forced=False)
+    assert [r.getMessage() for r in caplog.records] == [both]
+    assert await said(window=8000.0, batch=2, urgent=8) == [both], "not the whole tables: their overridden keys"

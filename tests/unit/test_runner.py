@@ -18,7 +18,7 @@ from opentelemetry import trace
 from torch import nn
 
 from app.batching import Lane
-from app.errors import DeviceUnavailable, Unavailable
+from app.errors import BatchFailed, DeviceUnavailable, Unavailable
 from app.inference.device import DeviceThread, Fault, device_fault, fault_line
 from app.inference.jobs import Job, TracedRunner
 from app.inference.loader import LayeredModel, ModelLoadError
@@ -247,6 +247,8 @@ def test_device_faults_are_told_from_other_errors() -> None:
     assert device_fault(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")) is Fault.MEMORY
     assert device_fault(RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")) is Fault.DEVICE
     assert device_fault(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`")) is Fault.DEVICE
+    assert device_fault(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED")) is None, "the call's, not the device's"
+    assert device_fault(RuntimeError("CUBLAS_STATUS_INVALID_VALUE when calling `cublasSgemm`")) is None
     assert (
         fault_line(RuntimeError(f"The following operation failed in the TorchScript interpreter.\n{cublas}")) == cublas
     )
@@ -300,6 +302,35 @@ def test_a_bug_in_a_half_split_off_fails_that_half_and_keeps_the_answers_of_the_
     whole.sizes = [0, 0]  # the bug at once, on the whole batch: it still fails as a whole
     with pytest.raises(RuntimeError, match="mat1"):
         ModelRunner(whole, device, top_k=3).run_sync(images(model, 2))
+
+
+def test_a_bug_in_one_half_and_no_memory_in_the_other_answer_each_image_its_own_error(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    class Mixed(Faulty):  # out of memory at 2; then a bug in the first half, no memory for the second
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            self.sizes.append(len(images))
+            if len(self.sizes) == 2:
+                raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    answers = ModelRunner(Mixed(model), device, top_k=3).run_sync(images(model, 2))
+    assert [type(a).__name__ for a in answers] == ["BatchFailed", "DeviceUnavailable"], "neither is left out"
+    assert isinstance(answers[0], BatchFailed) and answers[0].logged, "its traceback is logged once, by the runner"
+
+
+def test_a_bug_in_the_fallback_keeps_what_the_device_computed(model: LayeredModel, device: DeviceThread) -> None:
+    batch = images(model, 4)
+    batch[3] = batch[3] + 1.0
+    unfit = Unfit(model, lambda image: bool(torch.equal(image, batch[3])))
+
+    class BuggyFallback(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            raise RuntimeError("a bug in the fallback")
+
+    runner = ModelRunner(unfit, device, top_k=3, fallback=lambda: BuggyFallback(model), fallback_after=1)
+    answers = runner.run_sync(batch)
+    assert [type(a).__name__ for a in answers] == ["TopK", "TopK", "TopK", "BatchFailed"]
 
 
 def test_the_fallback_computes_only_what_the_device_could_not(model: LayeredModel, device: DeviceThread) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from app.errors import Unavailable
+from app.inference import loader
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.service import InferenceService, State
 from app.settings import Settings
@@ -133,6 +134,15 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
         loaded_on.append(threading.current_thread().name)
         return real_load(*args, **kwargs)
 
+    layers_on: list[tuple[str, str]] = []
+    real_layer = loader.load_layer
+
+    def recording_layer(folder: Path, manifest: Any, layer: Any, *args: Any) -> Any:
+        layers_on.append((layer.name, threading.current_thread().name))
+        return real_layer(folder, manifest, layer, *args)
+
+    monkeypatch.setattr(loader, "load_layer", recording_layer)
+
     monkeypatch.setattr(LayeredModel, "warm_up", recording_warm_up)
     monkeypatch.setattr(LayeredModel, "load", recording_load)
     shutil.copytree(repository / "digits" / "1", repository / "digits" / "2")
@@ -152,5 +162,7 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
         assert [(version, sizes) for version, _, _, sizes in warmed] == [("1", (1,)), ("1", (4,)), ("1", (8,))]
         assert {thread for _, thread, _, _ in warmed} <= {"device-0", "device-1"}
         assert loaded_on == ["loader", "loader"], "no load holds a device thread"
+        assert {thread for _, thread in layers_on} == {"loader"}, layers_on
+        assert sorted(layers_on) == [("backbone", "loader"), ("backbone", "loader")] + [("classifier", "loader")] * 2
     finally:
         await service.close(1.0)
