@@ -111,7 +111,7 @@ answered = over["throughput_rps"]
 rss = over.get("server_rss_mb", {})
 errors = ", ".join(f"{k} x{v}" for k, v in sorted(over["errors"].items())) or "none"
 lines = [
-    f"## latency under load: {limit['model']} v{limit['version']}, {limit['limit']['cores']} cores",
+    f"## latency under load: {limit['model']} v{limit['version']}, {limit['limit']['cores']:g} cores",
     "",
     f"- saturation (closed loop, {sat['concurrency']} clients): **{sat['throughput_rps']} requests/s**, "
     f"mean batch {sat['mean_batch_size']}",

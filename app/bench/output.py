@@ -1,0 +1,37 @@
+"""Where the measuring tools write their reports: tried before a run, written after it.
+
+A run takes minutes; an ``--out`` path that cannot be written (a folder in the way, no
+permission, a read-only disk) found only at the end lost the whole run in a traceback. So the
+paths are tried before anything is measured, the report is printed before the files are
+written, and a write that fails all the same (the disk filled meanwhile) is one line on stderr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written, or None. Its missing folders are made (the write would
+    make them) and the file is opened for appending, so a file already there keeps its bytes,
+    and one that was not is removed again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def write_text(path: Path, text: str) -> str | None:
+    """Write ``text`` to ``path``, making its folder; None, or why it could not, in one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
