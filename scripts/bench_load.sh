@@ -121,7 +121,8 @@ lines = [
     f"### 70% of saturation: {steady['rate_rps']} requests/s offered (Poisson), 10% urgent",
     "",
     f"answered {steady['throughput_rps']} requests/s, mean batch {steady['mean_batch_size']} "
-    f"(urgent lane {steady['mean_batch_size_by_lane']['urgent']}, normal {steady['mean_batch_size_by_lane']['normal']}), "
+    f"(by request lane: urgent {steady['mean_batch_size_by_request_lane']['urgent']}, "
+    f"normal {steady['mean_batch_size_by_request_lane']['normal']}), "
     f"errors: {', '.join(f'{k} x{v}' for k, v in steady['errors'].items()) or 'none'}",
     "",
     lanes(steady),
