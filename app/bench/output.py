@@ -8,13 +8,15 @@ written, and a write that fails all the same (the disk filled meanwhile) is one 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 
 def unwritable(path: Path) -> str | None:
-    """Why ``path`` cannot be written, or None. Its missing folders are made (the write would
-    make them) and the file is opened for appending, so a file already there keeps its bytes,
-    and one that was not is removed again."""
+    """Why ``path`` cannot be written, or None. Tried as the write will do it: its missing folders
+    made and the file opened for appending (a file already there keeps its bytes); what the try
+    made is removed again, so a run that fails later leaves nothing behind."""
+    missing = [folder for folder in path.parents if not folder.exists()]  # the deepest first
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         existed = path.exists()
@@ -24,6 +26,10 @@ def unwritable(path: Path) -> str | None:
             path.unlink()
     except OSError as exc:
         return exc.strerror or str(exc)
+    finally:
+        for folder in missing:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return None
 
 

@@ -389,9 +389,11 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_sizes_are_t
     tmp_path: Path, no_model: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """It was a traceback after every size had been timed, and the results were lost."""
-    for flag in ("--out-json", "--out-png"):
+    writable = {"--out-json": str(tmp_path / "s.json"), "--out-png": str(tmp_path / "s.png")}
+    for flag in writable:
+        paths = writable | {flag: str(tmp_path)}  # a folder
         with pytest.raises(SystemExit) as exit_:
-            sw.main(["--model", "m", flag, str(tmp_path)])  # a folder
+            sw.main(["--model", "m", *(part for pair in paths.items() for part in pair)])
         assert exit_.value.code == 2 and flag in capsys.readouterr().err
     assert no_model == [], "nothing was measured"
 
