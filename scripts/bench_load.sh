@@ -111,7 +111,7 @@ answered = over["throughput_rps"]
 rss = over.get("server_rss_mb", {})
 errors = ", ".join(f"{k} x{v}" for k, v in sorted(over["errors"].items())) or "none"
 lines = [
-    f"## latency under load: {limit['model']} v{limit['version']}, {limit['limit']['cores']} cores",
+    f"## latency under load: {limit['model']} v{limit['version']}, {limit['limit']['cores']:g} cores",
     "",
     f"- saturation (closed loop, {sat['concurrency']} clients): **{sat['throughput_rps']} requests/s**, "
     f"mean batch {sat['mean_batch_size']}",
@@ -121,7 +121,8 @@ lines = [
     f"### 70% of saturation: {steady['rate_rps']} requests/s offered (Poisson), 10% urgent",
     "",
     f"answered {steady['throughput_rps']} requests/s, mean batch {steady['mean_batch_size']} "
-    f"(urgent lane {steady['mean_batch_size_by_lane']['urgent']}, normal {steady['mean_batch_size_by_lane']['normal']}), "
+    f"(by request lane: urgent {steady['mean_batch_size_by_request_lane']['urgent']}, "
+    f"normal {steady['mean_batch_size_by_request_lane']['normal']}), "
     f"errors: {', '.join(f'{k} x{v}' for k, v in steady['errors'].items()) or 'none'}",
     "",
     lanes(steady),

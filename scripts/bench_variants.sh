@@ -71,7 +71,7 @@ if rate == "2x":
     )
     line += (
         f"answered {steady['throughput_rps']:.1f}/s = {steady['throughput_rps'] / sat['throughput_rps']:.3f}, "
-        f"mean batch {steady['mean_batch_size_by_lane']}, late {steady.get('ok_past_deadline')} | cores: {threads}"
+        f"mean batch by request lane {steady['mean_batch_size_by_request_lane']}, late {steady.get('ok_past_deadline')} | cores: {threads}"
     )
 else:
     urgent, normal = steady["latency"]["urgent"], steady["latency"]["normal"]

@@ -28,6 +28,26 @@ def _label(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 or value == int(value) else f"{value:g}"
 
 
+def knee_text(rec: dict[str, Any]) -> str:
+    """The knee in words: a curve still rising at the largest size that ran has none, and that
+    size is not called one (it is only where the sweep stopped)."""
+    if rec["knee"] is None:
+        return "knee: none"
+    return f"knee: batch {rec['knee']}" if rec["knee_reached"] else f"no knee up to batch {rec['knee']}"
+
+
+def knee_marks(rec: dict[str, Any]) -> list[tuple[int, str, tuple[int, int, int]]]:
+    """The vertical marks: the knee (or the largest size, when no knee was reached) and the
+    recommendation, as (batch, label, colour); one mark when they are the same size."""
+    knee, chosen = rec["knee"], rec["max_batch"]
+    knee_label = f"knee {knee}" if rec["knee_reached"] else f"no knee up to {knee}"
+    if knee is not None and knee == chosen:
+        both = f"knee = recommended {knee}" if rec["knee_reached"] else f"{knee_label}; recommended {knee}"
+        return [(knee, both, _GREEN)]
+    marks = [(knee, knee_label, _GREEN)] if knee is not None else []
+    return marks + ([(chosen, f"recommended {chosen}", _MUTED)] if chosen is not None else [])
+
+
 class _Chart:
     """Throughput (left axis) and median latency with p90 whiskers (right axis) on a log2 batch axis."""
 
@@ -76,7 +96,7 @@ class _Chart:
         report, rec, (width, _) = self.report, self.report["recommendation"], self.size
         heading = f"{report['model']} v{report['version']} on {report['device']} ({report['dtype']})"
         self.text((width / 2, 18), heading, self.title, _INK, "mt")
-        summary = f"knee: batch {rec['knee']}    recommended max batch: {rec['max_batch']}    torch {report['torch']}"
+        summary = f"{knee_text(rec)}    recommended max batch: {rec['max_batch']}    torch {report['torch']}"
         if not report["memory"]["kind"].startswith("cuda"):
             summary += f", {report['host']['torch_threads']} CPU threads"
         self.text((width / 2, 50), summary, self.body, _MUTED, "mt")
@@ -104,18 +124,13 @@ class _Chart:
             y = self.y(self.budget, self.ms_ticks)
             self.dashed((self.x0, y), (self.x1, y), _ORANGE)
             self.text((self.x1 - 6, y - 4), f"latency budget {self.budget:g} ms", self.small, _ORANGE, "rb")
-        marks = [(rec["knee"], "knee", _GREEN), (rec["max_batch"], "recommended", _MUTED)]
-        if rec["knee"] == rec["max_batch"]:
-            marks = [(rec["knee"], "knee = recommended", _GREEN)]
-        for i, (batch, name, colour) in enumerate(marks):
-            if batch is None:
-                continue
+        for i, (batch, label, colour) in enumerate(knee_marks(rec)):
             x = self.x(batch)
             self.dashed((x, self.y0), (x, self.y1), colour)
             right_half = x > (self.x0 + self.x1) / 2  # label on the side with room
             self.text(
                 (x - 6 if right_half else x + 6, self.y0 + 6 + 22 * i),
-                f"{name} {batch}",
+                label,
                 self.small,
                 colour,
                 "rt" if right_half else "lt",

@@ -1,7 +1,7 @@
 """``ai-backend limit``: what this machine could do for one model with no serving layer at all.
 
 The limit is the CPU time one image costs in the best in-process path, turned into
-images per second for every core the process may use::
+images per second for every CPU the process may use (a fraction under a CPU quota of 1.5)::
 
     limit = cores / (decode_cpu_s + forward_cpu_s)
 
@@ -47,9 +47,10 @@ import torch
 from PIL import Image, ImageDraw, ImageFilter
 
 from app.allocator import retain_freed_memory
+from app.bench.output import unwritable, write_text
 from app.errors import ServiceError
 from app.inference import preprocess
-from app.inference.device import cpu_cores, size_primitive_cache
+from app.inference.device import CpuLimit, cpu_cores, cpu_limit, size_primitive_cache
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec
 from app.settings import ModelSettings, ServerSettings
@@ -69,11 +70,12 @@ PRIMITIVE_CACHE: int = ModelSettings.model_fields["onednn_primitive_cache"].defa
 Clock = Callable[[], float]
 
 
-def cores() -> int:
-    """The cores this process may use, as the service counts them: its affinity mask, capped
+def cores() -> float:
+    """The CPUs this process may use, as the service counts them: its affinity mask, capped
     by a container's CPU quota (counting the mask alone doubled a limit in a 2-core container
-    on a 4-CPU node, and halved its ratio)."""
-    return cpu_cores()
+    on a 4-CPU node, and halved its ratio). A fraction stays one: a quota of 1.5 CPUs does 1.5
+    CPUs' worth of images, where the service, planning whole threads, counts 2 (``cpu_cores``)."""
+    return cpu_limit().cpus
 
 
 def synthetic_photo(seed: int, width: int = 640, height: int = 480, quality: int = 90) -> bytes:
@@ -395,7 +397,7 @@ def measure_every_core(
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")  # torch and fork do not mix
-    count = cores()
+    count = cpu_cores()  # whole processes: on a quota of 1.5 CPUs, two share it
     start, results = context.Barrier(count), context.Queue()
     args = (str(root), name, version, list(encoded), batch_size, seconds, start, results, malloc_retain_mb)
     processes = [context.Process(target=_core_loop, args=args, daemon=True) for _ in range(count)]
@@ -461,26 +463,26 @@ def load_model(root: Path, name: str, version: str | None) -> LayeredModel:
 
 
 def limit_report(
-    decode: DecodeCost,
-    forward_one: Sequence[ForwardCost],
-    forward_default: Sequence[ForwardCost],
-    core_count: int,
+    decode: DecodeCost, forward_one: Sequence[ForwardCost], forward_default: Sequence[ForwardCost], cpus: CpuLimit
 ) -> dict[str, Any]:
-    """The limit from the measured costs: the best batch (one torch thread) plus decode."""
+    """The limit from the measured costs: the best batch (one torch thread) plus decode, for
+    the CPUs the process may use (``cpus``, a fraction under a CPU quota; the report says what set it)."""
     best = min(forward_one, key=lambda r: r.cpu_ms_per_image)
     per_image_ms = decode.total_ms + best.cpu_ms_per_image
     # past the knee the curve is flat within the host's noise, and which size measures best
     # is luck; the largest one within SERVE_BATCH_TOLERANCE of the best serves with the fewest batches
     near = [r.batch_size for r in forward_one if r.cpu_ms_per_image <= best.cpu_ms_per_image * SERVE_BATCH_TOLERANCE]
     return {
-        "cores": core_count,
+        "cores": round(cpus.cpus, 3),
+        "cores_from": cpus.source,
         "decode_cpu_ms": decode.total_ms,
         "forward_cpu_ms": best.cpu_ms_per_image,
         "best_batch": best.batch_size,
         "serve_batch": max(near),
         "cpu_ms_per_image": round(per_image_ms, 4),
-        "images_per_s": round(core_count / (per_image_ms / 1000), 1),
-        "formula": "cores / (decode_cpu_s + forward_cpu_s at the best batch, 1 torch thread)",
+        "images_per_s": round(cpus.cpus / (per_image_ms / 1000), 1),
+        "formula": "cores (the CPUs the process may use, fractional) / "
+        "(decode_cpu_s + forward_cpu_s at the best batch, 1 torch thread)",
         "decode": asdict(decode),
         "forward_1_thread": [asdict(r) for r in forward_one],
         "forward_default_threads": [asdict(r) for r in forward_default],
@@ -493,13 +495,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"## limit: {report['model']} v{report['version']}, {report['images']['count']} images "
         f"{report['images']['width']}x{report['images']['height']} "
-        f"(mean {report['images']['mean_bytes'] / 1024:.0f} KiB), {limit['cores']} cores",
+        f"(mean {report['images']['mean_bytes'] / 1024:.0f} KiB), {limit['cores']:g} cores ({limit['cores_from']})",
         "",
         f"- decode (base64 + preprocess.decode, one thread): {decode['total_ms']:.3f} ms CPU per image "
         f"(base64 {decode['base64_ms']:.3f}, decode {decode['decode_ms']:.3f})",
         f"- forward at the best batch ({limit['best_batch']}, one torch thread): "
         f"{limit['forward_cpu_ms']:.3f} ms CPU per image; the largest batch within 5% of it: {limit['serve_batch']}",
-        f"- **limit: {limit['images_per_s']:.1f} images/s** = {limit['cores']} / {limit['cpu_ms_per_image']:.3f} ms",
+        f"- **limit: {limit['images_per_s']:.1f} images/s** = {limit['cores']:g} / {limit['cpu_ms_per_image']:.3f} ms",
         "",
         "| batch | 1 thread: CPU ms/img | 1 thread: wall ms/img | "
         f"{report['host']['torch_default_threads']} threads: CPU ms/img | wall ms/img |",
@@ -560,7 +562,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host": {
             "machine": platform.machine(),
             "processor": _cpu_model(),
-            "cores": cores(),
+            "cores": round(cores(), 3),
             "torch": torch.__version__,
             "pillow": PIL.__version__,
             "torch_default_threads": default_threads,
@@ -594,16 +596,17 @@ def _measure(
     if default_threads > 1:
         print(f"timing forward, {default_threads} torch threads", file=sys.stderr, flush=True)
         forward_default = measure_forward(model, tensors, args.batch_sizes, default_threads, args.seconds)
-    limit = limit_report(decode, forward_one, forward_default, cores())
+    limit = limit_report(decode, forward_one, forward_default, cpu_limit())
     pipeline = []
     if args.pipeline_seconds > 0:
         print("pipelined run", file=sys.stderr, flush=True)
-        for threads in sorted({1, max(1, cores() - 1), cores()}):
+        whole = cpu_cores()
+        for threads in sorted({1, max(1, whole - 1), whole}):
             result = measure_pipeline(model, encoded, spec, limit["best_batch"], threads, args.pipeline_seconds)
             pipeline.append(asdict(result))
     every_core = None
     if args.every_core_seconds > 0:
-        print(f"every core at once ({cores()} processes)", file=sys.stderr, flush=True)
+        print(f"every core at once ({cpu_cores()} processes)", file=sys.stderr, flush=True)
         every_core = measure_every_core(
             root, args.model, args.version, encoded, limit["best_batch"], args.every_core_seconds, args.malloc_retain_mb
         )
@@ -627,7 +630,9 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ai-backend limit``: 0 on success, 1 when the model or images are missing."""
+    """Entry point of ``ai-backend limit``: 0 on success; 1 when the model or images are missing, or when
+    the report could not be written (it is printed first); 2 for bad arguments, an ``--out`` that
+    cannot be written among them."""
     parser = argparse.ArgumentParser(prog="ai-backend limit", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--repository", type=Path, help="model repository (exported into when the model is absent; default: a temp dir)"
@@ -667,14 +672,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --count >= 1, 0 < --seconds <= 120 and 0 <= --pipeline-seconds, --every-core-seconds <= 120")
     if not 0 <= args.malloc_retain_mb <= RETAIN_MAX_MB:  # glibc takes a C int of bytes
         parser.error(f"need 0 <= --malloc-retain-mb <= {RETAIN_MAX_MB}, as server.malloc_retain_mb")
+    if (why := unwritable(args.out)) is not None:  # before minutes of measuring, not after
+        parser.error(f"--out {args.out}: {why}")
     try:
         report = run(args)
     except (LookupError, OSError, ValueError, RuntimeError, ServiceError) as exc:  # an image the service refuses
         print(f"ai-backend limit: {exc}", file=sys.stderr)
         return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
+    if (why := write_text(args.out, json.dumps(report, indent=2) + "\n")) is not None:
+        print(f"ai-backend limit: could not write {args.out}: {why}", file=sys.stderr)
+        return 1
     print(f"\nwrote {args.out}")
     return 0
 

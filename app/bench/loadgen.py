@@ -13,6 +13,10 @@ through several images; ``--server-pid`` adds where the CPU went in the measured
 the server's, the client's and everything else's, per request and in cores; and, per group of
 the server's threads (event loop, decode, device), the cores each used and the cores' worth of
 time it was runnable but kept waiting for one (``server_threads``, Linux schedstat).
+
+Exit status: 0; 1 when nothing answers at the URL, when no request sent in the measured window
+succeeded (a run of errors is not a measurement), or when ``--out`` could not be written (the
+report is printed first); 2 for arguments that are wrong or could not be bounded.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from app.bench import rawhttp
+from app.bench.output import unwritable, write_text
 from app.bench.threads import Scheduled, sched_report, thread_sched
+from app.settings import ServerSettings
 
 DEFAULT_IMAGE = Path("models/digits/samples/digit_3.png")
 IMAGE_SUFFIXES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
@@ -60,6 +66,18 @@ class Sample:
     counted: bool  # sent inside the measured window: its latency counts
     timings_ms: dict[str, float] | None = None  # the server's own stages (preprocess, queue, ...)
     finished: float = 0.0  # time.perf_counter() at its answer: throughput counts answers inside the window
+    lag_s: float | None = None  # open loop: how long after its scheduled arrival the client sent it
+
+    @property
+    def ok(self) -> bool:
+        """A success: a 200 whose body is a JSON object (a 200 that is not has the code ``non_json``)."""
+        return self.status == 200 and self.code is None
+
+    @property
+    def sent_at(self) -> float:
+        """When the client sent it (``time.perf_counter()``): latency counts from its scheduled
+        arrival in open loop, and the client sent it ``lag_s`` after that."""
+        return self.finished - self.latency_s + (self.lag_s or 0.0)
 
 
 @dataclass
@@ -148,27 +166,83 @@ def _threads(server_pid: int | None) -> dict[int, Scheduled] | None:
     return None
 
 
-def is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
+@dataclass(frozen=True)
+class Target:
+    """The service, from ``--url``: the host and port the URL names (the ``Host`` header says
+    them) and the loopback address every connection goes to, resolved once."""
+
+    host: str
+    port: int
+    address: str
+
+    @property
+    def authority(self) -> str:
+        """``host:port`` for the ``Host`` header: never the URL's user information."""
+        return f"{_bracketed(self.host)}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The URL of the resolved address, for httpx (which would otherwise resolve the name again)."""
+        return f"http://{_bracketed(self.address)}:{self.port}"
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """The host and port of ``url``, an ``http://HOST[:PORT]`` URL; ``ValueError`` says what is wrong."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        parts = urlsplit(url)
+        port = parts.port  # raises for a port that is not a number from 0 to 65535
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a URL ({exc})") from None
+    if parts.scheme != "http":
+        raise ValueError(f"{url!r}: only http:// is supported")
+    if not parts.hostname:
+        raise ValueError(f"{url!r} names no host")
+    if port == 0:
+        raise ValueError(f"{url!r}: port 0 cannot be connected to")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: give the server only (http://HOST[:PORT]); the paths are the service's own")
+    return parts.hostname, port or 80
+
+
+def loopback_addresses(host: str) -> list[str]:
+    """Every address ``host`` resolves to, all of them loopback ones, else ``ValueError``. A name
+    is resolved, not trusted: ``/etc/hosts`` may send ``localhost`` off the machine."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"{host} does not resolve: {exc}") from None
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
+    elsewhere = [a for a in addresses if not ipaddress.ip_address(a.partition("%")[0]).is_loopback]
+    if elsewhere or not addresses:
+        raise ValueError(f"{host} resolves to {', '.join(elsewhere or ['nothing'])}, not a loopback address")
+    return addresses
+
+
+def is_loopback(url: str) -> bool:
+    """Whether every address ``url``'s host resolves to is a loopback one."""
+    try:
+        return bool(loopback_addresses(urlsplit(url).hostname or ""))
     except ValueError:
         return False
 
 
-def reachable(url: str, timeout_s: float = 5.0) -> str | None:
-    """None when something listens at ``url``'s host and port; else why not. Checked before a
-    run: against a closed port every request fails at once, and the clients spin through
-    tens of thousands of refused connections a second."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
-            return None
-    except OSError as exc:
-        return f"nothing answers at {url}: {exc.strerror or exc}"
+def reachable(addresses: Sequence[str], port: int, timeout_s: float = 5.0) -> tuple[str | None, str]:
+    """The first of ``addresses`` where something listens on ``port``, or None and why not. Checked
+    before a run: against a closed port every request fails at once, and the clients spin through
+    tens of thousands of refused connections a second. ``localhost`` may resolve to ``::1`` and
+    ``127.0.0.1`` with the server on one only: the run then sends to that one."""
+    why = "no address"
+    for address in addresses:
+        try:
+            with socket.create_connection((address, port), timeout=timeout_s):
+                return address, ""
+        except OSError as exc:
+            why = f"{exc.strerror or exc}"
+    return None, why
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -181,50 +255,61 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(1, min(len(ordered), rank)) - 1]
 
 
-def _payload(status: int, body: bytes) -> dict[str, Any]:
-    """An answer's JSON object. An error answer that is not JSON (a proxy's, a balancer's)
-    keeps its status, with the code ``non_json``; a 200 that is not is a failed request."""
+def _outcome(status: int, body: bytes) -> tuple[str | None, dict[str, Any]]:
+    """An answer's error code (None: a success) and its JSON object. An answer that is not a JSON
+    object (a proxy's, a balancer's, a broken server's) keeps its status, with the code
+    ``non_json``: a 200 too, which is then a failed request the server answered, not the client's."""
     try:
         payload = json.loads(body)
     except ValueError:
         payload = None
-    if isinstance(payload, dict):
-        return payload
-    if status == 200:
-        raise ValueError("the answer is not a JSON object")
-    return {"code": "non_json"}
+    if not isinstance(payload, dict):
+        return "non_json", {}
+    return (None if status == 200 else str(payload.get("code"))), payload
+
+
+def _error_code(exc: BaseException) -> str:
+    """A failed request's code: ``connection_closed`` when the server closed the connection
+    after the request was written and before a byte of its answer, else the error's type."""
+    return "connection_closed" if isinstance(exc, rawhttp.ConnectionClosed) else type(exc).__name__
 
 
 async def _send(send: Send, number: int, urgent: bool, run: Run, scheduled: float | None = None) -> None:
     """Send one request and record its sample. Open loop passes the arrival it was
     ``scheduled`` for: its latency counts from then, so a client that fell behind its
-    schedule shows as latency, not as requests that never waited (coordinated omission)."""
+    schedule shows as latency, not as requests that never waited (coordinated omission);
+    how far behind it sent is recorded too, so that the report can say whose delay it was."""
     lane = "urgent" if urgent else "normal"
-    started = time.perf_counter() if scheduled is None else scheduled
+    now = time.perf_counter()
+    started = now if scheduled is None else scheduled
+    lag = None if scheduled is None else now - scheduled
     try:
         status, body = await send(number, urgent)
-        payload = _payload(status, body)
+        code, payload = _outcome(status, body)
     except (OSError, EOFError, TimeoutError, httpx.HTTPError, rawhttp.HttpProtocolError, ValueError) as exc:
-        status, payload = 0, {"code": type(exc).__name__}
+        status, code, payload = 0, _error_code(exc), {}
     except asyncio.CancelledError:  # still unanswered when the run ended: sent, so it counts
-        status, payload = 0, {"code": "unanswered"}
-        _record(run, lane, started, status, payload)
+        _record(run, lane, started, 0, "unanswered", {}, lag)
         raise
-    _record(run, lane, started, status, payload)
+    _record(run, lane, started, status, code, payload, lag)
 
 
-def _record(run: Run, lane: str, started: float, status: int, payload: dict[str, Any]) -> None:
+def _record(
+    run: Run, lane: str, started: float, status: int, code: str | None, payload: dict[str, Any], lag: float | None
+) -> None:
     ended = time.perf_counter()
+    timings = payload.get("timings") if code is None else None
     run.samples.append(
         Sample(
             lane,
             ended - started,
             status,
-            None if status == 200 else str(payload.get("code")),
-            payload.get("batch_size") if status == 200 else None,
+            code,
+            payload.get("batch_size") if code is None else None,
             started >= run.measured_from,
-            payload.get("timings") if status == 200 and isinstance(payload.get("timings"), dict) else None,
+            timings if isinstance(timings, dict) else None,
             ended,
+            lag,
         )
     )
 
@@ -277,15 +362,49 @@ async def open_loop(
     await asyncio.gather(*tasks, return_exceptions=True)  # each records itself as unanswered
 
 
+LAG_WARNING_MS = 5.0  # open loop: a p99 send lag above this is the client's own delay, not the server's
+
+
+def schedule_report(run: Run) -> dict[str, Any]:
+    """Open loop: how late the client sent against its schedule (actual - scheduled send time,
+    over the requests scheduled in the window), and the rate it really offered in the window
+    (requests it sent in it, by the time it sent them). Latency counts from the scheduled
+    arrival, so when the client falls behind (its own CPU the bottleneck) the lag is charged to
+    the server as latency: these two say when that happened."""
+    lags = [s.lag_s * 1000 for s in run.samples if s.counted and s.lag_s is not None]
+    sent = sum(1 for s in run.samples if s.lag_s is not None and run.measured_from <= s.sent_at <= run.ended)
+    return {
+        "send_lag_ms": {
+            "p50": round(percentile(lags, 50), 3),
+            "p99": round(percentile(lags, 99), 3),
+            "max": round(max(lags, default=0.0), 3),
+        },
+        "offered_rps": round(sent / max(1e-9, run.ended - run.measured_from), 2),
+    }
+
+
+def behind_schedule(report: dict[str, Any]) -> str | None:
+    """A warning line when an open-loop client sent late enough to distort the latencies, else None."""
+    lag = report.get("send_lag_ms")
+    if lag is None or lag["p99"] <= LAG_WARNING_MS:
+        return None
+    return (
+        f"warning: the client fell behind its schedule (send lag p50 {lag['p50']:g}, p99 {lag['p99']:g}, "
+        f"max {lag['max']:g} ms; offered {report['offered_rps']:g} of {report.get('rate_rps', '?')} requests/s): "
+        "latency counts from the scheduled send, so the client's own lag reads as the server's latency"
+    )
+
+
 def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = None) -> dict[str, Any]:
     """The report: throughput, latency percentiles per lane (answers, and 503 refusals),
-    errors, mean batch size, answers later than their deadline, the server's memory."""
+    errors, mean batch size, answers later than their deadline, the server's memory, and in
+    open loop how far the client fell behind its schedule."""
     counted = [s for s in run.samples if s.counted]
-    ok = [s for s in counted if s.status == 200]
+    ok = [s for s in counted if s.ok]
     refused = [s for s in counted if s.status == 503]
     window = max(1e-9, run.ended - run.measured_from)
     # answers that came inside the window, whenever sent: what the server got through in it
-    answered = sum(1 for s in run.samples if s.status == 200 and run.measured_from <= s.finished <= run.ended)
+    answered = sum(1 for s in run.samples if s.ok and run.measured_from <= s.finished <= run.ended)
 
     def latencies(samples: list[Sample]) -> dict[str, float | int]:
         values = [s.latency_s * 1000 for s in samples]
@@ -328,11 +447,13 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
         extra["ok_past_deadline"] = sum(1 for s in ok if s.latency_s * 1000 > deadline_ms)
     if run.rss_mb:
         extra["server_rss_mb"] = memory_summary(run.rss_mb)
+    if any(s.lag_s is not None for s in run.samples):
+        extra.update(schedule_report(run))
     return {
         **settings,
         "measured_s": round(window, 3),
-        "sent": run.sent,
-        "requests": len(counted),
+        "sent_with_warmup": run.sent,
+        "sent_in_window": len(counted),
         "ok": len(ok),
         "throughput_rps": round(answered / window, 2),
         "latency": {
@@ -341,9 +462,11 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
             "normal": latencies([s for s in ok if s.lane == "normal"]),
             "refused": latencies(refused),
         },
-        "errors": dict(Counter(f"{s.status}:{s.code}" for s in counted if s.status != 200)),
+        "errors": dict(Counter(f"{s.status}:{s.code}" for s in counted if not s.ok)),
         "mean_batch_size": mean_batch(ok),
-        "mean_batch_size_by_lane": {
+        # by the lane each request asked for: a normal request that rode an urgent batch counts
+        # that batch's size under normal (the answer does not say which lane its batch ran in)
+        "mean_batch_size_by_request_lane": {
             lane: mean_batch([s for s in ok if s.lane == lane]) for lane in ("urgent", "normal")
         },
         **extra,
@@ -373,18 +496,15 @@ def _headers(urgent: bool, deadline_ms: float | None = None) -> dict[str, str]:
 
 
 def raw_sender(
-    url: str, path: str, bodies: Sequence[bytes], timeout: float, deadline_ms: float | None = None
+    target: Target, path: str, bodies: Sequence[bytes], timeout: float, deadline_ms: float | None = None
 ) -> tuple[Send, rawhttp.Pool]:
     """A ``Send`` over a pool of raw keep-alive connections, every request's bytes built now."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    authority = parts.netloc
     requests = {
-        (index, urgent): rawhttp.build_request("POST", authority, path, _headers(urgent, deadline_ms), body)
+        (index, urgent): rawhttp.build_request("POST", target.authority, path, _headers(urgent, deadline_ms), body)
         for index, body in enumerate(bodies)
         for urgent in (False, True)
     }
-    pool = rawhttp.Pool(host, port)
+    pool = rawhttp.Pool(target.address, target.port)
 
     async def send(number: int, urgent: bool) -> tuple[int, bytes]:
         async with asyncio.timeout(timeout):
@@ -395,12 +515,16 @@ def raw_sender(
 
 
 def httpx_sender(
-    client: httpx.AsyncClient, path: str, bodies: Sequence[bytes], deadline_ms: float | None = None
+    client: httpx.AsyncClient, path: str, bodies: Sequence[bytes], timeout: float, deadline_ms: float | None = None
 ) -> Send:
-    """A ``Send`` through httpx."""
+    """A ``Send`` through httpx, each request bounded by ``timeout`` as a whole: httpx's own
+    timeout bounds each read, and a server sending a byte now and then never trips it."""
 
     async def send(number: int, urgent: bool) -> tuple[int, bytes]:
-        response = await client.post(path, content=bodies[number % len(bodies)], headers=_headers(urgent, deadline_ms))
+        async with asyncio.timeout(timeout):
+            response = await client.post(
+                path, content=bodies[number % len(bodies)], headers=_headers(urgent, deadline_ms)
+            )
         return response.status_code, response.content
 
     return send
@@ -448,18 +572,27 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
     bodies = json_bodies(images)
     path = f"/v1/models/{args.model}/predict" if args.model else "/predict"
     run = Run()
+    target: Target = args.target
     if args.client == "raw":
-        send, pool = raw_sender(args.url, path, bodies, args.timeout, args.deadline_ms)
+        send, pool = raw_sender(target, path, bodies, args.timeout, args.deadline_ms)
         try:
             mode = await _drive(send, args, run)
         finally:
             pool.close()
         mode["connections"] = pool.size
+        mode["retried"] = pool.retried
     else:
         limits = httpx.Limits(max_connections=max(args.concurrency, 64) if args.rate is None else 1000)
-        # trust_env=False: a proxy in the environment would take the load off loopback
-        async with httpx.AsyncClient(base_url=args.url, limits=limits, timeout=args.timeout, trust_env=False) as client:
-            mode = await _drive(httpx_sender(client, path, bodies, args.deadline_ms), args, run)
+        # trust_env=False: a proxy in the environment would take the load off loopback; the
+        # resolved address, so that the name is not resolved again, and the URL's Host header
+        async with httpx.AsyncClient(
+            base_url=target.base_url,
+            headers={"Host": target.authority},
+            limits=limits,
+            timeout=args.timeout,
+            trust_env=False,
+        ) as client:
+            mode = await _drive(httpx_sender(client, path, bodies, args.timeout, args.deadline_ms), args, run)
     settings = {
         **mode,
         "client": args.client,
@@ -481,6 +614,33 @@ def event_loop_run(work: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(work)
     return uvloop.run(work)
+
+
+MAX_DEADLINE_MS: int = ServerSettings.model_fields["max_timeout_ms"].default  # what the service accepts
+
+
+def _deadline_accepted(deadline_ms: float) -> bool:
+    """Whether the service takes ``deadline_ms`` as sent (rounded to whole milliseconds): it
+    answers 400 to an X-Request-Timeout outside 1..server.max_timeout_ms, to every request."""
+    return math.isfinite(deadline_ms) and 1 <= round(deadline_ms) <= MAX_DEADLINE_MS
+
+
+def _report(report: dict[str, Any], out: Path | None) -> int:
+    """Print the report (then a warning if the client fell behind its schedule) and write it to
+    ``out``. 1 when no request in the window succeeded or the file could not be written."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if (warning := behind_schedule(report)) is not None:
+        print(f"ai-backend bench: {warning}", file=sys.stderr)
+    code = 0
+    if not report["ok"]:
+        errors = ", ".join(f"{key} x{count}" for key, count in report["errors"].items()) or "none sent"
+        print(f"ai-backend bench: no request in the measured window succeeded ({errors})", file=sys.stderr)
+        code = 1
+    if out is not None and (why := write_text(out, text + "\n")) is not None:
+        print(f"ai-backend bench: could not write {out}: {why}", file=sys.stderr)
+        code = 1
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,31 +665,38 @@ def main(argv: list[str] | None = None) -> int:
         "--deadline-ms", type=float, help="send X-Request-Timeout; count answers that came later than it"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the JSON report here")
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)
-    if not is_loopback(args.url):
-        parser.error("--url must point at a loopback address (127.0.0.0/8, ::1 or localhost)")
+    try:
+        host, port = parse_url(args.url)
+    except ValueError as exc:
+        parser.error(f"--url {exc}")
+    try:
+        addresses = loopback_addresses(host)
+    except ValueError as exc:
+        parser.error(f"--url must point at a loopback address (127.0.0.0/8, ::1 or localhost): {exc}")
     if not 0 < args.duration <= 600 or not 0 <= args.warmup <= 600 or not 0 <= args.urgent_fraction <= 1:
         parser.error("need 0 < duration <= 600, 0 <= warmup <= 600 and 0 <= urgent-fraction <= 1")
     if args.rate is not None and not 0 < args.rate <= 100_000:
         parser.error("need 0 < rate <= 100000 arrivals a second")
     if args.concurrency < 1 or args.requests < 1 or not 0 < args.timeout <= 600:
         parser.error("need concurrency >= 1, requests >= 1 and 0 < timeout <= 600")
+    if args.deadline_ms is not None and not _deadline_accepted(args.deadline_ms):
+        parser.error(f"need 1 <= --deadline-ms <= {MAX_DEADLINE_MS} (as the service's X-Request-Timeout)")
     if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
         parser.error(f"--server-pid {args.server_pid}: no such process (or no /proc)")
+    if args.out is not None and (why := unwritable(args.out)) is not None:
+        parser.error(f"--out {args.out}: {why}")
     try:
         images = load_images(Path(args.image), args.images)
     except OSError as exc:
         parser.error(str(exc))
-    if (unreachable := reachable(args.url)) is not None:
-        print(f"ai-backend bench: {unreachable}", file=sys.stderr)
+    address, why = reachable(addresses, port)
+    if address is None:
+        print(f"ai-backend bench: nothing answers at {args.url}: {why}", file=sys.stderr)
         return 1
-    report = event_loop_run(bench(args, images))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    args.target = Target(host, port, address)
+    return _report(event_loop_run(bench(args, images)), args.out)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ times more CPU per request than this one, and that CPU comes out of the service'
 Here a request is bytes built once (keep-alive, ``Content-Length``) and written as is; a
 response is its status line, its headers and a body delimited by ``Content-Length``,
 chunked transfer coding, or the connection's end. Anything else fails loudly.
+
+A request is never sent twice: a server that closes the connection after the request was
+written may have read it (and run it), so that is an error (``ConnectionClosed``), not a retry.
+Only a kept-alive connection found closed before the write is replaced, and that is counted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ MAX_HEAD_BYTES = 64 * 1024
 
 class HttpProtocolError(Exception):
     """The server sent something this client does not understand."""
+
+
+class ConnectionClosed(ConnectionError):
+    """The server closed the connection after the request was written, before a byte of its
+    answer: it may have read the request, so it is a failed request and is not sent again."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,10 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[ResponseHead, byt
         head = parse_head(await reader.readuntil(b"\r\n\r\n"))
     except asyncio.LimitOverrunError as exc:
         raise HttpProtocolError(f"response head longer than {MAX_HEAD_BYTES} bytes") from exc
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:  # part of an answer, then the end: a broken answer, not a closed connection
+            raise
+        raise ConnectionClosed("the server closed the connection without answering") from None
     if head.chunked:
         body = await _read_chunked(reader)
     elif head.content_length is not None:
@@ -114,33 +127,40 @@ class Connection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self.opened = 0
+        self.retried = 0  # requests that found this connection closed before their write, and reopened it
 
     async def request(self, data: bytes) -> tuple[ResponseHead, bytes]:
         """Send ``data`` (a whole request) and read the response.
 
-        On any error the connection is closed (the next request reopens it) and the error raised,
-        except on a kept-alive connection that the server closed while it sat idle (closed before
-        a byte of the answer came): there the request is sent once more on a fresh connection, as
-        HTTP clients do, since the server never read it.
+        On any error the connection is closed (the next request reopens it) and the error raised.
+        A kept-alive connection that the server closed while it sat idle (an idle timeout) is
+        known by its end of stream, already received before anything is written: the request
+        then goes on a fresh connection (counted in ``retried``), since it was never sent. An end
+        of stream that comes after the write is not retried: the server may have read the request.
         """
-        reused = self._writer is not None
+        if self._closed_while_idle():
+            self.close()
+            self.retried += 1
         if self._writer is None or self._reader is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=MAX_HEAD_BYTES)
             self.opened += 1
         try:
             self._writer.write(data)
             head, body = await read_response(self._reader)
-        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
-            self.close()
-            if reused and not (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
-                return await self.request(data)
-            raise
         except BaseException:
             self.close()
             raise
         if not head.keep_alive:
             self.close()
         return head, body
+
+    def _closed_while_idle(self) -> bool:
+        """Whether the server ended (or reset) this open connection between requests. The
+        event loop reads a connection's end of stream as it arrives, whether or not anyone
+        waits on it, so one that came while the connection sat in the pool is seen here."""
+        if self._reader is None or self._writer is None:
+            return False
+        return self._reader.at_eof() or self._reader.exception() is not None or self._writer.is_closing()
 
     def close(self) -> None:
         if self._writer is not None:
@@ -154,14 +174,25 @@ class Pool:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self._idle: list[Connection] = []
-        self.size = 0
+        self._every: list[Connection] = []
+
+    @property
+    def size(self) -> int:
+        """Connections opened side by side at most: one per request in flight."""
+        return len(self._every)
+
+    @property
+    def retried(self) -> int:
+        """Requests that found their kept-alive connection closed by the server before their
+        write and went on a fresh one instead (never a request the server may have read)."""
+        return sum(connection.retried for connection in self._every)
 
     async def request(self, data: bytes) -> tuple[ResponseHead, bytes]:
         if self._idle:
             connection = self._idle.pop()
         else:
             connection = Connection(self.host, self.port)
-            self.size += 1
+            self._every.append(connection)
         try:
             return await connection.request(data)
         finally:

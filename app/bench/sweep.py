@@ -32,7 +32,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from app.bench.chart import PLOT_SIZE, plot
+from app.bench.chart import PLOT_SIZE, knee_text, plot
+from app.bench.output import unwritable, write_text
 from app.inference.device import Fault, cpu_cores, device_fault, plan_threads
 
 MIB = 2**20
@@ -300,10 +301,11 @@ def markdown(report: dict[str, Any]) -> str:
         "| batch | iters | median ms | p90 ms | items/s | " + " | ".join(memory_columns) + " | note |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    knee_note = "knee" if rec["knee_reached"] else "no knee up to here"
     for row in report["sizes"]:
         size = row["batch_size"]
         notes = [
-            word for word, hit in (("knee", size == rec["knee"]), ("recommended", size == rec["max_batch"])) if hit
+            word for word, hit in ((knee_note, size == rec["knee"]), ("recommended", size == rec["max_batch"])) if hit
         ]
         if row["status"] == "oom":
             lines.append(f"| {size} | - | - | - | - | - | - | OUT OF MEMORY |")
@@ -316,7 +318,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"memory: {report['memory']['description']}",
-        f"knee: {rec['knee']}; recommended max batch: {rec['max_batch']} ({rec['reason']})",
+        f"{knee_text(rec)}; recommended max batch: {rec['max_batch']} ({rec['reason']})",
     ]
     return "\n".join(lines)
 
@@ -409,7 +411,9 @@ def _run(args: argparse.Namespace, model: Any, load_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ai-backend sweep``: 0 when at least one size ran, 1 otherwise."""
+    """Entry point of ``ai-backend sweep``: 0 when at least one size ran; 1 when none did, or when the
+    report could not be written (the table is printed first); 2 for bad arguments, an output path
+    that cannot be written among them."""
     parser = argparse.ArgumentParser(prog="ai-backend sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repository", type=Path, default=Path("models"), help="model repository root (models)")
     parser.add_argument("--model", help="model name (default: the repository's only model)")
@@ -446,13 +450,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     args.out_json = args.out_json or Path(f"out/sweep-{args.model}.json")
     args.out_png = args.out_png or Path(f"out/sweep-{args.model}.png")
+    for flag, path in (("--out-json", args.out_json), ("--out-png", args.out_png)):
+        if (why := unwritable(path)) is not None:  # before the sizes are timed, not after
+            parser.error(f"{flag} {path}: {why}")
     report = _run(args, model, load_s)
-    plot(report, args.out_png)
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
+    if (why := _write(report, args.out_json, args.out_png)) is not None:
+        print(f"ai-backend sweep: {why}", file=sys.stderr)
+        return 1
     print(f"\nwrote {args.out_json} and {args.out_png}")
     return 0 if report["recommendation"]["knee"] is not None else 1
+
+
+def _write(report: dict[str, Any], out_json: Path, out_png: Path) -> str | None:
+    """Write the JSON report and the plot; None, or which could not be written and why."""
+    if (why := write_text(out_json, json.dumps(report, indent=2) + "\n")) is not None:
+        return f"could not write {out_json}: {why}"
+    try:
+        plot(report, out_png)
+    except OSError as exc:
+        return f"could not write {out_png}: {exc.strerror or exc}"
+    return None
 
 
 if __name__ == "__main__":

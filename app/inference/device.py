@@ -103,20 +103,85 @@ def plan_threads(
     return Threads(workers, intra_op or max(1, cores // workers), decode, urgent)
 
 
-def cpu_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
-    """The cores this process may use: its affinity mask (e.g. a cpuset), capped by a cgroup v2
-    CPU quota (a container's CPU limit), which the affinity mask does not show."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+OWN_CGROUP = Path("/proc/self/cgroup")
+
+
+@dataclass(frozen=True)
+class CpuLimit:
+    """The CPUs this process may use, a fraction where a CPU quota sets it, and what set it."""
+
+    cpus: float
+    source: str
+
+
+def _own_cgroups(own: Path) -> tuple[str, list[tuple[str, str]]]:
+    """This process's cgroup v2 path and its v1 ``cpu`` controller's (mount folder, path) pairs,
+    from ``/proc/self/cgroup``; the hierarchies' roots when it cannot be read."""
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+        lines = own.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2, v1 = "/", [("cpu", "/")]
+    for line in lines:
+        controllers, found, path = line.partition(":")[2].partition(":")  # "ID:CONTROLLERS:PATH"
+        if not found:
+            continue
+        if not controllers:
+            v2 = path or "/"
+        elif "cpu" in controllers.split(","):  # mounted at cpu/ or at cpu,cpuacct/ (one a link to the other)
+            v1 = list(dict.fromkeys([("cpu", path), (controllers, path)]))
+    return v2, v1
+
+
+def _upwards(base: Path, path: str) -> list[Path]:
+    """``base/path`` and every folder above it up to ``base``: a parent's quota caps its children,
+    and inside a container's cgroup namespace its own cgroup is the root it sees."""
+    parts = [part for part in path.split("/") if part not in ("", ".", "..")]
+    return [base.joinpath(*parts[:end]) for end in range(len(parts), -1, -1)]
+
+
+def _quota_v2(folder: Path) -> CpuLimit | None:
     try:
-        quota, period = cgroup.read_text().split()[:2]
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
-        return cores
-    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
-        return cores
-    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+        return None
+    if not quota.isdigit() or not period.isdigit() or int(quota) == 0 or int(period) == 0:
+        return None  # "max": no quota
+    return CpuLimit(int(quota) / int(period), f"cgroup v2 {folder / 'cpu.max'}: {quota} / {period}")
+
+
+def _quota_v1(folder: Path) -> CpuLimit | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    if quota <= 0 or period <= 0:
+        return None  # -1: no quota
+    return CpuLimit(quota / period, f"cgroup v1 {folder / 'cpu.cfs_quota_us'}: {quota} / {period}")
+
+
+def cpu_limit(root: Path = CGROUP_ROOT, own: Path = OWN_CGROUP) -> CpuLimit:
+    """The CPUs this process may use: the smallest of its affinity mask (e.g. a cpuset) and the
+    CPU quotas of its cgroups (a container's CPU limit, which the mask does not show), v2
+    (``cpu.max``) or v1 (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), from the process's own
+    cgroup (``/proc/self/cgroup``) up to the root. A quota is a share of time, so it may be a
+    fraction: 1.5 CPUs is 1.5 CPU-seconds a second, spread over any number of threads."""
+    try:
+        found = CpuLimit(float(len(os.sched_getaffinity(0))), "affinity mask")
+    except AttributeError:  # not on Linux
+        found = CpuLimit(float(os.cpu_count() or 1), "os.cpu_count()")
+    v2, v1 = _own_cgroups(own)
+    quotas = [_quota_v2(folder) for folder in _upwards(root, v2)]
+    quotas += [_quota_v1(folder) for mount, path in v1 for folder in _upwards(root / mount, path)]
+    return min([found, *(quota for quota in quotas if quota is not None)], key=lambda limit: limit.cpus)
+
+
+def cpu_cores(root: Path = CGROUP_ROOT, own: Path = OWN_CGROUP) -> int:
+    """The cores to plan threads for: ``cpu_limit`` rounded up, at least 1. Threads come whole:
+    on a quota of 1.5 CPUs two threads share the time, where one would leave half a CPU idle."""
+    return max(1, math.ceil(cpu_limit(root, own).cpus))
 
 
 @dataclass(frozen=True)

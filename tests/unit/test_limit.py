@@ -17,6 +17,7 @@ from PIL import Image
 from app.bench import limit
 from app.bench.limit import Cost, DecodeCost, ForwardCost, cpu_cost, limit_report, synthetic_photo
 from app.inference import device
+from app.inference.device import CpuLimit
 from tests.support import MODELS_DIR
 
 
@@ -48,13 +49,13 @@ def test_cpu_cost_is_cpu_per_call_over_rounds_with_a_warm_up_pass() -> None:
 def test_the_limit_is_cores_over_decode_plus_the_best_forward() -> None:
     decode = DecodeCost(base64_ms=0.2, decode_ms=1.3, total_ms=1.5, total_min_ms=1.45)
     forward = [ForwardCost(1, 1, 6.0, 6.0, 10), ForwardCost(16, 1, 2.5, 2.6, 10), ForwardCost(32, 1, 2.7, 2.7, 10)]
-    report = limit_report(decode, forward, [], core_count=2)
+    report = limit_report(decode, forward, [], CpuLimit(2.0, "affinity mask"))
     assert report["best_batch"] == 16
     assert report["cpu_ms_per_image"] == 4.0
     assert report["images_per_s"] == 500.0
     assert report["serve_batch"] == 16, "32 costs 8% more per image: past the 5% tolerance"
     forward[2] = ForwardCost(32, 1, 2.6, 2.6, 10)
-    assert limit_report(decode, forward, [], core_count=2)["serve_batch"] == 32, "within 4%: the larger one serves"
+    assert limit_report(decode, forward, [], CpuLimit(2.0, "affinity mask"))["serve_batch"] == 32, "within 4%"
 
 
 @pytest.fixture
@@ -151,21 +152,28 @@ def test_forward_sizes_are_timed_in_interleaved_rounds_each_the_median_of_its_ro
     assert [r.cpu_ms_per_image for r in results] == [round(per_call[s][1] / s, 4) for s in sizes]
 
 
-def test_the_limit_counts_the_cores_a_cgroup_quota_allows_as_the_service_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    # four CPUs in the affinity mask, a container limited to two by its cgroup v2 quota
+@pytest.mark.parametrize(("cpu_max", "threads", "cpus"), [("200000 100000", 2, 2.0), ("150000 100000", 2, 1.5)])
+def test_the_limit_counts_the_cpus_a_cgroup_quota_allows_fraction_and_all(
+    cpu_max: str, threads: int, cpus: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # four CPUs in the affinity mask, a container limited to two (or 1.5) by its cgroup v2 quota
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     real_read_text = pathlib.Path.read_text
 
     def read_text(self: Path, *args: object, **kwargs: object) -> str:
         if str(self) == "/sys/fs/cgroup/cpu.max":
-            return "200000 100000\n"
+            return cpu_max + "\n"
         return real_read_text(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pathlib.Path, "read_text", read_text)
-    assert device.cpu_cores() == 2, "the service serves on two cores"
-    # the limit is cores / CPU per image: counting four would double it and halve the ratio,
-    # and the every-core run would start four processes on two cores' worth of CPU
-    assert limit.cores() == 2
+    assert device.cpu_cores() == threads, "the service plans whole threads"
+    # the limit is CPUs / CPU per image: counting four would double it and halve the ratio, and
+    # counting 1.5 CPUs as 2 would add a third to it
+    assert limit.cores() == cpus
+    decode = DecodeCost(base64_ms=0.2, decode_ms=1.3, total_ms=1.5, total_min_ms=1.45)
+    report = limit_report(decode, [ForwardCost(16, 1, 2.5, 2.6, 10)], [], device.cpu_limit())
+    assert report["cores"] == cpus and report["images_per_s"] == cpus * 250
+    assert "cgroup v2 /sys/fs/cgroup/cpu.max" in report["cores_from"], "the report says where its CPUs came from"
 
 
 @pytest.mark.parametrize("megabytes", ["-1", "2048", "4096"])
@@ -227,3 +235,43 @@ def test_every_core_fails_promptly_when_one_of_its_processes_dies(tmp_path: Path
     worker.join(timeout=90)
     assert outcome, f"still waiting {time.monotonic() - started:.0f} s after its processes failed"
     assert isinstance(outcome[0], (LookupError, RuntimeError)), outcome[0]
+
+
+def canned_limit_report() -> dict[str, object]:
+    decode = DecodeCost(base64_ms=0.2, decode_ms=1.3, total_ms=1.5, total_min_ms=1.45)
+    return {
+        "model": "digits",
+        "version": "1",
+        "images": {"count": 1, "width": 640, "height": 480, "mean_bytes": 70_000},
+        "host": {"torch_default_threads": 2},
+        "limit": limit_report(decode, [ForwardCost(16, 1, 2.5, 2.6, 10)], [], CpuLimit(1.5, "cgroup v1 quota")),
+        "pipeline": [],
+        "every_core": None,
+    }
+
+
+def test_limit_refuses_an_out_path_it_cannot_write_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a traceback after the whole run, the figures lost."""
+
+    def ran(_: object) -> dict[str, object]:
+        raise AssertionError("measured with an --out it cannot write")
+
+    monkeypatch.setattr(limit, "run", ran)
+    with pytest.raises(SystemExit) as exit_:
+        limit.main(["--out", str(tmp_path)])  # a folder
+    assert exit_.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_limit_prints_its_summary_before_writing_and_a_failed_write_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(limit, "run", lambda args: canned_limit_report())
+    monkeypatch.setattr(limit, "write_text", lambda path, text: "No space left on device")
+    out = tmp_path / "limit.json"
+    assert limit.main(["--out", str(out)]) == 1
+    printed = capsys.readouterr()
+    assert "**limit: 375.0 images/s** = 1.5 / 4.000 ms" in printed.out, printed.out
+    assert "1.5 cores (cgroup v1 quota)" in printed.out, "the summary says which CPUs it counted"
+    assert printed.err.strip() == f"ai-backend limit: could not write {out}: No space left on device"

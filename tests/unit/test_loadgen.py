@@ -7,10 +7,12 @@ import asyncio
 import json
 import os
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,6 +192,7 @@ async def test_a_kept_alive_connection_the_server_dropped_while_idle_is_retried_
         server.close()
         await server.wait_closed()
     assert (first, second) == (1, 2) and connection.opened == 2
+    assert connection.retried == 1, "a request that found its connection closed before the write is counted"
 
 
 SCHEDSTAT = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists()
@@ -211,7 +214,11 @@ def bench_args(**overrides: object) -> argparse.Namespace:
         "server_pid": os.getpid(),
         "deadline_ms": None,
     }
-    return argparse.Namespace(**(defaults | overrides))
+    args = argparse.Namespace(**(defaults | overrides))
+    if args.url:  # what main makes of --url
+        host, port = loadgen.parse_url(args.url)
+        args.target = loadgen.Target(host, port, loadgen.loopback_addresses(host)[0])
+    return args
 
 
 @pytest.mark.parametrize("client", ["raw", "httpx"])
@@ -246,7 +253,7 @@ async def test_a_closed_loop_run_cycles_the_images_and_reports_batches_lanes_and
 async def test_a_refused_connection_is_an_error_sample_not_a_crash() -> None:
     async with http_server(lambda n, _: b"") as (port, _):
         pass  # closed again: nothing listens on the port now
-    send, pool = loadgen.raw_sender(f"http://127.0.0.1:{port}", "/predict", [b"{}"], timeout=1.0)
+    send, pool = loadgen.raw_sender(loadgen.Target("127.0.0.1", port, "127.0.0.1"), "/predict", [b"{}"], timeout=1.0)
     run = loadgen.Run(measured_from=0.0)
     await loadgen.closed_loop(send, 2, 0.0, time.perf_counter() + 0.05, 4, run, random.Random(0))
     pool.close()
@@ -319,3 +326,141 @@ def test_memory_that_levels_off_and_memory_that_leaks_read_apart() -> None:
     }
     assert loadgen.memory_summary(leaking)["second_half_growth"] == 80.0
     assert loadgen.memory_summary([900.0])["second_half_growth"] == 0.0
+
+
+async def answering_once_per_connection(hang_up_before_answering: bool) -> tuple[asyncio.Server, list[int]]:
+    """A server that answers the first request on each connection; on the second it reads it
+    (as a server that runs it would) and closes the connection without answering."""
+    served: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for n in range(2):
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+                if n == 1 and hang_up_before_answering:
+                    break
+                served.append(n)
+                writer.write(json_answer({"n": len(served)}))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):  # cancelled: the test ended
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), served
+
+
+async def test_a_request_the_server_read_then_hung_up_on_is_an_error_not_sent_again() -> None:
+    """It used to be sent again on a fresh connection and counted a success: the server read it
+    (and may have run it) and never answered, and the report showed no error at all."""
+    server, served = await answering_once_per_connection(hang_up_before_answering=True)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        connection = rawhttp.Connection("127.0.0.1", port)
+        request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
+        await connection.request(request)
+        with pytest.raises(rawhttp.ConnectionClosed):
+            await connection.request(request)
+        assert (connection.opened, connection.retried, len(served)) == (1, 0, 1), "not sent a second time"
+        await connection.request(request)  # the next request opens a fresh connection
+        connection.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_the_report_counts_a_request_the_server_hung_up_on_as_connection_closed() -> None:
+    server, _ = await answering_once_per_connection(hang_up_before_answering=True)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        args = bench_args(
+            url=f"http://127.0.0.1:{port}", concurrency=1, requests=20, duration=2.0, warmup=0.0, server_pid=None
+        )
+        report = await loadgen.bench(args, [b"x"])
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert report["ok"] == 10 and report["errors"] == {"0:connection_closed": 10}, report["errors"]
+    assert report["retried"] == 0
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:abc",
+        "http://[::1",
+        "https://127.0.0.1:8000",
+        "http://127.0.0.1:0",
+        "http://:8000",
+        "http://127.0.0.1:8000/v1",
+    ],
+)
+def test_a_url_that_is_not_http_host_and_port_is_refused_in_one_line(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port out of range or not a number, a broken IPv6 literal: they were tracebacks."""
+    with pytest.raises(SystemExit) as exited:
+        loadgen.main(["--url", url, "--duration", "0.2"])
+    assert exited.value.code == 2 and "--url" in capsys.readouterr().err
+
+
+def test_localhost_is_resolved_not_trusted(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An /etc/hosts that sends localhost off the machine: the load must not follow it."""
+    real = socket.getaddrinfo
+
+    def resolve(host: str, *args: object, **kwargs: object) -> list[Any]:
+        if host == "localhost":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.10", 0))]
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert not loadgen.is_loopback("http://localhost:8000")
+    with pytest.raises(SystemExit) as exited:
+        loadgen.main(["--url", "http://localhost:9", "--duration", "0.2"])
+    assert exited.value.code == 2 and "192.0.2.10" in capsys.readouterr().err
+    assert loadgen.is_loopback("http://127.0.0.2:8000") and loadgen.is_loopback("http://[::1]:8000")
+    assert not loadgen.is_loopback("http://0.0.0.0:8000")
+
+
+def test_the_run_goes_to_the_resolved_address_that_answers() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # the kernel completes the handshake
+        port = listening.getsockname()[1]
+        address, why = loadgen.reachable(["::1", "127.0.0.1"], port)
+    assert (address, why) == ("127.0.0.1", ""), "localhost may resolve to ::1 first, the server on 127.0.0.1"
+
+
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+async def test_the_host_header_is_host_and_port_never_the_url_s_user_information(client: str) -> None:
+    heads: list[bytes] = []
+    handlers: list[asyncio.Task[None] | None] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+                heads.append(head)
+                writer.write(json_answer({"batch_size": 1}))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        args = bench_args(url=f"http://user:secret@localhost:{port}", client=client, requests=3, server_pid=None)
+        await loadgen.bench(args, [b"x"])
+        # the client closed its connections: each handler ends at their end, and closes its own
+        await asyncio.wait_for(asyncio.gather(*(task for task in handlers if task)), timeout=5)
+        await asyncio.sleep(0.01)
+    finally:
+        server.close()
+        await server.wait_closed()
+    hosts = {line.lower() for head in heads for line in head.split(b"\r\n") if line.lower().startswith(b"host:")}
+    assert heads and hosts == {f"host: localhost:{port}".encode()}, hosts
+    assert not any(b"secret" in head or b"authorization" in head.lower() for head in heads)

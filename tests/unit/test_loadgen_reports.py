@@ -11,6 +11,7 @@ import asyncio
 import math
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +41,7 @@ async def test_open_loop_throughput_is_what_the_server_answered_not_what_was_off
     run = loadgen.Run()
     await loadgen._drive(send, bench_args(rate=400.0, duration=0.3, warmup=0.0, urgent_fraction=0.0), run)
     report = loadgen.summarise(run, {})
-    assert report["sent"] > 80, "about 120 offered"
+    assert report["sent_with_warmup"] > 80, "about 120 offered"
     assert report["throughput_rps"] <= 110, report["throughput_rps"]
 
 
@@ -110,9 +111,19 @@ async def test_an_error_answer_that_is_not_json_keeps_its_status() -> None:
     assert report["latency"]["refused"]["count"] == report["errors"]["503:non_json"]
 
 
-def test_a_200_that_is_not_json_is_a_failed_request() -> None:
-    with pytest.raises(ValueError):
-        loadgen._payload(200, b"<html>")
+def test_a_200_that_is_not_json_is_a_failed_request_of_its_status() -> None:
+    """A server (or something in front of it) that answers 200 with a page: the request failed,
+    and the server answered it, so the error keeps the status (it was ``0:ValueError``, read as
+    the client's own failure); it is neither an answer, nor in the throughput, nor a batch."""
+    assert loadgen._outcome(200, b"<html>") == ("non_json", {})
+    assert loadgen._outcome(200, b"[1, 2]") == ("non_json", {}), "JSON, but not an object"
+    assert loadgen._outcome(200, b'{"batch_size": 2}') == (None, {"batch_size": 2})
+    run = loadgen.Run(measured_from=0.0, ended=1.0)
+    run.samples += [loadgen.Sample("normal", 0.01, 200, "non_json", None, True, finished=0.5)] * 3
+    run.samples += [loadgen.Sample("normal", 0.01, 200, None, 2, True, finished=0.5)]
+    report = loadgen.summarise(run, {})
+    assert report["errors"] == {"200:non_json": 3}
+    assert (report["ok"], report["throughput_rps"], report["latency"]["all"]["count"]) == (1, 1.0, 1)
 
 
 def test_the_mean_batch_size_is_per_batch() -> None:
@@ -122,7 +133,8 @@ def test_the_mean_batch_size_is_per_batch() -> None:
     run.samples += [loadgen.Sample("normal", 0.01, 200, None, 1, True, finished=0.5)]
     run.samples += [loadgen.Sample("normal", 0.01, 200, None, 3, True, finished=0.5)] * 3
     report = loadgen.summarise(run, {})
-    assert report["mean_batch_size"] == 2.0 and report["mean_batch_size_by_lane"]["normal"] == 2.0
+    assert report["mean_batch_size"] == 2.0 and report["mean_batch_size_by_request_lane"]["normal"] == 2.0
+    assert "mean_batch_size_by_lane" not in report, "named for what it groups by: the lane the request asked for"
     assert report["throughput_rps"] == 4.0
 
 
@@ -148,3 +160,119 @@ def test_latency_histograms_reach_the_longest_deadline_a_request_may_ask_for() -
 
     longest = ServerSettings.model_fields["max_timeout_ms"].default / 1000
     assert max(LATENCY_BUCKETS) >= longest, "answers at a long deadline would all read as the top bucket"
+
+
+async def test_an_open_loop_client_that_falls_behind_says_so() -> None:
+    """The client's own CPU is the bottleneck (8 ms a send: 125 a second of the 200 asked):
+    latency still counts from the scheduled send, and the report says how late it sent and
+    what it really offered, where it used to charge the lag to the server without a word."""
+
+    async def send(number: int, urgent: bool) -> tuple[int, bytes]:
+        busy_until = time.perf_counter() + 0.008
+        while time.perf_counter() < busy_until:
+            pass
+        return 200, b'{"batch_size": 1}'  # the "server" answers at once
+
+    run = loadgen.Run()
+    await loadgen._drive(send, bench_args(rate=200.0, duration=0.6, warmup=0.0, urgent_fraction=0.0), run)
+    report = loadgen.summarise(run, {"rate_rps": 200.0})
+    assert report["send_lag_ms"]["p99"] > 50 and report["send_lag_ms"]["max"] >= report["send_lag_ms"]["p99"]
+    assert report["offered_rps"] < 160, report["offered_rps"]
+    assert report["latency"]["all"]["p99_ms"] >= report["send_lag_ms"]["p99"], "latency from the scheduled send"
+    warning = loadgen.behind_schedule(report)
+    assert warning is not None and "fell behind" in warning
+
+
+def test_the_send_lag_and_the_rate_offered_in_the_window() -> None:
+    run = loadgen.Run(measured_from=10.0, ended=12.0)
+    # scheduled at 10.5, 11, 11.5 and 11.9 s, sent 1, 2, 4 and 200 ms late: the last one after the window
+    for scheduled, lag in ((10.5, 0.001), (11.0, 0.002), (11.5, 0.004), (11.95, 0.2)):
+        run.samples.append(loadgen.Sample("normal", 0.25, 200, None, 1, True, finished=scheduled + 0.25, lag_s=lag))
+    run.samples.append(loadgen.Sample("normal", 0.5, 200, None, 1, False, finished=10.4, lag_s=0.3))  # warm-up
+    report = loadgen.summarise(run, {})
+    assert report["send_lag_ms"] == {"p50": 2.0, "p99": 200.0, "max": 200.0}
+    assert report["offered_rps"] == 2.0, "the warm-up one sent at 10.2 s and three in the window, over 2 s"
+    assert loadgen.behind_schedule(report) is not None
+    report["send_lag_ms"]["p99"] = 1.0
+    assert loadgen.behind_schedule(report) is None
+    closed = loadgen.Run(measured_from=0.0, ended=1.0)
+    closed.samples.append(loadgen.Sample("normal", 0.01, 200, None, 1, True, finished=0.5))
+    assert "send_lag_ms" not in loadgen.summarise(closed, {}), "a closed loop has no schedule"
+
+
+async def test_httpx_bounds_each_request_as_a_whole_against_a_server_that_drips() -> None:
+    """httpx's timeout bounds each read: a byte every 50 ms kept a closed-loop run going forever."""
+
+    async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\n")
+            while True:
+                writer.write(b"X")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(drip, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        args = bench_args(
+            url=f"http://127.0.0.1:{port}", client="httpx", concurrency=1, timeout=0.3, duration=0.2, server_pid=None
+        )
+        report = await asyncio.wait_for(loadgen.bench(args, [b"x"]), timeout=10)
+    finally:
+        server.close()
+    assert report["ok"] == 0 and set(report["errors"]) <= {"0:TimeoutError"}
+
+
+@pytest.mark.parametrize("deadline", ["nan", "inf", "-inf", "0", "0.4", "-5", "1e9", "120001"])
+def test_a_deadline_the_service_would_refuse_is_refused_here(deadline: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Out of 1..server.max_timeout_ms every request was answered 400 and the run exited 0 (or
+    nan and inf were a traceback)."""
+    with pytest.raises(SystemExit) as exited:
+        loadgen.main(["--url", "http://127.0.0.1:9", f"--deadline-ms={deadline}"])
+    assert exited.value.code == 2 and "--deadline-ms" in capsys.readouterr().err
+
+
+def test_a_deadline_within_the_service_s_bounds_is_accepted() -> None:
+    assert loadgen._deadline_accepted(1.0) and loadgen._deadline_accepted(120_000.0)
+    assert loadgen._deadline_accepted(0.6), "rounded to 1 ms, as X-Request-Timeout sends it"
+    assert not loadgen._deadline_accepted(0.5), "rounded to 0 (to even), which the service refuses"
+
+
+def a_report(ok: int, errors: dict[str, int]) -> dict[str, object]:
+    return {"mode": "closed", "sent_in_window": ok + sum(errors.values()), "ok": ok, "errors": errors}
+
+
+def test_a_run_where_every_request_failed_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert loadgen._report(a_report(0, {"503:queue_full": 40}), None) == 1
+    printed = capsys.readouterr()
+    assert '"ok": 0' in printed.out, "the report is printed all the same"
+    assert "no request in the measured window succeeded (503:queue_full x40)" in printed.err
+    assert loadgen._report(a_report(1, {"503:queue_full": 40}), None) == 0
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a traceback after the whole run, with the report lost."""
+    with pytest.raises(SystemExit) as exited:
+        loadgen.main(["--url", "http://127.0.0.1:9", "--out", str(tmp_path)])  # a folder
+    assert exited.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_a_report_that_cannot_be_written_is_printed_then_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(loadgen, "write_text", lambda path, text: "No space left on device")
+    assert loadgen._report(a_report(5, {}), tmp_path / "report.json") == 1
+    printed = capsys.readouterr()
+    assert '"ok": 5' in printed.out
+    where = tmp_path / "report.json"
+    assert printed.err.strip() == f"ai-backend bench: could not write {where}: No space left on device"
+    monkeypatch.undo()
+    assert loadgen._report(a_report(5, {}), tmp_path / "report.json") == 0
+    assert '"ok": 5' in (tmp_path / "report.json").read_text()

@@ -326,3 +326,84 @@ def test_a_cpu_out_of_memory_is_recorded_and_ends_the_sweep_as_a_cuda_one_is() -
 
     results = sw.sweep(forward, lambda n: torch.zeros(n, 1), [1, 2, 4, 8], Probe(), sw.Limits(1, 2, 1.0))
     assert [(r.batch_size, r.status) for r in results] == [(1, "ok"), (2, "ok"), (4, "oom")]
+
+
+# ---- what the table, the plot and the command say -------------------------------------------
+
+
+def canned_report(results: list[SizeResult], rec: sw.Recommendation, png: Path = Path("x.png")) -> dict[str, object]:
+    meta = {
+        "model": "m",
+        "version": "1",
+        "device": "cpu",
+        "dtype": "float32",
+        "torch": "2",
+        "host": {"torch_threads": 1},
+        "settings": {"latency_budget_ms": None},
+        "memory": {"kind": "process-rss", "description": "rss"},
+        "plot": {"path": str(png), "width": 960, "height": 600},
+    }
+    return sw.build_report(meta, results, rec)
+
+
+def test_a_curve_still_rising_at_the_largest_size_is_not_said_to_have_a_knee_there() -> None:
+    rising = curve({1: 100, 2: 200, 4: 400, 8: 800})
+    table = sw.markdown(canned_report(rising, recommend(rising, 0.10)))
+    assert "| no knee up to here, recommended |" in table and "| knee" not in table
+    assert "no knee up to batch 8; recommended max batch: 8" in table
+    saturating = curve({1: 100, 2: 190, 4: 350, 8: 360})
+    table = sw.markdown(canned_report(saturating, recommend(saturating, 0.10)))
+    assert "| knee, recommended |" in table and "knee: batch 4; recommended max batch: 4" in table
+
+
+def test_the_plot_labels_a_knee_only_where_one_was_reached() -> None:
+    from app.bench.chart import knee_marks, knee_text
+
+    def rec(knee: int | None, reached: bool, chosen: int | None) -> dict[str, object]:
+        return {"knee": knee, "knee_reached": reached, "max_batch": chosen}
+
+    assert [label for _, label, _ in knee_marks(rec(4, True, 4))] == ["knee = recommended 4"]
+    assert [label for _, label, _ in knee_marks(rec(16, False, 16))] == ["no knee up to 16; recommended 16"]
+    assert [label for _, label, _ in knee_marks(rec(16, False, 4))] == ["no knee up to 16", "recommended 4"]
+    assert [label for _, label, _ in knee_marks(rec(8, True, None))] == ["knee 8"]
+    assert knee_marks(rec(None, False, None)) == []
+    assert (knee_text(rec(4, True, 4)), knee_text(rec(16, False, 16))) == ("knee: batch 4", "no knee up to batch 16")
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch, torch_threads: None) -> list[str]:
+    """The sweep without a model: ``_load`` loads nothing and ``_run`` returns a still-rising curve."""
+    ran: list[str] = []
+
+    def run(args: object, model: object, load_s: float) -> dict[str, object]:
+        ran.append("run")
+        results = curve({1: 100, 2: 200})
+        return canned_report(results, recommend(results, 0.10))
+
+    monkeypatch.setattr(sw, "_load", lambda args: (None, 0.0))
+    monkeypatch.setattr(sw, "_run", run)
+    return ran
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_sizes_are_timed(
+    tmp_path: Path, no_model: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a traceback after every size had been timed, and the results were lost."""
+    writable = {"--out-json": str(tmp_path / "s.json"), "--out-png": str(tmp_path / "s.png")}
+    for flag in writable:
+        paths = writable | {flag: str(tmp_path)}  # a folder
+        with pytest.raises(SystemExit) as exit_:
+            sw.main(["--model", "m", *(part for pair in paths.items() for part in pair)])
+        assert exit_.value.code == 2 and flag in capsys.readouterr().err
+    assert no_model == [], "nothing was measured"
+
+
+def test_a_report_that_cannot_be_written_is_printed_first_then_one_line(
+    tmp_path: Path, no_model: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sw, "write_text", lambda path, text: "No space left on device")
+    out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
+    assert sw.main(["--model", "m", "--out-json", str(out_json), "--out-png", str(out_png)]) == 1
+    printed = capsys.readouterr()
+    assert "| batch | iters |" in printed.out, "the table is printed before the files are written"
+    assert printed.err.strip() == f"ai-backend sweep: could not write {out_json}: No space left on device"

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.inference.device import Threads, plan_threads
+from app.inference.device import CpuLimit, Threads, cpu_cores, cpu_limit, plan_threads
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda:0")
 
@@ -46,19 +50,73 @@ def test_the_plan_always_runs_something_and_never_oversubscribes_by_default(
         assert plan.workers * plan.intra_op <= max(cores, plan.workers)
 
 
-def test_a_cgroup_cpu_quota_caps_the_cores(tmp_path) -> None:
-    import os
+def cgroup_tree(root: Path, files: dict[str, str]) -> Path:
+    """A fake ``/sys/fs/cgroup`` holding ``files`` (paths relative to it)."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
 
-    from app.inference.device import cpu_cores
 
-    visible = len(os.sched_getaffinity(0))
-    limit = tmp_path / "cpu.max"
-    limit.write_text("100000 100000\n")
-    assert cpu_cores(limit) == 1
-    limit.write_text("150000 100000\n")
-    assert cpu_cores(limit) == min(visible, 2), "a fraction of a core rounds up"
-    limit.write_text("max 100000\n")
-    assert cpu_cores(limit) == visible
-    assert cpu_cores(tmp_path / "missing") == visible
-    limit.write_text("garbage")
-    assert cpu_cores(limit) == visible
+@pytest.fixture
+def four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_a_cgroup_v2_quota_caps_the_cores_and_a_fraction_rounds_up_for_threads(tmp_path: Path) -> None:
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/\n")
+    root = cgroup_tree(tmp_path / "cg", {"cpu.max": "100000 100000\n"})
+    assert cpu_cores(root, own) == 1
+    (root / "cpu.max").write_text("150000 100000\n")
+    assert cpu_limit(root, own).cpus == 1.5, "the limit keeps the fraction"
+    assert cpu_cores(root, own) == 2, "threads come whole: a fraction of a core rounds up"
+    for text in ("max 100000\n", "garbage", "0 100000\n"):
+        (root / "cpu.max").write_text(text)
+        assert cpu_limit(root, own) == CpuLimit(4.0, "affinity mask"), text
+    assert cpu_cores(tmp_path / "missing", own) == 4
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_the_process_s_own_cgroup_v2_and_every_parent_of_it_are_read(tmp_path: Path) -> None:
+    """Without a cgroup namespace the quota is not at the root: it is on the process's own
+    cgroup (or a parent), named in /proc/self/cgroup."""
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/kubepods/pod1/app\n")
+    root = cgroup_tree(
+        tmp_path / "cg", {"kubepods/pod1/app/cpu.max": "max 100000\n", "kubepods/pod1/cpu.max": "50000 100000\n"}
+    )
+    found = cpu_limit(root, own)
+    assert found.cpus == 0.5 and "kubepods/pod1/cpu.max" in found.source
+    assert cpu_cores(root, own) == 1, "at least one"
+    own.write_text("0::/elsewhere\n")  # its folder not visible (a namespace): the root's quota
+    cgroup_tree(root, {"cpu.max": "300000 100000\n"})
+    assert cpu_limit(root, own).cpus == 3.0
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_a_cgroup_v1_cfs_quota_caps_the_cores(tmp_path: Path) -> None:
+    """A cgroup v1 host (this CI's) has no cpu.max: the quota is cpu.cfs_quota_us / cpu.cfs_period_us."""
+    own = tmp_path / "self-cgroup"
+    own.write_text("4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n0::/\n")
+    root = cgroup_tree(
+        tmp_path / "cg", {"cpu,cpuacct/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}
+    )
+    found = cpu_limit(root, own)
+    assert found.cpus == 1.5 and found.source.startswith("cgroup v1"), found
+    assert cpu_cores(root, own) == 2
+    cgroup_tree(root, {"cpu/docker/abc/cpu.cfs_quota_us": "100000\n", "cpu/docker/abc/cpu.cfs_period_us": "100000\n"})
+    assert cpu_cores(root, own) == 1, "the process's own cgroup, under the cpu mount"
+    for name in ("cpu,cpuacct/cpu.cfs_quota_us", "cpu/docker/abc/cpu.cfs_quota_us"):
+        (root / name).write_text("-1\n")  # no quota
+    assert cpu_cores(root, own) == 4
+
+
+def test_the_affinity_mask_caps_a_larger_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/\n")
+    root = cgroup_tree(tmp_path / "cg", {"cpu.max": "300000 100000\n"})
+    assert cpu_limit(root, own) == CpuLimit(1.0, "affinity mask")
+    assert cpu_cores(root, tmp_path / "no-proc") == 1

@@ -1,0 +1,43 @@
+"""Where the measuring tools write their reports: tried before a run, written after it.
+
+A run takes minutes; an ``--out`` path that cannot be written (a folder in the way, no
+permission, a read-only disk) found only at the end lost the whole run in a traceback. So the
+paths are tried before anything is measured, the report is printed before the files are
+written, and a write that fails all the same (the disk filled meanwhile) is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+def unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written, or None. Tried as the write will do it: its missing folders
+    made and the file opened for appending (a file already there keeps its bytes); what the try
+    made is removed again, so a run that fails later leaves nothing behind."""
+    missing = [folder for folder in path.parents if not folder.exists()]  # the deepest first
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        for folder in missing:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return None
+
+
+def write_text(path: Path, text: str) -> str | None:
+    """Write ``text`` to ``path``, making its folder; None, or why it could not, in one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
