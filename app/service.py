@@ -168,8 +168,10 @@ class InferenceService:
             workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=model.normal_nice
         )
         # loads read, checksum, build and self-check a version on a thread of their own: on the
-        # device's (a GPU has one) a version loaded while serving held every batch for seconds
-        self._loader = WorkerThreads("loader")
+        # device's (a GPU has one) a version loaded while serving held every batch for seconds.
+        # Where normal batches run niced (a CPU with an urgent thread), a load is as low: it must
+        # not take an urgent batch's core either
+        self._loader = WorkerThreads("loader", nice=model.normal_nice if self.threads.urgent else 0)
         server = settings.server
         self._tuning = Tuning(
             server.switch_interval_ms / 1000, server.gc_freeze, server.gc_young_threshold, server.malloc_retain_mb << 20

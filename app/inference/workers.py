@@ -102,9 +102,12 @@ class WorkerThreads:
     cores, the event loop, the decode pool and urgent batches are scheduled first, and normal
     batches take what is left, which on a busy machine is still everything they would have had.
     The offset is from the process's own priority: a service started niced stays below the rest.
+    ``nice`` lowers every thread's (a pool of background work, such as model loads).
     """
 
-    def __init__(self, name: str, workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
+    def __init__(
+        self, name: str, workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0, nice: int = 0
+    ) -> None:
         if workers < 1:
             raise ValueError(f"{name} needs at least one worker thread")
         self._queues: tuple[deque[Call], deque[Call]] = (deque(), deque())  # URGENT, NORMAL
@@ -112,6 +115,7 @@ class WorkerThreads:
         self._ready = threading.Condition()
         self._closing = False
         self._normal_nice = normal_nice
+        self._nice = nice  # every thread's, whatever it takes (a pool of background work: loads)
         # without urgent-only threads a niced thread would run urgent calls at the low priority
         kind = NORMAL_ONLY if normal_nice and urgent_workers else ANY
         names = [name if workers == 1 else f"{name}-{i}" for i in range(workers)]
@@ -192,10 +196,11 @@ class WorkerThreads:
 
     def _work(self, kind: tuple[int, ...], own: deque[Call]) -> None:
         name_os_thread(threading.current_thread().name)
-        if kind == NORMAL_ONLY and hasattr(os, "setpriority"):
+        offset = self._nice + (self._normal_nice if kind == NORMAL_ONLY else 0)
+        if offset and hasattr(os, "setpriority"):
             with contextlib.suppress(OSError):
                 priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the process's, inherited
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, priority + self._normal_nice))
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, priority + offset))
         while True:
             with self._ready:
                 while (call := self._next(kind, own)) is None and not self._closing:

@@ -353,3 +353,17 @@ async def test_close_cancels_the_calls_each_thread_waits_to_run() -> None:
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(each, 10)
     assert ran == []
+
+
+def test_nice_lowers_every_threads_priority_urgent_calls_included() -> None:
+    workers = WorkerThreads("test", 1, nice=3)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+
+        def priority() -> int:
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        assert workers.submit(priority).result(10) == min(19, own + 3)
+        assert workers.submit(priority, urgent=True).result(10) == min(19, own + 3)
+    finally:
+        workers.close()
