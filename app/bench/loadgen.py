@@ -76,8 +76,9 @@ class Sample:
     @property
     def sent_at(self) -> float:
         """When the client sent it (``time.perf_counter()``): latency counts from its scheduled
-        arrival in open loop, and the client sent it ``lag_s`` after that."""
-        return self.finished - self.latency_s + (self.lag_s or 0.0)
+        arrival in open loop, and the client sent it ``lag_s`` after that; one sent early
+        (``lag_s`` below 0) counts from its send."""
+        return self.finished - self.latency_s + max(self.lag_s or 0.0, 0.0)
 
 
 @dataclass
@@ -281,7 +282,8 @@ async def _send(send: Send, number: int, urgent: bool, run: Run, scheduled: floa
     how far behind it sent is recorded too, so that the report can say whose delay it was."""
     lane = "urgent" if urgent else "normal"
     now = time.perf_counter()
-    started = now if scheduled is None else scheduled
+    # sent early (uvloop's timers fire up to a millisecond before their time): from the send
+    started = now if scheduled is None else min(now, scheduled)
     lag = None if scheduled is None else now - scheduled
     try:
         status, body = await send(number, urgent)
@@ -616,13 +618,14 @@ def event_loop_run(work: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(work)
 
 
-MAX_DEADLINE_MS: int = ServerSettings.model_fields["max_timeout_ms"].default  # what the service accepts
+# what a service on its default settings accepts; one may be set to take more (server.max_timeout_ms)
+MAX_DEADLINE_MS: int = ServerSettings.model_fields["max_timeout_ms"].default
 
 
 def _deadline_accepted(deadline_ms: float) -> bool:
-    """Whether the service takes ``deadline_ms`` as sent (rounded to whole milliseconds): it
-    answers 400 to an X-Request-Timeout outside 1..server.max_timeout_ms, to every request."""
-    return math.isfinite(deadline_ms) and 1 <= round(deadline_ms) <= MAX_DEADLINE_MS
+    """Whether ``deadline_ms`` can be sent (rounded to whole milliseconds): finite and at least
+    one; the service answers 400 to a value under 1, to every request."""
+    return math.isfinite(deadline_ms) and round(deadline_ms) >= 1
 
 
 def _report(report: dict[str, Any], out: Path | None) -> int:
@@ -682,7 +685,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1 or args.requests < 1 or not 0 < args.timeout <= 600:
         parser.error("need concurrency >= 1, requests >= 1 and 0 < timeout <= 600")
     if args.deadline_ms is not None and not _deadline_accepted(args.deadline_ms):
-        parser.error(f"need 1 <= --deadline-ms <= {MAX_DEADLINE_MS} (as the service's X-Request-Timeout)")
+        parser.error("need a finite --deadline-ms of at least 1 (as the service's X-Request-Timeout)")
+    if args.deadline_ms is not None and round(args.deadline_ms) > MAX_DEADLINE_MS:
+        print(
+            f"ai-backend bench: warning: --deadline-ms {args.deadline_ms:g} is over {MAX_DEADLINE_MS}, "
+            "server.max_timeout_ms by default: a service not set to take it answers 400 to every request",
+            file=sys.stderr,
+        )
     if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
         parser.error(f"--server-pid {args.server_pid}: no such process (or no /proc)")
     if args.out is not None and (why := unwritable(args.out)) is not None:

@@ -19,11 +19,12 @@ def unwritable(path: Path) -> str | None:
     missing = [folder for folder in path.parents if not folder.exists()]  # the deepest first
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
+        target = path.resolve()  # a link (dangling, say) is written through: its target is what is made
+        existed = target.exists()
         with path.open("a"):
             pass
         if not existed:
-            path.unlink()
+            target.unlink()
     except OSError as exc:
         return exc.strerror or str(exc)
     finally:

@@ -15,6 +15,7 @@ Only a kept-alive connection found closed before the write is replaced, and that
 from __future__ import annotations
 
 import asyncio
+import select
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -134,7 +135,7 @@ class Connection:
 
         On any error the connection is closed (the next request reopens it) and the error raised.
         A kept-alive connection that the server closed while it sat idle (an idle timeout) is
-        known by its end of stream, already received before anything is written: the request
+        known by its end of stream, received (or waiting in the socket) before anything is written: the request
         then goes on a fresh connection (counted in ``retried``), since it was never sent. An end
         of stream that comes after the write is not retried: the server may have read the request.
         """
@@ -157,10 +158,16 @@ class Connection:
     def _closed_while_idle(self) -> bool:
         """Whether the server ended (or reset) this open connection between requests. The
         event loop reads a connection's end of stream as it arrives, whether or not anyone
-        waits on it, so one that came while the connection sat in the pool is seen here."""
+        waits on it, so one that came while the connection sat in the pool is seen here; the
+        socket is polled (without waiting: half a microsecond) for one that came just now."""
         if self._reader is None or self._writer is None:
             return False
-        return self._reader.at_eof() or self._reader.exception() is not None or self._writer.is_closing()
+        if self._reader.at_eof() or self._reader.exception() is not None or self._writer.is_closing():
+            return True
+        # one that came in the same loop turn as the last answer is in the socket, not read yet: a
+        # server that answers and closes at once (keep-alive promised) would fail every other request
+        sock = self._writer.get_extra_info("socket")
+        return sock is not None and bool(select.select([sock.fileno()], [], [], 0)[0])
 
     def close(self) -> None:
         if self._writer is not None:

@@ -23,3 +23,13 @@ def test_a_path_that_cannot_be_written_says_why(tmp_path: Path) -> None:
     assert write_text(tmp_path / "file" / "report.json", "{}") is not None
     assert write_text(tmp_path / "new" / "report.json", "{}") is None
     assert (tmp_path / "new" / "report.json").read_text() == "{}"
+
+
+def test_trying_a_link_whose_target_is_not_there_leaves_both_as_they_were(tmp_path: Path) -> None:
+    """A dangling ``latest.json -> runs/today.json``: the try made the target and then removed the
+    link, and the later write left a plain file where the link was."""
+    (tmp_path / "runs").mkdir()
+    link = tmp_path / "latest.json"
+    link.symlink_to("runs/today.json")
+    assert unwritable(link) is None
+    assert link.is_symlink() and not (tmp_path / "runs" / "today.json").exists()
