@@ -380,6 +380,16 @@ class InferenceService:
         for size in model.warm_up_sizes(biggest):
             await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
 
+    async def _warmed(self, model: LayeredModel, every_thread: bool) -> tuple[Fault, str] | None:
+        """Warm ``model`` up; the device's failure (its fault and line) if the device failed it."""
+        try:
+            await self._warm_up(model, every_thread)
+        except Exception as exc:
+            if (fault := device_fault(exc)) is None:
+                raise
+            return fault, fault_line(exc)
+        return None
+
     async def _load_model(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
         """Load, check and warm one version's model, within ``model.load_timeout_s``."""
         folder = self.repository.folder(name, version)
@@ -409,6 +419,7 @@ class InferenceService:
             on_late_end=functools.partial(self._late_load_ended, label, started, timeout),
         )
         failed: tuple[Fault, str] | None = None  # the device failed it: released once the error is gone
+        refused: str | None = None  # its files or graph refused it: on a GPU, what it moved there is released
         try:
             model = await bounded.run(self._loader, timeout)
         except TimeoutError as exc:
@@ -416,8 +427,8 @@ class InferenceService:
                 f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
                 "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
             ) from exc
-        except ValueError as exc:  # a bad manifest
-            raise ModelLoadError(str(exc)) from exc
+        except (ModelLoadError, ValueError) as exc:  # a bad file, graph or manifest
+            refused = str(exc)
         except Exception as exc:
             if (fault := device_fault(exc)) is None:
                 raise
@@ -425,13 +436,11 @@ class InferenceService:
         finally:
             if bounded.late:  # timed out or cancelled: a thread cannot be stopped, it ends when it ends
                 self._late_loads.add(label)
+        if refused is not None:
+            await self.release_unloaded()  # the error, whose frames held what it built, is gone by now
+            raise ModelLoadError(refused)
         if failed is None and self.settings.model.warmup:
-            try:
-                await self._warm_up(model, every_thread)
-            except Exception as exc:
-                if (fault := device_fault(exc)) is None:
-                    raise
-                failed = fault, fault_line(exc)
+            failed = await self._warmed(model, every_thread)
             if failed is not None:
                 del model  # the last reference, now the error's frames are gone: before the release
         if failed is not None:

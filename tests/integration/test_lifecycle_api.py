@@ -516,6 +516,31 @@ async def test_a_load_the_device_cannot_fit_is_a_503_its_memory_released_and_ser
         assert loaded.status_code == 200 and loaded.json()["loaded_versions"] == ["2", "3"], loaded.text
 
 
+async def test_a_load_refused_for_its_files_releases_on_a_gpu_what_it_had_moved_there(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version whose head does not fit its backbone is refused (409) after its backbone was
+    built on the device: on a GPU the cached blocks are released, once nothing holds them."""
+    settings = settings_for(repository, load_versions="latest", default_versions={}, warmup=True)
+    async with running_app(settings) as running:
+        broken = add_version(repository, "3")
+        misfit_head(broken, repository.parent / "other")
+        loaded: list[weakref.ref[LayeredModel]] = []
+        real_head = LayeredModel.head
+
+        def head(model: LayeredModel, name: str | None = None) -> torch.jit.ScriptModule:
+            loaded.append(weakref.ref(model))
+            return real_head(model, name)
+
+        released: list[bool] = []
+        monkeypatch.setattr(LayeredModel, "head", head)
+        monkeypatch.setattr("app.service.release_memory", lambda device: released.append(loaded[0]() is None))
+        refused = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+        assert refused.status_code == 409 and refused.json()["code"] == "model_load_failed", refused.text
+        assert "classifier" in refused.json()["message"]
+        assert released == [True], "released, and only once the refused model was gone"
+
+
 async def test_a_version_that_is_not_the_default_and_fails_shows_in_healthz_without_failing_the_probes(
     repository: Path, tmp_path: Path
 ) -> None:
