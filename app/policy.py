@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from app.errors import SchemaError, dotted
 from app.settings import (
@@ -54,20 +54,6 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _differences(running: BaseModel, read: BaseModel, location: tuple[str, ...]) -> list[str]:
-    """The settings, dotted (``server.max_top_k``), whose values differ between two groups of
-    the same model. Names only: a value may be a secret."""
-    found: list[str] = []
-    for name in type(running).model_fields:
-        here = (*location, name)
-        mine, theirs = getattr(running, name), getattr(read, name)
-        if isinstance(mine, BaseModel) and isinstance(theirs, BaseModel):
-            found += _differences(mine, theirs, here)
-        elif mine != theirs:
-            found.append(".".join(here))
-    return found
-
-
 def _batching_table(path: Path) -> dict[str, Any] | None:
     """The config file's batching table as written, ``{}`` without one (blocking); None when it
     is no TOML. What an edit changed is told from it: the settings are the environment's where
@@ -82,7 +68,8 @@ def _batching_table(path: Path) -> dict[str, Any] | None:
 def _edited(
     before: Mapping[str, Any], after: Mapping[str, Any], location: tuple[str, ...] = ()
 ) -> list[tuple[str, ...]]:
-    """The keys, as paths, that two tables set otherwise (added and removed ones included)."""
+    """The keys, as paths, that two tables (a file's, or settings dumped) set otherwise, added and
+    removed ones included."""
     found: list[tuple[str, ...]] = []
     for key in [*before, *(k for k in after if k not in before)]:
         here = (*location, key)
@@ -189,12 +176,8 @@ class PolicyManager:
             self._had_file = self._had_file or stamp is not None
             # against what runs, not the last read: an edit undone needs no restart, and one
             # still pending is said again at every reload until the restart
-            pending = [
-                name
-                for group in Settings.model_fields
-                if group != "batching"
-                for name in _differences(getattr(self._settings, group), getattr(fresh, group), (group,))
-            ]
+            running, read = (settings.model_dump(exclude={"batching"}) for settings in (self._settings, fresh))
+            pending = [".".join(path) for path in _edited(running, read)]  # names only: a value may be a secret
             if pending:
                 log.warning("config changes to %s need a restart (only batching applies live)", ", ".join(pending))
             self._say_overridden(table)

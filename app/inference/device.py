@@ -263,9 +263,6 @@ def fault_line(exc: BaseException) -> str:
 _OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
 # the statuses that say the device or the library's state failed, not the call's arguments
 # (NOT_SUPPORTED, INVALID_VALUE, BAD_PARAM: a shape or a batch size, a bug of ours: no fallback)
-_DEVICE_ERRORS = (
-    "CUDA error",
-    *(f"{lib}_STATUS_{what}" for lib in ("CUBLAS", "CUDNN") for what in ("EXECUTION_FAILED", "INTERNAL_ERROR")),
-    *(f"{lib}_STATUS_{what}" for lib in ("CUBLAS", "CUDNN") for what in ("MAPPING_ERROR", "NOT_INITIALIZED")),
-)
+_FAILED_STATES = ("EXECUTION_FAILED", "INTERNAL_ERROR", "MAPPING_ERROR", "NOT_INITIALIZED")
+_DEVICE_ERRORS = ("CUDA error", *(f"{lib}_STATUS_{state}" for lib in ("CUBLAS", "CUDNN") for state in _FAILED_STATES))
 _TELLING = _OUT_OF_MEMORY + _DEVICE_ERRORS

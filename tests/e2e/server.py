@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import REPO_ROOT, free_port
+from tests.support import REPO_ROOT, copy_repository, free_port, server_environment
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
@@ -70,3 +70,15 @@ def spawn(logs: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int
     with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
     return process, port
+
+
+def spawn_digits(tmp_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
+    """``spawn`` on a copy of the bundled digits repository, its warm-up off (start-up is what
+    these tests watch), with ``env`` over the test environment."""
+    base = {
+        "PYTHONPATH": str(REPO_ROOT),
+        "AI_SERVICE_MODEL__REPOSITORY": str(copy_repository(tmp_path)),
+        "AI_SERVICE_MODEL__WARMUP": "false",
+    }
+    process, port = spawn(tmp_path, server_environment(base | (env or {})))
+    return ServerProcess(process, port, tmp_path)

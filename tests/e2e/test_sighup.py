@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import ServerProcess, spawn
-from tests.support import REPO_ROOT, copy_repository, server_environment
+from tests.e2e.server import spawn_digits
 
 pytestmark = pytest.mark.e2e
 
@@ -19,15 +18,8 @@ def test_a_sighup_while_the_server_starts_or_exits_does_not_kill_it(tmp_path: Pa
     # the reload handler lives in the lifespan; before it (settings read, torch imported, the
     # socket bound) and after it, SIGHUP kept its default action and ended the process: a config
     # tool that edits the file and signals a server that is just (re)starting killed it
-    env = server_environment(
-        {
-            "PYTHONPATH": str(REPO_ROOT),
-            "AI_SERVICE_MODEL__REPOSITORY": str(copy_repository(tmp_path)),
-            "AI_SERVICE_MODEL__WARMUP": "false",
-        }
-    )
-    process, port = spawn(tmp_path, env)
-    server = ServerProcess(process, port, tmp_path)
+    server = spawn_digits(tmp_path)
+    process = server.process
     try:
         time.sleep(1.0)  # importing torch
         process.send_signal(signal.SIGHUP)
@@ -53,15 +45,8 @@ def test_a_sighup_as_soon_as_serve_starts_is_ignored(tmp_path: Path) -> None:
     # SIGHUP was ignored only once the settings module was imported (pydantic: a third of a
     # second, more on a busy machine), after SIGTERM's handler: a SIGHUP in between ended the
     # process (exit -1, 129 in a shell) before it had said a word
-    env = server_environment(
-        {
-            "PYTHONPATH": str(REPO_ROOT),
-            "AI_SERVICE_MODEL__REPOSITORY": str(copy_repository(tmp_path)),
-            "AI_SERVICE_MODEL__WARMUP": "false",
-        }
-    )
-    process, port = spawn(tmp_path, env)
-    server = ServerProcess(process, port, tmp_path)
+    server = spawn_digits(tmp_path)
+    process = server.process
     try:
         deadline = time.monotonic() + 30
         # the first disposition serve sets, whichever it is: start-up has begun

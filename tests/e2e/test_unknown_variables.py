@@ -7,25 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import ServerProcess, spawn
-from tests.support import REPO_ROOT, copy_repository, server_environment
+from tests.e2e.server import spawn_digits
 
 pytestmark = pytest.mark.e2e
 
 
 def test_serve_warns_of_a_misspelt_variable_once_logging_is_set_and_still_serves(tmp_path: Path) -> None:
-    env = server_environment(
+    server = spawn_digits(
+        tmp_path,
         {
-            "PYTHONPATH": str(REPO_ROOT),
-            "AI_SERVICE_MODEL__REPOSITORY": str(copy_repository(tmp_path)),
-            "AI_SERVICE_MODEL__WARMUP": "false",
             "AI_SERVICE_MODEL_WARMUP": "secret-looking-value",  # one "_" where "__" goes
             "AI_SERVICE_PORT": "tcp://10.96.0.12:8000",  # a Kubernetes service link
             "AI_SERVICE_SERVICE_HOST": "10.96.0.12",
-        }
+        },
     )
-    process, port = spawn(tmp_path, env)
-    server = ServerProcess(process, port, tmp_path)
     try:
         server.wait_ready()
     finally:

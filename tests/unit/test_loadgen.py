@@ -10,7 +10,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -107,6 +107,22 @@ async def test_a_body_without_length_runs_to_the_end_and_a_short_one_raises() ->
         await read_response(reader_of(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"))
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def serving(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[int]:
+    """A loopback server running ``handle`` for each connection while the block runs; its port."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 @asynccontextmanager
 async def http_server(respond: Callable[[int, bytes], bytes]) -> AsyncIterator[tuple[int, list[int]]]:
     """A loopback HTTP/1.1 server answering request ``n`` with ``respond(n, body)``.
@@ -138,13 +154,8 @@ async def http_server(respond: Callable[[int, bytes], bytes]) -> AsyncIterator[t
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(handle) as port:
         yield port, per_connection
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def json_answer(payload: dict[str, object], close: bool = False) -> bytes:
@@ -180,18 +191,13 @@ async def test_a_kept_alive_connection_the_server_dropped_while_idle_is_retried_
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(answer_once_then_hang_up, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(answer_once_then_hang_up) as port:
         connection = rawhttp.Connection("127.0.0.1", port)
         request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
         first = json.loads((await connection.request(request))[1])["n"]
         await asyncio.sleep(0.05)  # the server has hung up by now
         second = json.loads((await connection.request(request))[1])["n"]
         connection.close()
-    finally:
-        server.close()
-        await server.wait_closed()
     assert (first, second) == (1, 2) and connection.opened == 2
     assert connection.retried == 1, "a request that found its connection closed before the write is counted"
 
@@ -212,16 +218,13 @@ async def test_a_close_that_comes_right_after_the_answer_is_seen_before_the_next
             await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(answer_then_close, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    connection = rawhttp.Connection("127.0.0.1", port)
-    request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
-    try:
-        answers = [json.loads((await connection.request(request))[1])["n"] for _ in range(10)]
-    finally:
-        connection.close()
-        server.close()
-        await server.wait_closed()
+    async with serving(answer_then_close) as port:
+        connection = rawhttp.Connection("127.0.0.1", port)
+        request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
+        try:
+            answers = [json.loads((await connection.request(request))[1])["n"] for _ in range(10)]
+        finally:
+            connection.close()
     assert answers == list(range(1, 11)) and read == 10
     assert connection.retried == 9 and connection.opened == 10
 
@@ -481,17 +484,12 @@ async def test_the_host_header_is_host_and_port_never_the_url_s_user_information
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(handle) as port:
         args = bench_args(url=f"http://user:secret@localhost:{port}", client=client, requests=3, server_pid=None)
         await loadgen.bench(args, [b"x"])
         # the client closed its connections: each handler ends at their end, and closes its own
         await asyncio.wait_for(asyncio.gather(*(task for task in handlers if task)), timeout=5)
         await asyncio.sleep(0.01)
-    finally:
-        server.close()
-        await server.wait_closed()
     hosts = {line.lower() for head in heads for line in head.split(b"\r\n") if line.lower().startswith(b"host:")}
     assert heads and hosts == {f"host: localhost:{port}".encode()}, hosts
     assert not any(b"secret" in head or b"authorization" in head.lower() for head in heads)

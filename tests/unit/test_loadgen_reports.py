@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from app.bench import loadgen
-from tests.unit.test_loadgen import bench_args, http_server, json_answer
+from tests.unit.test_loadgen import bench_args, http_server, json_answer, serving
 
 
 @pytest.mark.parametrize(("n", "q"), [(100, 99), (10, 50), (10, 90), (200, 99), (4, 50), (1000, 99), (7, 50), (100, 7)])
@@ -217,15 +217,11 @@ async def test_httpx_bounds_each_request_as_a_whole_against_a_server_that_drips(
         finally:
             writer.close()
 
-    server = await asyncio.start_server(drip, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(drip) as port:
         args = bench_args(
             url=f"http://127.0.0.1:{port}", client="httpx", concurrency=1, timeout=0.3, duration=0.2, server_pid=None
         )
         report = await asyncio.wait_for(loadgen.bench(args, [b"x"]), timeout=10)
-    finally:
-        server.close()
     assert report["ok"] == 0 and set(report["errors"]) <= {"0:TimeoutError"}
 
 
