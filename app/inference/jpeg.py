@@ -92,9 +92,10 @@ def decode_reduced(
 
 def pillow_image(pixels: np.ndarray) -> Image.Image:
     """``decode_reduced``'s pixels as a Pillow image that reads them where they are (grey as
-    ``L``, colour as ``RGBX``: their bands are RGB's, resized alike), not a copy."""
+    ``L``, colour as ``RGBX``: their bands are RGB's, resized alike), not a copy. Unpadded colour
+    (``padded=False``, meant for torch) is ``RGB``, copied: the rare strip torch does not resize."""
     height, width, bands = pixels.shape
-    mode = "L" if bands == 1 else "RGBX"
+    mode = {1: "L", 3: "RGB"}.get(bands, "RGBX")
     return Image.frombuffer(mode, (width, height), pixels, "raw", mode, 0, 1)
 
 

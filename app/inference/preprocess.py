@@ -153,6 +153,18 @@ def _by_torch(spec: InputSpec) -> bool:
     return spec.resize.mode != "fit_content" and spec.resize.filter in _TORCH_FILTERS
 
 
+def _torch_resize_fits(width: int, height: int, spec: InputSpec, max_pixels: int) -> bool:
+    """Whether the whole image ``_resized_tensor`` builds before its crop has at most ``max_pixels``,
+    as an accepted image has. The shorter side goes to ``resize_to``, so a thin strip grows along
+    its longer one: a 16383 x 1 WebP of 526 bytes became a 4,194,048 x 256 tensor (3.2 GB), a 65500 x 8
+    JPEG of 17 KB one of 1.6 GB, and a 16,000,000 x 1 PNG a 500 (3 TB refused). Pillow's ``_resize``
+    resizes only the box that becomes the crop, whatever the whole would be."""
+    if spec.resize.mode == "stretch":
+        return True
+    resized_width, resized_height = _resized_size(width, height, spec)
+    return resized_width * resized_height <= max_pixels
+
+
 def _resized_tensor(pixels: np.ndarray, spec: InputSpec) -> torch.Tensor:
     """``H x W x C`` uint8 pixels (``C`` the spec's channels) resized and cropped as the spec says,
     by torch's uint8 kernels: a writable ``C x H x W`` tensor laid out ``H x W x C``, as ``_tensor``
@@ -222,7 +234,8 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
         except HeaderTooLong as exc:
             raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
         if pixels is not None:
-            if _by_torch(spec):
+            height, width = pixels.shape[:2]
+            if _by_torch(spec) and _torch_resize_fits(width, height, spec, limits.max_pixels):
                 return _resized_tensor(pixels, spec)
             return _tensor(_resize(pillow_image(pixels), spec, limits.max_pixels))
     image = _open(data, limits)
@@ -240,7 +253,7 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
         if turned != 1:
             image = ImageOps.exif_transpose(image)
         image = _to_mode(image, spec.channels)
-        if _by_torch(spec):
+        if _by_torch(spec) and _torch_resize_fits(*image.size, spec, limits.max_pixels):
             return _resized_tensor(_pixels(image), spec)
         image = _resize(image, spec, limits.max_pixels)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:

@@ -167,3 +167,31 @@ def test_a_32_bit_grey_image_is_scaled_and_clipped_not_wrapped() -> None:
     signed = Image.fromarray(np.array([[-5, 0, 30000, 70000]], dtype=np.int32))
     assert signed.mode == "I"
     assert np.asarray(_to_mode(signed, 1)).tolist() == [[0, 0, 117, 255]], "a negative value is black, not white"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "size"),
+    [("PNG", (4_000_000, 1)), ("PNG", (1, 100_000)), ("WEBP", (16_383, 1)), ("JPEG", (4_000, 2)), ("JPEG", (8, 8_000))],
+)
+def test_a_thin_strip_is_not_resized_whole_before_the_crop(
+    fmt: str, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """shorter_side_then_center_crop takes the shorter side to resize_to: torch's resize of the
+    whole image made a 16383 x 1 WebP (526 bytes) a 4,194,048 x 256 tensor, 3.2 GB and 8 s of a
+    served request, and a 16,000,000 x 1 PNG a 500 (3 TB, refused by the allocator). The crop's
+    pixels alone are computed instead, as Pillow's box resize does."""
+    real_empty = torch.empty
+
+    def spy_empty(*shape: object, **kwargs: object) -> torch.Tensor:
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        cells = int(np.prod([int(d) for d in dims]))  # type: ignore[call-overload]
+        if cells > 3 * LIMITS.max_pixels:  # refuse before allocating, so the test stays cheap
+            raise AssertionError(f"preprocess allocates a tensor of {cells} bytes")
+        return real_empty(*shape, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(torch, "empty", spy_empty)
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (90, 120, 150)).save(buffer, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    tensor = decode(buffer.getvalue(), IMAGENET, LIMITS)
+    assert tuple(tensor.shape) == (3, IMAGENET.height, IMAGENET.width)
+    assert [round(float(band.float().mean())) for band in tensor] == pytest.approx([90, 120, 150], abs=3)
