@@ -19,7 +19,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
-from app.inference.jpeg import HeaderTooLong, check_header, decode_reduced, pillow_image
+from app.inference.jpeg import HeaderTooLong, TooManyScans, check_header, check_scans, decode_reduced, pillow_image
 from app.inference.manifest import InputSpec
 
 ACCEPTED_FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
@@ -230,7 +230,10 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
     """
     if len(data) <= limits.max_bytes:  # (beyond it, _open refuses it before any work)
         try:
+            check_scans(data)
             pixels = _decode_reduced(data, spec, limits, draft_tolerance)
+        except TooManyScans as exc:
+            raise BadRequest(str(exc), code="undecodable_image") from exc
         except HeaderTooLong as exc:
             raise BadRequest("the image could not be decoded", code="undecodable_image") from exc
         if pixels is not None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from app.errors import BadRequest
 from app.inference.manifest import InputSpec, Manifest
 from app.inference.preprocess import ImageLimits, decode
 from tests.support import DIGITS_DIR, png_from_array, sample_png
@@ -195,3 +196,31 @@ def test_a_thin_strip_is_not_resized_whole_before_the_crop(
     tensor = decode(buffer.getvalue(), IMAGENET, LIMITS)
     assert tuple(tensor.shape) == (3, IMAGENET.height, IMAGENET.width)
     assert [round(float(band.float().mean())) for band in tensor] == pytest.approx([90, 120, 150], abs=3)
+
+
+def _repeated_last_scan(times: int) -> bytes:
+    """A progressive grey JPEG with its last scan written ``times`` more times: each repeat is a
+    few dozen bytes and another pass of the decoder over every block of the image."""
+    buffer = io.BytesIO()
+    Image.new("L", (256, 256)).save(buffer, format="JPEG", progressive=True)
+    data = buffer.getvalue()
+    last, end = data.rindex(b"\xff\xda"), len(data) - 2  # the last scan, up to the EOI
+    return data[:end] + data[last:end] * times + data[end:]
+
+
+@pytest.mark.parametrize("spec", [DIGITS, IMAGENET], ids=["fit_content", "crop"])
+def test_a_jpeg_of_a_thousand_scans_is_refused_before_decoding(spec: InputSpec) -> None:
+    """A 4000 x 4000 grey JPEG with its last scan repeated 1,000 times (94 KB) took a decode
+    thread for 31 s, every prediction queued behind it; a megabyte holds 33,000 such scans."""
+    with pytest.raises(BadRequest) as caught:
+        decode(_repeated_last_scan(1_000), spec, LIMITS)
+    assert caught.value.code == "undecodable_image"
+    assert "scans" in caught.value.message
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "CMYK"])
+def test_progressive_jpegs_as_encoders_write_them_decode(mode: str) -> None:
+    """libjpeg's progressive scripts: 6 scans for grey, 10 for colour, 18 for CMYK."""
+    buffer = io.BytesIO()
+    Image.new(mode, (64, 48)).save(buffer, format="JPEG", progressive=True)
+    assert tuple(decode(buffer.getvalue(), IMAGENET, LIMITS).shape) == (3, 224, 224)
