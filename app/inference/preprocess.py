@@ -95,8 +95,10 @@ def _to_mode(image: Image.Image, channels: int) -> Image.Image:
         # (clipped before the cast: mode I is signed, and a negative value would wrap to white)
         wide = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
         image = Image.fromarray((wide >> 8).astype(np.uint8), mode="L")
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        # transparent pixels become black: the bundled model reads light digits on a dark ground
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        # transparent pixels become black: the bundled model reads light digits on a dark ground.
+        # A palette's transparency, or a grey or colour PNG's transparent colour (its tRNS chunk),
+        # is only in ``info``: convert applies it (such pixels came out as their colour, white say)
         rgba = image.convert("RGBA")
         ground = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
         image = Image.alpha_composite(ground, rgba)

@@ -224,3 +224,17 @@ def test_progressive_jpegs_as_encoders_write_them_decode(mode: str) -> None:
     buffer = io.BytesIO()
     Image.new(mode, (64, 48)).save(buffer, format="JPEG", progressive=True)
     assert tuple(decode(buffer.getvalue(), IMAGENET, LIMITS).shape) == (3, 224, 224)
+
+
+@pytest.mark.parametrize(("mode", "white"), [("L", 255), ("RGB", (255, 255, 255)), ("1", 1), ("P", 1)])
+def test_a_pngs_transparent_colour_becomes_a_dark_ground(mode: str, white: object) -> None:
+    """A PNG may mark one colour transparent (its tRNS chunk) instead of carrying alpha: a grey or
+    colour one's transparent white came out white, where the same image with alpha came out black."""
+    image = Image.new(mode, (16, 16), white if mode != "P" else 1)
+    if mode == "P":
+        image.putpalette([0, 0, 0, 255, 255, 255])
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", transparency=white if mode != "RGB" else (255, 255, 255))
+    assert "transparency" in Image.open(io.BytesIO(buffer.getvalue())).info
+    for spec in (DIGITS, IMAGENET):
+        assert int(decode(buffer.getvalue(), spec, LIMITS).max()) == 0
