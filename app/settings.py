@@ -449,6 +449,22 @@ def env_name(location: tuple[int | str, ...]) -> str:
     return ENV_PREFIX + "__".join(str(part).upper() for part in location)
 
 
+def setting_location(location: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """The part of a validation error's location that names a setting: the keys and indices
+    after it are inside that setting's value (``model.versions.digits.0`` is an entry of
+    ``AI_SERVICE_MODEL__VERSIONS``'s JSON, not a variable of its own)."""
+    model: type[BaseModel] | None = Settings
+    for length, part in enumerate(location):
+        if model is None:
+            return location[:length]
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:  # a name the group does not have (``server.prot``): the variable that set it
+            return location[: length + 1]
+        annotation = field.annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return location
+
+
 def _unparsable_variables(environ: Mapping[str, str]) -> list[str]:
     """The ``AI_SERVICE_*`` variables of list or table settings whose values are not JSON
     (pydantic-settings names only the group, not the variable)."""
@@ -525,7 +541,7 @@ def load_settings(**overrides: object) -> Settings:
         for error in exc.errors():
             location = tuple(part for part in error["loc"] if not isinstance(part, int) or part >= 0)
             named = dotted(location, "settings")  # an admin body's keys cut short too
-            where = f"{named} ({env_name(location)})" if location else named
+            where = f"{named} ({env_name(setting_location(location))})" if location else named
             lines.append(f"  {where}: {error['msg']}")
         raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
     except SettingsError:
