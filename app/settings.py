@@ -164,7 +164,7 @@ class ModelSettings(_Group):
     names: list[str] = Field(default_factory=list, description="models to load; empty loads every model")
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        default="auto", description="auto: float16 on CUDA, float32 on the CPU"
+        default="auto", description="auto (float16 on CUDA, float32 on the CPU), float32, float16 or bfloat16"
     )
     load_versions: str = Field(
         default="latest",
@@ -340,10 +340,14 @@ class TelemetrySettings(_Group):
 
     service_name: str = Field(default="ai-backend", description="service.name on every span")
     exporter: Literal["none", "console", "otlp_grpc", "otlp_http"] = Field(
-        default="none", description="where spans go; none: no spans are made (logs keep the caller's traceparent)"
+        default="none",
+        description="where spans go: none, console (stdout), otlp_grpc or otlp_http; none: no spans are made "
+        "(logs keep the caller's traceparent)",
     )
     endpoint: str | None = Field(
-        default=None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)"
+        default=None,
+        description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP); unset: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else the exporter's default on localhost",
     )
     sampling_ratio: float = Field(
         default=1.0,
@@ -360,7 +364,9 @@ class TelemetrySettings(_Group):
 class LoggingSettings(_Group):
     """Log level and format (one JSON object a line, or plain text for a terminal)."""
 
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="log level")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="log level: DEBUG, INFO, WARNING or ERROR"
+    )
     json_format: bool = Field(default=True, description="one JSON object a line; false: plain text")
     access_log: bool = Field(default=True, description="one line per request: method, path, status, duration")
 
