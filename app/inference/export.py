@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -83,14 +84,29 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # how weights_only refuses anything but tensors
-        raise ExportError(f"{path}: refused by the safe loader, not a plain state_dict ({exc})") from exc
+        raise ExportError(
+            f"{path}: refused by the safe loader: it holds pickled Python objects ({_refused_object(exc)}), "
+            "as a whole model saved with torch.save(model) does; save the weights alone, "
+            "torch.save(model.state_dict(), path) or safetensors' save_file, and export that"
+        ) from exc
     except (OSError, EOFError, SafetensorError, RuntimeError, ValueError) as exc:
         raise ExportError(f"{path}: not a loadable state_dict ({exc})") from exc
-    if not isinstance(state, Mapping) or not all(
-        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()
-    ):
+    if not isinstance(state, Mapping):
         raise ExportError(f"{path}: expected a state_dict (a mapping of names to tensors)")
+    if not all(isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()):
+        keys = ", ".join(repr(key) for key in list(state)[:5]) + (", ..." if len(state) > 5 else "")
+        raise ExportError(
+            f"{path}: expected a state_dict (a mapping of names to tensors), but it holds {keys}: "
+            "a training checkpoint? save its model's state_dict alone"
+        )
     return dict(state)
+
+
+def _refused_object(exc: pickle.UnpicklingError) -> str:
+    """What torch's safe loader refused, from its message; the rest of that message advises
+    ``weights_only=False``, which would run the file's code and which the exporter never offers."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return found.group(1) if found else "not tensors or plain containers"
 
 
 def _find_head(model: nn.Module, num_classes: int) -> str:
