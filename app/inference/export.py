@@ -139,12 +139,19 @@ def _check_split(arch: str, expected: torch.Tensor, sample: torch.Tensor, backbo
     with torch.no_grad():
         eager = head(backbone(sample))
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.jit.script's deprecation notice
+            # torch.jit.script's deprecation notice; a scripted googlenet's warning that it returns a tuple
+            warnings.simplefilter("ignore")
             try:
                 scripted_backbone, scripted_head = torch.jit.script(backbone), torch.jit.script(head)
             except Exception as exc:
                 raise ExportError(f"{arch}: cannot be scripted to TorchScript ({exc})") from exc
-        features = scripted_backbone(sample)
+            features = scripted_backbone(sample)
+        if isinstance(features, tuple):  # GoogLeNetOutputs, InceptionOutputs: scripted, they always come
+            raise ExportError(
+                f"{arch}: the scripted model returns {type(features).__name__}, the outputs of its auxiliary "
+                "classifiers with its logits, not a tensor: architectures with auxiliary classifiers "
+                "(googlenet, inception_v3) cannot be exported"
+            )
         if not isinstance(features, torch.Tensor):
             raise ExportError(f"{arch}: the scripted backbone returns {type(features).__name__}, not a tensor")
         scripted = scripted_head(features)

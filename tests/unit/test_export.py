@@ -176,6 +176,15 @@ def test_squeezenet_cannot_be_split_and_writes_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_architecture_with_auxiliary_classifiers_is_refused_saying_so(tmp_path: Path) -> None:
+    """googlenet's scripted forward returns its auxiliary outputs with the logits; the refusal
+    said only "returns GoogLeNetOutputs, not a tensor", which the README's "any architecture"
+    left unexplained."""
+    with pytest.raises(ExportError, match=r"auxiliary classifiers.*googlenet, inception_v3"):
+        export_torchvision("googlenet", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_architecture_and_bad_names_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="not a torchvision classification architecture"):
         export_torchvision("fasterrcnn_resnet50_fpn", tmp_path)
