@@ -250,7 +250,7 @@ class InferenceService:
             missing = [name for name in wanted if name not in found]
             if not wanted:
                 raise ModelLoadError(
-                    f"model repository {self.repository.described()} holds no model: a model is a folder "
+                    f"model repository {self.repository.described()} has no model in it: a model is a folder "
                     "<name>/<version>/manifest.json with its files (ai-backend export or train-digits writes one)"
                 )
             if missing:

@@ -118,7 +118,7 @@ async def test_an_empty_repository_says_what_a_model_folder_holds(
     calls: list[str] = []
     async with running_app(make_settings(model={"repository": DIGITS_DIR}), on_fatal=calls.append):
         assert len(calls) == 1, calls
-        assert "holds no model" in calls[0] and "<name>/<version>/manifest.json" in calls[0]
+        assert "has no model in it" in calls[0] and "<name>/<version>/manifest.json" in calls[0]
 
 
 async def test_a_relative_repository_that_is_missing_is_named_with_where_it_was_looked_for(
