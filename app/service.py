@@ -248,8 +248,13 @@ class InferenceService:
             wanted = self.settings.model.names or [entry.name for entry in entries]
             found = {entry.name: entry for entry in entries}
             missing = [name for name in wanted if name not in found]
-            if missing or not wanted:
-                raise ModelLoadError(f"model repository {self.repository.root} has no model named {missing or 'any'}")
+            if not wanted:
+                raise ModelLoadError(
+                    f"model repository {self.repository.described()} has no model in it: a model is a folder "
+                    "<name>/<version>/manifest.json with its files (ai-backend export or train-digits writes one)"
+                )
+            if missing:
+                raise ModelLoadError(f"model repository {self.repository.described()} has no model named {missing}")
             default = self.settings.model.default or wanted[0]
             if default not in wanted:
                 raise ModelLoadError(f"model.default={default} is not among the models served: {wanted}")

@@ -164,7 +164,9 @@ class ModelSettings(_Group):
     names: list[str] = Field(default_factory=list, description="models to load; empty loads every model")
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        default="auto", description="auto: float16 on CUDA, float32 on the CPU"
+        default="auto",
+        description="auto (float16 on CUDA, float32 on the CPU, where the half precisions run 20-40x slower), "
+        "float32, float16 or bfloat16",
     )
     load_versions: str = Field(
         default="latest",
@@ -340,10 +342,14 @@ class TelemetrySettings(_Group):
 
     service_name: str = Field(default="ai-backend", description="service.name on every span")
     exporter: Literal["none", "console", "otlp_grpc", "otlp_http"] = Field(
-        default="none", description="where spans go; none: no spans are made (logs keep the caller's traceparent)"
+        default="none",
+        description="where spans go: none, console (stdout), otlp_grpc or otlp_http; none: no spans are made "
+        "(logs keep the caller's traceparent)",
     )
     endpoint: str | None = Field(
-        default=None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP)"
+        default=None,
+        description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP); unset: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else the exporter's default on localhost",
     )
     sampling_ratio: float = Field(
         default=1.0,
@@ -360,7 +366,9 @@ class TelemetrySettings(_Group):
 class LoggingSettings(_Group):
     """Log level and format (one JSON object a line, or plain text for a terminal)."""
 
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="log level")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="log level: DEBUG, INFO, WARNING or ERROR"
+    )
     json_format: bool = Field(default=True, description="one JSON object a line; false: plain text")
     access_log: bool = Field(default=True, description="one line per request: method, path, status, duration")
 
@@ -449,6 +457,22 @@ def env_name(location: tuple[int | str, ...]) -> str:
     return ENV_PREFIX + "__".join(str(part).upper() for part in location)
 
 
+def setting_location(location: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """The part of a validation error's location that names a setting: the keys and indices
+    after it are inside that setting's value (``model.versions.digits.0`` is an entry of
+    ``AI_SERVICE_MODEL__VERSIONS``'s JSON, not a variable of its own)."""
+    model: type[BaseModel] | None = Settings
+    for length, part in enumerate(location):
+        if model is None:
+            return location[:length]
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:  # a name the group does not have (``server.prot``): the variable that set it
+            return location[: length + 1]
+        annotation = field.annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return location
+
+
 def _unparsable_variables(environ: Mapping[str, str]) -> list[str]:
     """The ``AI_SERVICE_*`` variables of list or table settings whose values are not JSON
     (pydantic-settings names only the group, not the variable)."""
@@ -525,7 +549,7 @@ def load_settings(**overrides: object) -> Settings:
         for error in exc.errors():
             location = tuple(part for part in error["loc"] if not isinstance(part, int) or part >= 0)
             named = dotted(location, "settings")  # an admin body's keys cut short too
-            where = f"{named} ({env_name(location)})" if location else named
+            where = f"{named} ({env_name(setting_location(location))})" if location else named
             lines.append(f"  {where}: {error['msg']}")
         raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
     except SettingsError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -83,14 +84,29 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # how weights_only refuses anything but tensors
-        raise ExportError(f"{path}: refused by the safe loader, not a plain state_dict ({exc})") from exc
+        raise ExportError(
+            f"{path}: refused by the safe loader: it holds pickled Python objects ({_refused_object(exc)}), "
+            "as a whole model saved with torch.save(model) does; save the weights alone, "
+            "torch.save(model.state_dict(), path) or safetensors' save_file, and export that"
+        ) from exc
     except (OSError, EOFError, SafetensorError, RuntimeError, ValueError) as exc:
         raise ExportError(f"{path}: not a loadable state_dict ({exc})") from exc
-    if not isinstance(state, Mapping) or not all(
-        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()
-    ):
+    if not isinstance(state, Mapping):
         raise ExportError(f"{path}: expected a state_dict (a mapping of names to tensors)")
+    if not all(isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()):
+        keys = ", ".join(repr(key) for key in list(state)[:5]) + (", ..." if len(state) > 5 else "")
+        raise ExportError(
+            f"{path}: expected a state_dict (a mapping of names to tensors), but it holds {keys}: "
+            "a training checkpoint? save its model's state_dict alone"
+        )
     return dict(state)
+
+
+def _refused_object(exc: pickle.UnpicklingError) -> str:
+    """What torch's safe loader refused, from its message; the rest of that message advises
+    ``weights_only=False``, which would run the file's code and which the exporter never offers."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return found.group(1) if found else "not tensors or plain containers"
 
 
 def _find_head(model: nn.Module, num_classes: int) -> str:
@@ -123,12 +139,19 @@ def _check_split(arch: str, expected: torch.Tensor, sample: torch.Tensor, backbo
     with torch.no_grad():
         eager = head(backbone(sample))
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.jit.script's deprecation notice
+            # torch.jit.script's deprecation notice; a scripted googlenet's warning that it returns a tuple
+            warnings.simplefilter("ignore")
             try:
                 scripted_backbone, scripted_head = torch.jit.script(backbone), torch.jit.script(head)
             except Exception as exc:
                 raise ExportError(f"{arch}: cannot be scripted to TorchScript ({exc})") from exc
-        features = scripted_backbone(sample)
+            features = scripted_backbone(sample)
+        if isinstance(features, tuple):  # GoogLeNetOutputs, InceptionOutputs: scripted, they always come
+            raise ExportError(
+                f"{arch}: the scripted model returns {type(features).__name__}, the outputs of its auxiliary "
+                "classifiers with its logits, not a tensor: architectures with auxiliary classifiers "
+                "(googlenet, inception_v3) cannot be exported"
+            )
         if not isinstance(features, torch.Tensor):
             raise ExportError(f"{arch}: the scripted backbone returns {type(features).__name__}, not a tensor")
         scripted = scripted_head(features)

@@ -34,10 +34,17 @@ class Repository:
     def __init__(self, root: Path) -> None:
         self.root = root
 
+    def described(self) -> str:
+        """The root as messages name it: a relative one with the folder it resolved to, since that
+        depends on the working directory the process was started in."""
+        if self.root.is_absolute():
+            return str(self.root)
+        return f"{self.root} ({Path.cwd() / self.root}, relative to the working directory)"
+
     def models(self) -> list[ModelEntry]:
         """Every model with at least one version, by name. Blocking (reads the disk)."""
         if not self.root.is_dir():
-            raise RepositoryError(f"model repository {self.root} is not a directory")
+            raise RepositoryError(f"model repository {self.described()} is not a directory")
         entries = []
         for folder in sorted(self.root.iterdir()):
             if not folder.is_dir() or not is_valid_name(folder.name):

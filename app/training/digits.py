@@ -399,6 +399,15 @@ def main(argv: list[str] | None = None) -> int:
         except (FileExistsError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        except ImportError as exc:
+            if not (exc.name or "").startswith("sklearn"):
+                raise
+            print(
+                f"error: training needs scikit-learn, a development dependency ({exc}): "
+                "install the dev group (uv sync) or pip install scikit-learn",
+                file=sys.stderr,
+            )
+            return 1
     manifest = Manifest.read(folder)
     accuracy = manifest.evaluation.accuracy["fp32"] if manifest.evaluation else float("nan")
     samples_folder = folder.parent / "samples"

@@ -110,6 +110,29 @@ async def test_empty_repository_fails_start_up(tmp_path: Path, make_settings: Se
         assert (await running.client.get("/readyz")).status_code == 503
 
 
+async def test_an_empty_repository_says_what_a_model_folder_holds(
+    tmp_path: Path, make_settings: SettingsFactory
+) -> None:
+    """Pointed at a folder with no model in it (a model's own folder, ``models/digits``, is the
+    common slip), start-up said "has no model named any"."""
+    calls: list[str] = []
+    async with running_app(make_settings(model={"repository": DIGITS_DIR}), on_fatal=calls.append):
+        assert len(calls) == 1, calls
+        assert "has no model in it" in calls[0] and "<name>/<version>/manifest.json" in calls[0]
+
+
+async def test_a_relative_repository_that_is_missing_is_named_with_where_it_was_looked_for(
+    tmp_path: Path, make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.repository`` defaults to ``models``, relative to the working directory: started
+    from another folder, the message said only "model repository models is not a directory"."""
+    monkeypatch.chdir(tmp_path)
+    calls: list[str] = []
+    async with running_app(make_settings(model={"repository": Path("models")}), on_fatal=calls.append):
+        assert len(calls) == 1, calls
+        assert str(tmp_path / "models") in calls[0] and "working directory" in calls[0]
+
+
 def _digits_with_a_head_of(root: Path, outputs: int) -> Path:
     """digits/1 whose manifest validates (10 labels, every sha256 right), with a head of
     ``outputs`` classes: only running it shows the mismatch."""

@@ -70,7 +70,8 @@ def test_wait_ready_does_not_take_another_process_on_the_port_for_a_server_that_
         dead = subprocess.Popen(["true"])
         dead.wait()  # our server: exited (address in use)
         script = (
-            f'py=true; REPOSITORY="{tmp_path}/repository"; source "{SCRIPTS}/bench_common.sh"; trap - EXIT; port={stale.server_address[1]}; '
+            f'py=true; REPOSITORY="{tmp_path}/repository"; source "{SCRIPTS}/bench_common.sh"; trap - EXIT; '
+            f"port={stale.server_address[1]}; "
             f'server_pid={dead.pid}; wait_ready "{tmp_path}/server.log"'
         )
         done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=90, check=False)

@@ -149,9 +149,39 @@ def test_pickled_module_is_refused_by_the_safe_loader(tmp_path: Path) -> None:
         export_torchvision("mobilenet_v3_small", tmp_path, weights=weights)
 
 
+def test_a_refused_pickle_says_how_to_save_weights_the_exporter_takes(tmp_path: Path) -> None:
+    """torch's own refusal advises ``weights_only=False``, which the exporter never offers (it
+    would run the file's code): the message says what to save instead, and what was refused."""
+    weights = tmp_path / "model.pt"
+    torch.save(_reference("mobilenet_v3_small", seed=0), weights)
+
+    with pytest.raises(ExportError) as refused:
+        export_torchvision("mobilenet_v3_small", tmp_path, weights=weights)
+    message = str(refused.value)
+    assert "torch.save(model.state_dict()" in message and "MobileNetV3" in message
+    assert "weights_only" not in message and "\x1b" not in message
+
+
+def test_a_training_checkpoint_is_named_for_what_it_holds(tmp_path: Path) -> None:
+    weights = tmp_path / "checkpoint.pt"
+    torch.save({"model": _reference("mobilenet_v3_small", seed=0).state_dict(), "epoch": 3}, weights)
+
+    with pytest.raises(ExportError, match=r"holds 'model', 'epoch'.*state_dict alone"):
+        export_torchvision("mobilenet_v3_small", tmp_path, weights=weights)
+
+
 def test_squeezenet_cannot_be_split_and_writes_nothing(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"no nn\.Linear with 1000 outputs"):
         export_torchvision("squeezenet1_0", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_architecture_with_auxiliary_classifiers_is_refused_saying_so(tmp_path: Path) -> None:
+    """googlenet's scripted forward returns its auxiliary outputs with the logits; the refusal
+    said only "returns GoogLeNetOutputs, not a tensor", which the README's "any architecture"
+    left unexplained."""
+    with pytest.raises(ExportError, match=r"auxiliary classifiers.*googlenet, inception_v3"):
+        export_torchvision("googlenet", tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -94,6 +94,31 @@ def test_a_bad_value_is_refused_naming_the_setting_and_the_rule(
 
 
 @pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("AI_SERVICE_MODEL__VERSIONS", '{"digits": [1]}', "model.versions.digits.0 (AI_SERVICE_MODEL__VERSIONS)"),
+        (
+            "AI_SERVICE_MODEL__DEFAULT_VERSIONS",
+            '{"digits": 2}',
+            "model.default_versions.digits (AI_SERVICE_MODEL__DEFAULT_VERSIONS)",
+        ),
+        ("AI_SERVICE_MODEL__CANARY", '{"digits": {"2": "half"}}', "model.canary.digits.2 (AI_SERVICE_MODEL__CANARY)"),
+        ("AI_SERVICE_MODEL__NAMES", "[1]", "model.names.0 (AI_SERVICE_MODEL__NAMES)"),
+        ("AI_SERVICE_SERVER__PROT", "9", "server.prot (AI_SERVICE_SERVER__PROT)"),  # unknown: named as set
+    ],
+)
+def test_a_bad_entry_of_a_list_or_table_names_the_variable_that_holds_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, named: str
+) -> None:
+    """The entry's keys are inside the variable's JSON: ``AI_SERVICE_MODEL__VERSIONS__DIGITS__0``,
+    which the message named before, is no variable a user can set."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert named in str(caught.value)
+
+
+@pytest.mark.parametrize(
     ("value", "fill"), [("true", "always"), ("False", "never"), ("backlog", "backlog"), ("never", "never")]
 )
 def test_urgent_fill_takes_a_mode_or_a_boolean(monkeypatch: pytest.MonkeyPatch, value: str, fill: str) -> None:

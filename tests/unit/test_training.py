@@ -161,6 +161,18 @@ def test_main_builds_version_and_samples(tmp_path: Path) -> None:
     assert {path.name: path.read_bytes() for path in (tmp_path / "digits" / "samples").glob("digit_*.png")} == samples
 
 
+def test_main_without_scikit_learn_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scikit-learn is a development dependency: where it is absent (the image, a plain
+    ``pip install .``) the command ended in a ModuleNotFoundError traceback."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    assert main(["--out", str(tmp_path), "--epochs", "1"]) == 1
+    error = capsys.readouterr().err
+    assert "scikit-learn" in error and "dev" in error and "Traceback" not in error
+    assert not (tmp_path / "digits").exists()
+
+
 def test_importing_the_trainer_does_not_import_sklearn() -> None:
     code = "import sys, app.training.digits; assert 'sklearn' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=BUNDLED.parents[1])
