@@ -16,7 +16,15 @@ from app.cli import main as cli_main
 from app.inference.loader import LayeredModel
 from app.inference.manifest import MANIFEST_FILE, Manifest
 from app.inference.preprocess import ImageLimits, decode
-from app.lifecycle.evaluate import EvaluationError, evaluate, image_folder, main, resolve_precisions, write_evaluation
+from app.lifecycle.evaluate import (
+    EvaluationError,
+    evaluate,
+    image_folder,
+    main,
+    resolve_precisions,
+    slow_precision_warning,
+    write_evaluation,
+)
 from app.training.digits import load_split
 from tests.lifecycle_support import copy_version
 from tests.support import DIGITS_DIR, png_from_array
@@ -137,15 +145,15 @@ def test_dry_run_prints_and_writes_nothing(repository: Path, capsys: pytest.Capt
     assert "dry run" in out
 
 
-def test_fp16_is_refused_on_the_cpu(repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = repository / "digits" / "1" / MANIFEST_FILE
-    before = path.read_bytes()
+def test_fp16_named_on_the_cpu_is_measured_with_a_warning(repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A service with model.dtype=float16 serves fp16 on the CPU: its promotion gate needs the fp16
+    figure, so eval measures it when asked (it refused before, saying fp16 is never served there)."""
+    assert _eval(repository, "--precisions", "fp16") == 0
 
-    assert _eval(repository, "--precisions", "fp16") == 1
-
-    err = capsys.readouterr().err
-    assert "fp16 is not evaluated on cpu" in err and "20-40x slower" in err and "--precisions fp32" in err
-    assert path.read_bytes() == before
+    captured = capsys.readouterr()
+    assert "fp16 on cpu runs 20-40x slower" in captured.err and "model.dtype=float16" in captured.err
+    accuracy = Manifest.read(repository / "digits" / "1").evaluation.accuracy  # type: ignore[union-attr]
+    assert set(accuracy) == {"fp32", "fp16"} and abs(accuracy["fp16"] - accuracy["fp32"]) < 0.01
 
 
 def test_precisions() -> None:
@@ -155,9 +163,9 @@ def test_precisions() -> None:
     assert resolve_precisions("fp32", cuda) == ("fp32",)
     assert resolve_precisions("fp16", cuda) == ("fp32", "fp16")  # the FP16 gate needs the fp32 figure
     assert resolve_precisions("fp16, fp32", cuda) == ("fp32", "fp16")
-    for refused in ("fp16", "fp32,fp16"):
-        with pytest.raises(EvaluationError, match="20-40x slower"):
-            resolve_precisions(refused, CPU)
+    assert resolve_precisions("fp32,fp16", CPU) == ("fp32", "fp16")  # named: measured, as it is served
+    assert slow_precision_warning(("fp32", "fp16"), CPU) and not slow_precision_warning(("fp32", "fp16"), cuda)
+    assert not slow_precision_warning(("fp32",), CPU)
     with pytest.raises(EvaluationError, match="unknown precision 'bf16'"):
         resolve_precisions("fp32,bf16", cuda)
 
