@@ -436,9 +436,10 @@ class DualWindowBatcher(Generic[P, R]):
         except ServiceError as exc:
             error: BaseException = exc
         except Exception as exc:  # a bug in the runner: fail exactly this batch, keep serving
-            log.exception("batch of %d failed in %s", len(batch), self._name)
-            error = BatchFailed("inference failed")
-            error.__cause__, error.logged = exc, True
+            error = self._bug(batch, exc)
+        except BaseException as exc:  # an abort through the runner: its requests are answered, then it goes on up
+            self._fail(batch, self._bug(batch, exc))
+            raise
         else:
             run_s = self._clock.now() - started
             for item, output in zip(batch, outputs, strict=True):
@@ -451,8 +452,19 @@ class DualWindowBatcher(Generic[P, R]):
             except Exception:
                 log.exception("counting a batch of %d that ran failed in %s", len(batch), self._name)
             return
-        self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
         self._fail(batch, error)
+        try:  # answered first, as a batch that ran is
+            self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
+        except Exception:
+            log.exception("counting a batch of %d that failed failed in %s", len(batch), self._name)
+
+    def _bug(self, batch: Sequence[Pending[P, R]], exc: BaseException) -> BatchFailed:
+        """The error a batch's requests get for what the runner raised that is no service error: a
+        generic one (their 500 shows no internals), the detail logged once for the batch."""
+        log.error("batch of %d failed in %s", len(batch), self._name, exc_info=exc)
+        error = BatchFailed("inference failed")
+        error.__cause__, error.logged = exc, True
+        return error
 
     def _after_success(
         self,
