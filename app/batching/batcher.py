@@ -332,8 +332,8 @@ class DualWindowBatcher(Generic[P, R]):
         queue = self._queues[lane]
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
-        item: Pending[P, R] = Pending(payload, lane, now, future)
-        item.timer = self._clock.call_at(now + timeout_s, lambda: self._expire(item))
+        item: Pending[P, R] = Pending(payload, lane, now, future, now + timeout_s)
+        item.timer = self._clock.call_at(item.deadline, lambda: self._expire(item))
         future.add_done_callback(lambda _: self._settled(item))
         queue.items.append(item)
         queue.waiting += 1
@@ -366,7 +366,8 @@ class DualWindowBatcher(Generic[P, R]):
                 policy = self._effective_policy()
                 plan = self._plan(u_state, n_state, policy)
                 if plan is not None and self._may_start(plan.lane):
-                    self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
+                    if (batch := self._form(plan)) is not None:
+                        self._start_batch(plan, batch)
                     continue
                 if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0 and not self._seats_held():
                     break  # nothing queued, and nothing admitted still on its way (a body, a decode)
@@ -385,6 +386,23 @@ class DualWindowBatcher(Generic[P, R]):
                 task.cancel()
             if self._in_flight:
                 await asyncio.wait(set(self._in_flight))
+
+    def _form(self, plan: BatchPlan) -> list[Pending[P, R]] | None:
+        """The plan's requests; ``None`` when some turned out past their deadline though their timer
+        has not run yet (a busy loop runs timers late, and the dispatcher may run first). Those are
+        answered now, uncomputed, and the rest go back: the plan counted the late ones (their lane
+        full, its window closed for its oldest), and is made again without them."""
+        urgent, normal = self._queues[Lane.URGENT], self._queues[Lane.NORMAL]
+        now = self._clock.now()
+        from_urgent, late_urgent = urgent.take(plan.from_urgent, now)
+        from_normal, late_normal = normal.take(plan.from_normal, now)
+        if not late_urgent and not late_normal:
+            return from_urgent + from_normal
+        urgent.restore(from_urgent)
+        normal.restore(from_normal)
+        for item in late_urgent + late_normal:
+            self._expire(item)
+        return None
 
     def _track_urgent_wait(self, waiting: int) -> None:
         if not waiting:  # those that waited are gone (taken, expired, cancelled)
@@ -526,4 +544,5 @@ class DualWindowBatcher(Generic[P, R]):
                     await self._task
         finally:
             for queue in self._queues.values():
-                self._cut_off(queue.take(queue.waiting), Draining("the service shut down before this request ran"))
+                taken, _ = queue.take(queue.waiting)
+                self._cut_off(taken, Draining("the service shut down before this request ran"))

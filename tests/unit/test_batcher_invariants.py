@@ -55,6 +55,8 @@ policies = st.builds(
 submits = st.tuples(st.just("submit"), st.sampled_from(list(Lane)), st.sampled_from([0.001, 0.004, 0.03, 5.0]))
 advances = st.tuples(st.just("advance"), st.sampled_from([0.0005, 0.001, 0.002, 0.01, 0.025]))
 releases = st.tuples(st.just("release"), st.integers(min_value=0, max_value=50))
+# time passes and the timers due have not run yet: a busy event loop runs them late
+lags = st.tuples(st.just("lag"), st.sampled_from([0.0005, 0.002, 0.03]))
 steps = st.lists(
     st.one_of(  # weighted: most steps bring requests, move time, or end a batch
         submits,
@@ -64,6 +66,7 @@ steps = st.lists(
         advances,
         releases,
         releases,
+        lags,
         st.tuples(st.just("cancel"), st.integers(min_value=0, max_value=50)),
         st.tuples(st.just("policy"), policies),
         st.tuples(st.just("pressure"), st.integers(min_value=1, max_value=6)),
@@ -227,6 +230,9 @@ async def _step(run: Run, step: tuple[object, ...], next_id: int) -> None:
     elif kind == "advance":
         assert isinstance(step[1], float)
         await run.clock.advance(step[1])
+    elif kind == "lag":
+        assert isinstance(step[1], float)
+        run.clock.t += step[1]
     elif kind == "cancel":
         live = [r for r in run.requests.values() if not r.task.done()]
         if live:
