@@ -1,17 +1,20 @@
-"""The batcher as a state machine: random interleavings of submits, clock steps, cancels,
-batches released or failed, policy changes, memory pressure and seats, checked after every
-step against the batcher's contract (docs: DESIGN.md, "Batching semantics").
+"""The batcher as a state machine: random interleavings of submits, clock steps (and lags: time
+that passes before the loop runs the timers due), cancels, batches held, released or failed,
+policy changes, memory pressure and seats, checked after every step against the batcher's
+contract (DESIGN.md, "Batching semantics"). Each run ends with a close, with or without grace.
 
-Each run drives one batcher under the hand-moved clock, with ``FakeRunner`` holding every batch
-until the steps release it, and ends with a close. What is checked:
+The runner holds the batches the run says to hold (``FakeRunner`` computes them). What is checked:
 
-- every request gets exactly one answer, and a batch that ended left none of its futures open;
-- nothing reaches the runner after its deadline, cancelled, or twice;
-- a batch is no larger than the policy (under the ceiling) it formed under, goes only when its
-  lane is full or its oldest request waited the lane's window, and keeps each lane's order;
+- every request gets exactly one answer, and a batch that ended left none of its futures open,
+  nor the close any request;
+- nothing reaches the runner past its deadline, cancelled, or twice;
+- a batch is no larger than the policy (under the ceiling) set last, goes only when its lane is
+  full or its oldest request waited the lane's window, never before a ready urgent batch, and
+  keeps each lane's order; and no request waits past its window while a thread it may use is free;
 - the depth counts exactly the live requests queued and the seats held (a cancel frees its slot),
   and admission refuses a full queue and only a full one;
-- the ceiling stays at least 1, and the moving batch estimate finite and not negative.
+- each request left uncomputed is counted dropped once; the ceiling stays at least 1, and the
+  moving batch estimate finite and not negative.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class Run:
     policy: BatchPolicy = field(init=False)  # the last one set: the batcher must follow it
     holds: list[asyncio.Event] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # what the batches broke as they reached the runner
+    normal_threads: int = 1
     urgent_threads: int = 0
     closing: bool = False
     batcher: DualWindowBatcher[int, int] = field(init=False)
@@ -171,6 +175,23 @@ class Run:
     def _queued(request: Request, now: float) -> bool:
         """Still waiting in its queue: not taken, not cancelled, not past its deadline."""
         return request.batch is None and not request.task.done() and now < request.deadline - EPS
+
+    def check_nothing_overdue(self) -> None:
+        """No request waits past its lane's window while a device thread it may use is free: the
+        device is never idle while a batch is ready."""
+        running = [i for i, ended in enumerate(self.ended) if not ended]
+        urgent_running = sum(self.requests[self.batches[i][0]].lane is Lane.URGENT for i in running)
+        now = self.clock.now()
+        for payload, request in self.requests.items():
+            if not self._queued(request, now):
+                continue
+            if request.lane is Lane.URGENT and self.urgent_threads:
+                free = urgent_running < self.urgent_threads
+            else:
+                free = len(running) < self.normal_threads
+            waited = now - request.enqueued_at
+            window = self.policy.lane(request.lane).window_s
+            assert not free or waited < window + EPS, f"{payload} waited {waited * 1000:.3f} ms, a thread free"
 
     def check(self) -> None:
         """What must hold whenever the loop is quiet."""
@@ -303,11 +324,13 @@ async def _play(
     run.batcher = DualWindowBatcher(
         run, policy, clock=run.clock, observer=run.observer, max_in_flight=in_flight[0], urgent_in_flight=in_flight[1]
     )
-    run.urgent_threads, run.policy = in_flight[1], policy
+    run.normal_threads, run.urgent_threads, run.policy = in_flight[0], in_flight[1], policy
     run.batcher.start()
     for next_id, step in enumerate(script):
         await _step(run, step, next_id)
         run.check()
+        if step[0] == "advance":  # every timer due has run
+            run.check_nothing_overdue()
     await _close(run, grace)
     run.check()
     for payload, request in run.requests.items():
