@@ -4,8 +4,8 @@ One future per request, resolved exactly once: a ``Completed`` result, or an err
 batch goes when its lane is full or its oldest request has waited the lane's window;
 urgent batches go first and may take free seats from the head of the normal queue.
 The dispatcher sleeps until the next event or window deadline; it never polls.
-Requests whose future is already done (client gone, deadline passed) are skipped when
-a batch forms and never reach the runner.
+Requests whose future is already done (client gone, deadline passed), or whose deadline has
+passed before its timer ran, are skipped when a batch forms and never reach the runner.
 """
 
 from __future__ import annotations
