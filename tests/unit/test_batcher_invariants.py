@@ -159,6 +159,10 @@ class Run:
         assert full or self.closing or waited >= policy.lane(lane).window_s - EPS, (
             f"a {lane} batch of {len(own)} went after {waited * 1000:.3f} ms, before its window"
         )
+        riders = [p for p in payloads if self.requests[p].lane is not lane]
+        if riders and policy.urgent_fill is UrgentFill.NEVER:  # only a normal lane due rides, so it is not starved
+            due = now - self.requests[riders[0]].enqueued_at >= policy.normal.window_s - EPS
+            assert due or self.closing, "normal requests rode an urgent batch under urgent_fill=never"
         if lane is Lane.NORMAL and not self.urgent_threads:  # then urgent batches take the same seats
             urgent = [r for r in self.requests.values() if r.lane is Lane.URGENT and self._queued(r, now)]
             ready = len(urgent) >= self._max_batch(Lane.URGENT) or any(
@@ -389,6 +393,15 @@ def _check_answer(run: Run, payload: int, request: Request) -> None:
     [("submit", Lane.NORMAL, 5.0), ("advance", 0.025), ("submit", Lane.URGENT, 5.0), ("submit", Lane.NORMAL, 5.0)]
     + [("advance", 0.025), ("release", 0), ("release", 0)],
     [(True, "ok")],
+    (1, 0),
+    True,
+    False,
+)
+# pinned: under urgent_fill=never an urgent batch leaves a normal request that is not due behind
+@example(
+    BatchPolicy(LanePolicy(0.002, 2, 4), LanePolicy(0.025, 2, 4), UrgentFill.NEVER),
+    [("submit", Lane.NORMAL, 5.0), ("submit", Lane.URGENT, 5.0), ("advance", 0.002)],
+    [(False, "ok")],
     (1, 0),
     True,
     False,
