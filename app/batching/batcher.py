@@ -4,8 +4,8 @@ One future per request, resolved exactly once: a ``Completed`` result, or an err
 batch goes when its lane is full or its oldest request has waited the lane's window;
 urgent batches go first and may take free seats from the head of the normal queue.
 The dispatcher sleeps until the next event or window deadline; it never polls.
-Requests whose future is already done (client gone, deadline passed) are skipped when
-a batch forms and never reach the runner.
+Requests whose future is already done (client gone, deadline passed), or whose deadline has
+passed before its timer ran, are skipped when a batch forms and never reach the runner.
 """
 
 from __future__ import annotations
@@ -332,8 +332,8 @@ class DualWindowBatcher(Generic[P, R]):
         queue = self._queues[lane]
         now = self._clock.now()
         future: asyncio.Future[Completed[R]] = asyncio.get_running_loop().create_future()
-        item: Pending[P, R] = Pending(payload, lane, now, future)
-        item.timer = self._clock.call_at(now + timeout_s, lambda: self._expire(item))
+        item: Pending[P, R] = Pending(payload, lane, now, future, now + timeout_s)
+        item.timer = self._clock.call_at(item.deadline, lambda: self._expire(item))
         future.add_done_callback(lambda _: self._settled(item))
         queue.items.append(item)
         queue.waiting += 1
@@ -366,7 +366,8 @@ class DualWindowBatcher(Generic[P, R]):
                 policy = self._effective_policy()
                 plan = self._plan(u_state, n_state, policy)
                 if plan is not None and self._may_start(plan.lane):
-                    self._start_batch(plan, urgent.take(plan.from_urgent) + normal.take(plan.from_normal))
+                    if (batch := self._form(plan)) is not None:
+                        self._start_batch(plan, batch)
                     continue
                 if not self._accepting and u_state.waiting == 0 and n_state.waiting == 0 and not self._seats_held():
                     break  # nothing queued, and nothing admitted still on its way (a body, a decode)
@@ -385,6 +386,23 @@ class DualWindowBatcher(Generic[P, R]):
                 task.cancel()
             if self._in_flight:
                 await asyncio.wait(set(self._in_flight))
+
+    def _form(self, plan: BatchPlan) -> list[Pending[P, R]] | None:
+        """The plan's requests; ``None`` when some turned out past their deadline though their timer
+        has not run yet (a busy loop runs timers late, and the dispatcher may run first). Those are
+        answered now, uncomputed, and the rest go back: the plan counted the late ones (their lane
+        full, its window closed for its oldest), and is made again without them."""
+        urgent, normal = self._queues[Lane.URGENT], self._queues[Lane.NORMAL]
+        now = self._clock.now()
+        from_urgent, late_urgent = urgent.take(plan.from_urgent, now)
+        from_normal, late_normal = normal.take(plan.from_normal, now)
+        if not late_urgent and not late_normal:
+            return from_urgent + from_normal
+        urgent.restore(from_urgent)
+        normal.restore(from_normal)
+        for item in late_urgent + late_normal:
+            self._expire(item)
+        return None
 
     def _track_urgent_wait(self, waiting: int) -> None:
         if not waiting:  # those that waited are gone (taken, expired, cancelled)
@@ -436,9 +454,10 @@ class DualWindowBatcher(Generic[P, R]):
         except ServiceError as exc:
             error: BaseException = exc
         except Exception as exc:  # a bug in the runner: fail exactly this batch, keep serving
-            log.exception("batch of %d failed in %s", len(batch), self._name)
-            error = BatchFailed("inference failed")
-            error.__cause__, error.logged = exc, True
+            error = self._bug(batch, exc)
+        except BaseException as exc:  # an abort through the runner: its requests are answered, then it goes on up
+            self._fail(batch, self._bug(batch, exc))
+            raise
         else:
             run_s = self._clock.now() - started
             for item, output in zip(batch, outputs, strict=True):
@@ -451,8 +470,19 @@ class DualWindowBatcher(Generic[P, R]):
             except Exception:
                 log.exception("counting a batch of %d that ran failed in %s", len(batch), self._name)
             return
-        self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
         self._fail(batch, error)
+        try:  # answered first, as a batch that ran is
+            self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
+        except Exception:
+            log.exception("counting a batch of %d that failed failed in %s", len(batch), self._name)
+
+    def _bug(self, batch: Sequence[Pending[P, R]], exc: BaseException) -> BatchFailed:
+        """The error a batch's requests get for what the runner raised that is no service error: a
+        generic one (their 500 shows no internals), the detail logged once for the batch."""
+        log.error("batch of %d failed in %s", len(batch), self._name, exc_info=exc)
+        error = BatchFailed("inference failed")
+        error.__cause__, error.logged = exc, True
+        return error
 
     def _after_success(
         self,
@@ -514,4 +544,5 @@ class DualWindowBatcher(Generic[P, R]):
                     await self._task
         finally:
             for queue in self._queues.values():
-                self._cut_off(queue.take(queue.waiting), Draining("the service shut down before this request ran"))
+                taken, _ = queue.take(queue.waiting)
+                self._cut_off(taken, Draining("the service shut down before this request ran"))

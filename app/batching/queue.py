@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -34,6 +35,7 @@ class Pending(Generic[P, R]):
     lane: Lane
     enqueued_at: float
     future: asyncio.Future[Completed[R]]
+    deadline: float = math.inf  # on the batcher's clock
     timer: Timer | None = None
     queued: bool = True
     batched: bool = False  # taken into a batch (from then on, the runner reports it left out)
@@ -59,12 +61,26 @@ class LaneQueue(Generic[P, R]):
         self.prune_head()
         return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None)
 
-    def take(self, count: int) -> list[Pending[P, R]]:
+    def take(self, count: int, now: float = -math.inf) -> tuple[list[Pending[P, R]], list[Pending[P, R]]]:
+        """Up to ``count`` live requests from the head, for a batch; and those passed over because
+        their deadline is not after ``now`` (their timer is due, and has not run yet: on a busy
+        loop it runs late), for the caller to answer. Both leave the queue (see ``restore``)."""
         taken: list[Pending[P, R]] = []
+        late: list[Pending[P, R]] = []
         while self.items and len(taken) < count:
             item = self.items.popleft()
             if item.queued and not item.future.done():
-                item.batched = True
-                taken.append(item)
+                if item.deadline <= now:
+                    late.append(item)
+                else:
+                    item.batched = True
+                    taken.append(item)
             self.drop(item)
-        return taken
+        return taken, late
+
+    def restore(self, taken: list[Pending[P, R]]) -> None:
+        """Put requests ``take`` gave out back at the head, in their order: their batch did not form."""
+        for item in reversed(taken):
+            item.batched, item.queued = False, True
+            self.items.appendleft(item)
+        self.waiting += len(taken)

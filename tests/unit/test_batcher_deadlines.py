@@ -1,0 +1,88 @@
+"""A request past its deadline never reaches the runner, though its timer has not run yet.
+
+On a busy event loop timers run late: a step that takes a few milliseconds (a slow callback, a
+burst of submits) lets a request's deadline pass, and the dispatcher, woken in that step, runs
+before the timer that would have answered it. It used to take the request into its batch by the
+state of its future alone, and the runner got a request already past its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.errors import DeadlineExceeded
+from tests.unit.fakes import FakeClock, FakeRunner, settle
+
+MS = 0.001
+POLICY = BatchPolicy(LanePolicy(2 * MS, 2, 8), LanePolicy(25 * MS, 2, 8))
+
+
+async def test_a_request_whose_timer_is_late_is_answered_at_formation_not_batched() -> None:
+    clock, runner = FakeClock(), FakeRunner()
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
+    batcher.start()
+    try:
+        late = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 3 * MS))
+        await settle()
+        clock.t += 5 * MS  # its deadline passed; the loop has not run its timer yet
+        on_time = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 1.0)) for i in (2, 3)]
+        await settle()  # two live requests: a full batch
+        assert runner.batches == [[2, 3]]
+        assert late.done()
+        with pytest.raises(DeadlineExceeded):
+            await late
+        assert [r.output for r in await asyncio.gather(*on_time)] == [4, 6]
+    finally:
+        await batcher.close(grace_s=0)
+
+
+async def test_a_late_request_does_not_make_its_lane_ready_for_the_others() -> None:
+    """The plan counted the late request (the oldest, its window closed): the one behind it must
+    still wait its own window, not leave at once in a batch of one."""
+    clock, runner = FakeClock(), FakeRunner()
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
+    batcher.start()
+    try:
+        late = asyncio.ensure_future(batcher.submit(1, Lane.URGENT, 1 * MS))
+        await settle()
+        clock.t += 3 * MS  # its deadline and its window passed; its timer has not run yet
+        behind = asyncio.ensure_future(batcher.submit(2, Lane.URGENT, 1.0))
+        await settle()
+        with pytest.raises(DeadlineExceeded):
+            await late
+        assert runner.batches == [], "the request behind it waits its own window"
+        await clock.advance(2 * MS)
+        assert runner.batches == [[2]]
+        assert (await behind).queued_s == pytest.approx(2 * MS)
+    finally:
+        await batcher.close(grace_s=0)
+
+
+async def test_on_the_real_loop_a_request_past_its_deadline_never_reaches_the_runner() -> None:
+    reached: list[tuple[str, float]] = []
+
+    async def runner(payloads: Sequence[str]) -> list[str]:
+        reached.extend((payload, time.monotonic()) for payload in payloads)
+        return list(payloads)
+
+    async def busy() -> None:
+        time.sleep(3 * MS)  # noqa: ASYNC251 - the point: a step that holds the loop
+
+    batcher: DualWindowBatcher[str, str] = DualWindowBatcher(runner, POLICY)  # the real clock
+    batcher.start()
+    try:
+        deadline = time.monotonic() + 3 * MS
+        late = asyncio.ensure_future(batcher.submit("late", Lane.NORMAL, 3 * MS))
+        await asyncio.sleep(0)
+        time.sleep(2 * MS)  # noqa: ASYNC251
+        filler = asyncio.ensure_future(batcher.submit("filler", Lane.NORMAL, 1.0))  # fills the batch
+        held = asyncio.ensure_future(busy())  # runs after the filler's submit, before the dispatcher
+        results = await asyncio.gather(late, filler, held, return_exceptions=True)
+        assert isinstance(results[0], DeadlineExceeded)
+        assert all(payload != "late" or at < deadline for payload, at in reached), "computed past its deadline"
+    finally:
+        await batcher.close(grace_s=0)
