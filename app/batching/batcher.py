@@ -543,6 +543,9 @@ class DualWindowBatcher(Generic[P, R]):
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
         finally:
+            now = self._clock.now()
             for queue in self._queues.values():
-                taken, _ = queue.take(queue.waiting)
+                taken, late = queue.take(queue.waiting, now)
+                for item in late:  # past its deadline first: that is its answer, as it would have been served
+                    self._expire(item)
                 self._cut_off(taken, Draining("the service shut down before this request ran"))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
-from app.errors import DeadlineExceeded
+from app.errors import DeadlineExceeded, Draining
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
 MS = 0.001
@@ -86,3 +86,26 @@ async def test_on_the_real_loop_a_request_past_its_deadline_never_reaches_the_ru
         assert all(payload != "late" or at < deadline for payload, at in reached), "computed past its deadline"
     finally:
         await batcher.close(grace_s=0)
+
+
+async def test_a_close_answers_a_queued_request_past_its_deadline_as_such_not_draining() -> None:
+    """Its deadline passed while the close waited (its timer not run yet): ``deadline_exceeded`` is
+    what it would have got served, and what its client should read; ``draining`` is for the rest."""
+    clock, runner = FakeClock(), FakeRunner()
+    runner.gate = asyncio.Event()  # the running batch never ends
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, BatchPolicy(LanePolicy(2 * MS, 1, 8), LanePolicy(25 * MS, 1, 8)), clock=clock
+    )
+    batcher.start()
+    running = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 1.0))
+    late = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 3 * MS))
+    live = asyncio.ensure_future(batcher.submit(3, Lane.NORMAL, 1.0))
+    await settle()
+    assert runner.batches == [[1]]
+    clock.t += 5 * MS  # past the second one's deadline; its timer has not run
+    await batcher.close(grace_s=0)
+    with pytest.raises(DeadlineExceeded):
+        await late
+    for task in (running, live):
+        with pytest.raises(Draining):
+            await task
