@@ -467,9 +467,11 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
         "errors": dict(Counter(f"{s.status}:{s.code}" for s in counted if not s.ok)),
         "mean_batch_size": mean_batch(ok),
         # by the lane each request asked for: a normal request that rode an urgent batch counts
-        # that batch's size under normal (the answer does not say which lane its batch ran in)
+        # that batch's size under normal (the answer does not say which lane its batch ran in);
+        # null for a lane no answer came in (0.0 read as batches of nothing)
         "mean_batch_size_by_request_lane": {
-            lane: mean_batch([s for s in ok if s.lane == lane]) for lane in ("urgent", "normal")
+            lane: mean_batch(in_lane) if (in_lane := [s for s in ok if s.lane == lane]) else None
+            for lane in ("urgent", "normal")
         },
         **extra,
     }

@@ -136,6 +136,7 @@ def test_the_mean_batch_size_is_per_batch() -> None:
     report = loadgen.summarise(run, {})
     assert report["mean_batch_size"] == 2.0 and report["mean_batch_size_by_request_lane"]["normal"] == 2.0
     assert "mean_batch_size_by_lane" not in report, "named for what it groups by: the lane the request asked for"
+    assert report["mean_batch_size_by_request_lane"]["urgent"] is None, "no urgent answers: no batches, not 0.0"
     assert report["throughput_rps"] == 4.0
 
 
