@@ -179,6 +179,20 @@ async def test_a_connection_is_kept_alive_and_reopened_after_the_server_closes_i
     assert per_connection == [2, 2] and connection.opened == 2
 
 
+async def test_a_connection_idle_near_the_servers_keep_alive_timeout_is_not_reused() -> None:
+    """A request written as the server's idle timeout closes the connection is reset after the write
+    (a failed request, and at twice the load one in 24,000 was): one idle that long opens afresh."""
+    async with http_server(lambda n, _: json_answer({"n": n})) as (port, per_connection):
+        connection = rawhttp.Connection("127.0.0.1", port, idle_reuse_s=0.2)
+        request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
+        await connection.request(request)
+        await connection.request(request)  # at once: the same connection
+        await asyncio.sleep(0.3)
+        await connection.request(request)
+        connection.close()
+    assert per_connection == [2, 1] and connection.opened == 2 and connection.retried == 0
+
+
 async def test_a_kept_alive_connection_the_server_dropped_while_idle_is_retried_once_fresh() -> None:
     served = 0
 
