@@ -40,11 +40,16 @@ class LifecycleManager:
         self._service = service
         self._lock = asyncio.Lock()
 
-    def _group(self, name: str) -> ModelGroup[ServedModel]:
+    def _not_serving(self) -> ServiceError:
+        """Why a service that is not ready refuses: ``draining`` once a shutdown began (as every
+        other call then says), else ``model_not_ready``."""
         if self._service.draining:
-            raise Draining("the service is shutting down")
+            return Draining("the service is shutting down")
+        return Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
+
+    def _group(self, name: str) -> ModelGroup[ServedModel]:
         if not self._service.ready:
-            raise Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
+            raise self._not_serving()
         group = self._service.groups.get(name)
         if group is None:
             raise NotFound(f"no model named {quoted(name)} is served", code="model_not_found")
@@ -78,7 +83,7 @@ class LifecycleManager:
                 await self._service.retire(served)
                 del served
                 await self._service.release_unloaded()
-                raise Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
+                raise self._not_serving()
             served.batcher.start()
             group.routing = group.routing.with_loaded(version, served)
             log.info("loaded %s/%s", name, version, extra={"model": name, "version": version})
