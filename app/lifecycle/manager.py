@@ -176,3 +176,11 @@ class LifecycleManager:
                 group.routing = group.routing.with_canary(weights)
             except ValueError as exc:
                 raise Conflict(str(exc)) from exc
+            # a change of which version answers, as a promotion is: the log says when it happened
+            log.info(
+                "canary of %s set to %s (the rest to version %s)",
+                name,
+                dict(group.routing.canary) or "off",
+                group.routing.default,
+                extra={"model": name},
+            )

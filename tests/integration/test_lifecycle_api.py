@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import math
 import random
 import shutil
@@ -139,10 +140,16 @@ async def test_promotion_and_rollback_under_load_fail_no_request(repository: Pat
     assert sum(1 for p, _, _ in log if p == "v2") > 0 and sum(1 for p, _, _ in log if p == "back") > 0
 
 
-async def test_the_canary_split_stays_within_statistical_bounds(repository: Path) -> None:
+async def test_the_canary_split_stays_within_statistical_bounds(
+    repository: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     async with running_app(settings_for(repository)) as running:
-        answer = await running.client.put("/admin/models/digits/canary", headers=AUTH, json={"weights": {"2": 0.25}})
+        with caplog.at_level(logging.INFO, logger="app.lifecycle.manager"):
+            answer = await running.client.put(
+                "/admin/models/digits/canary", headers=AUTH, json={"weights": {"2": 0.25}}
+            )
         assert answer.status_code == 200 and answer.json()["canary"] == {"2": 0.25}
+        assert "canary of digits set to {'2': 0.25} (the rest to version 1)" in caplog.messages, "the log says when"
         n = 600
         responses = await asyncio.gather(*(running.predict_png(sample_png(i % 10)) for i in range(n)))
         share = sum(r.json()["version"] == "2" for r in responses) / n
