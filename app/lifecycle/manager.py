@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from app.errors import Draining, NotFound, ServiceError, Unavailable, quoted
+from app.errors import Draining, NotFound, NotReady, ServiceError, Unavailable, quoted
 from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest, is_valid_version
 from app.inference.repository import RepositoryError
@@ -45,7 +45,7 @@ class LifecycleManager:
         other call then says), else ``model_not_ready``."""
         if self._service.draining:
             return Draining("the service is shutting down")
-        return Unavailable(f"the service is {self._service.state.value}", code="model_not_ready")
+        return NotReady(f"the service is {self._service.state.value}")
 
     def _group(self, name: str) -> ModelGroup[ServedModel]:
         if not self._service.ready:

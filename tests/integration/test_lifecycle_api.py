@@ -735,3 +735,21 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
                 loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
         assert loaded.status_code == 200 and loaded.json()["loaded_versions"] == ["1", "2", "3"]
         assert (await running.client.get("/healthz")).json()["loading"] == []
+
+
+async def test_an_admin_call_before_the_service_is_ready_is_told_to_retry_as_a_prediction_is(
+    repository: Path,
+) -> None:
+    """Both are 503 ``model_not_ready``: the admin API said Retry-After 1 where predictions say 5."""
+    from app.service import State
+
+    async with running_app(settings_for(repository)) as running:
+        running.service.state = State.STARTING  # as before its first load ended
+        try:
+            admin = await running.client.post("/admin/models/digits/versions/1/promote", headers=AUTH)
+            predicted = await running.predict_png(sample_png(5))
+        finally:
+            running.service.state = State.READY
+    for answer in (admin, predicted):
+        assert answer.status_code == 503 and answer.json()["code"] == "model_not_ready", answer.text
+    assert admin.headers["Retry-After"] == predicted.headers["Retry-After"] == "5"
