@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from app.errors import QueueFull
 from app.settings import CONFIG_FILE_ENV, Settings, SettingsError, load_settings
 
 SETTINGS_GROUPS = frozenset(Settings.model_fields)
@@ -126,7 +127,8 @@ def deployment_options(args: BuildArgs, settings: Settings, num_gpus: float) -> 
 
     ``max_ongoing_requests`` is how many requests Serve lets into one replica at a time, so
     it bounds the batch: it must hold several full batches (one running, more forming).
-    Past it, Serve queues up to ``max_queued_requests`` per caller and answers 503 beyond.
+    Past it, Serve queues up to ``max_queued_requests`` per caller and answers 503 beyond,
+    with the ``Retry-After`` of the app's own queue-full 503 (Serve sends none unless told).
     Autoscaling aims at two full batches per replica. Serve first waits for the replica's
     requests to finish (its own drain), then runs the lifespan's shutdown, which gives
     queued work ``server.shutdown_grace_s``: the timeout covers both.
@@ -136,6 +138,7 @@ def deployment_options(args: BuildArgs, settings: Settings, num_gpus: float) -> 
     options: dict[str, Any] = {
         "max_ongoing_requests": ongoing,
         "max_queued_requests": args.max_queued_requests or 2 * ongoing,
+        "backpressure_config": {"retry_after_s": float(QueueFull.retry_after_s)},
         "graceful_shutdown_wait_loop_s": 2.0,
         "graceful_shutdown_timeout_s": settings.server.shutdown_grace_s + SHUTDOWN_MARGIN_S,
         "health_check_period_s": 10.0,

@@ -63,6 +63,19 @@ def test_config_file_is_read_then_the_environment_is_left_as_it_was(tmp_path: Pa
     assert CONFIG_FILE_ENV not in os.environ
 
 
+def test_a_request_refused_by_serves_queue_is_told_when_to_retry() -> None:
+    """Serve's own 503 (its router's queue full) carries no Retry-After unless configured."""
+    from ray.serve.config import BackpressureConfig
+
+    from app.errors import QueueFull
+    from app.ray_app import Classifier
+
+    options = deployment_options(BuildArgs(), load_settings(), num_gpus=0)
+    deployment: Any = Classifier
+    configured = deployment.options(**options).backpressure_config
+    assert configured == BackpressureConfig(status_code=503, retry_after_s=QueueFull.retry_after_s)
+
+
 def test_options_keep_batches_whole_and_bound_the_queue() -> None:
     settings = load_settings()
     options = deployment_options(BuildArgs(), settings, num_gpus=0)

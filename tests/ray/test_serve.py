@@ -161,6 +161,8 @@ async def test_queue_overflow_is_a_503(cluster: Cluster) -> None:
     # still arriving can take one more, so the bound is loose)
     assert statuses.count(200) >= 2, statuses
     assert statuses.count(503) >= 4, statuses
+    refused = next(r for r in responses if r.status_code == 503)
+    assert refused.headers["retry-after"] == "1", refused.headers
 
 
 def test_the_lifespan_runs_once_per_replica(cluster: Cluster) -> None:
