@@ -473,6 +473,20 @@ def setting_location(location: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return location
 
 
+def _source(location: tuple[int | str, ...], overrides: Mapping[str, object]) -> str:
+    """Where a refused setting came from, for its message: the variable that holds it (its own, or
+    its group's JSON), or the config file when no variable of its has a say and it was not given
+    in code (``serve --port``, Ray's builder arguments: then its variable's name, as before)."""
+    setting = setting_location(location)
+    names = [env_name(setting[:length]) for length in range(len(setting), 0, -1)]
+    if held := next((name for name in names if name in os.environ), None):
+        return held
+    below = names[0] + "__"  # a group's own rule over values some of which are variables
+    if (setting and setting[0] in overrides) or any(name.startswith(below) for name in os.environ):
+        return names[0]
+    return f"config file {config_path()}"
+
+
 def _unparsable_variables(environ: Mapping[str, str]) -> list[str]:
     """The ``AI_SERVICE_*`` variables of list or table settings whose values are not JSON
     (pydantic-settings names only the group, not the variable)."""
@@ -549,7 +563,7 @@ def load_settings(**overrides: object) -> Settings:
         for error in exc.errors():
             location = tuple(part for part in error["loc"] if not isinstance(part, int) or part >= 0)
             named = dotted(location, "settings")  # an admin body's keys cut short too
-            where = f"{named} ({env_name(setting_location(location))})" if location else named
+            where = f"{named} ({_source(location, overrides)})" if location else named
             lines.append(f"  {where}: {error['msg']}")
         raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
     except SettingsError:

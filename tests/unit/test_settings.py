@@ -126,6 +126,21 @@ def test_urgent_fill_takes_a_mode_or_a_boolean(monkeypatch: pytest.MonkeyPatch, 
     assert load_settings().batching.urgent_fill == fill
 
 
+def test_a_bad_value_in_the_config_file_is_named_with_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was named by its variable alone (``AI_SERVICE_SERVER__PORT``), which nobody had set."""
+    config = tmp_path / "bad.toml"
+    config.write_text('[server]\nport = "http"\n\n[batching.normal]\nwindow_msec = 5.0\n')
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert f"server.port (config file {config})" in str(caught.value)
+    assert f"batching.normal.window_msec (config file {config})" in str(caught.value)
+    monkeypatch.setenv("AI_SERVICE_SERVER__PORT", "http")  # the variable has the last word: it is named
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert "server.port (AI_SERVICE_SERVER__PORT)" in str(caught.value)
+
+
 def test_an_unknown_setting_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "typo.toml"
     config.write_text("[batching.normal]\nwindow_msec = 5.0\n")
