@@ -99,7 +99,16 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
             f"{path}: expected a state_dict (a mapping of names to tensors), but it holds {keys}: "
             "a training checkpoint? save its model's state_dict alone"
         )
-    return dict(state)
+    return _unwrapped(dict(state))
+
+
+def _unwrapped(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state_dict saved from a model wrapped in ``DataParallel`` or ``DistributedDataParallel``
+    names every tensor ``module.<name>``: the same weights as the bare model's, renamed back."""
+    prefix = "module."
+    if state and all(key.startswith(prefix) for key in state):
+        return {key.removeprefix(prefix): value for key, value in state.items()}
+    return state
 
 
 def _refused_object(exc: pickle.UnpicklingError) -> str:

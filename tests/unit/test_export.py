@@ -132,6 +132,18 @@ def test_safetensors_weights_with_own_class_count(tmp_path: Path) -> None:
     _assert_serves_like(folder, source)
 
 
+def test_weights_saved_from_a_data_parallel_model_are_served_as_the_bare_models(tmp_path: Path) -> None:
+    """``nn.DataParallel(model).state_dict()`` names every tensor ``module.<name>``: they failed with
+    torch's list of every missing and unexpected key."""
+    source = _trained_like("mobilenet_v3_small", seed=8)
+    weights = tmp_path / "weights.pt"
+    torch.save(nn.DataParallel(source).state_dict(), weights)
+
+    folder = export_torchvision("mobilenet_v3_small", tmp_path / "models", weights=weights)
+
+    _assert_serves_like(folder, source)
+
+
 def test_weights_of_the_wrong_shape_fail_clearly(tmp_path: Path) -> None:
     weights = tmp_path / "weights.pt"
     torch.save(_reference("mobilenet_v3_small", seed=0, num_classes=5).state_dict(), weights)
