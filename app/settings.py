@@ -482,7 +482,7 @@ def _source(location: tuple[int | str, ...], overrides: Mapping[str, object]) ->
     if held := next((name for name in names if name in os.environ), None):
         return held
     below = names[0] + "__"  # a group's own rule over values some of which are variables
-    if (setting and setting[0] in overrides) or any(name.startswith(below) for name in os.environ):
+    if setting[0] in overrides or any(name.startswith(below) for name in os.environ):
         return names[0]
     return f"config file {config_path()}"
 

@@ -11,20 +11,9 @@ from hypothesis import strategies as st
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.batching.policy import LaneState, is_ready, next_wakeup, plan_batch
 from tests.unit.fakes import FakeClock, settle
+from tests.unit.strategies import batch_policies
 
-lane_policies = st.builds(
-    lambda window, batch, extra: LanePolicy(window, batch, batch + extra),
-    st.floats(min_value=0.0005, max_value=0.1),
-    st.integers(min_value=1, max_value=32),
-    st.integers(min_value=0, max_value=64),
-)
-policies = st.builds(
-    BatchPolicy,
-    lane_policies,
-    lane_policies,
-    st.sampled_from(UrgentFill),
-    urgent_fill_backlog=st.integers(min_value=1, max_value=4),
-)
+policies = batch_policies(st.floats(min_value=0.0005, max_value=0.1), max_batch=32, max_extra_queue=64, max_backlog=4)
 
 
 @st.composite

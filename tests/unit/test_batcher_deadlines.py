@@ -8,8 +8,9 @@ state of its future alone, and the runner got a request already past its deadlin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -19,13 +20,24 @@ from tests.unit.fakes import FakeClock, FakeRunner, settle
 
 MS = 0.001
 POLICY = BatchPolicy(LanePolicy(2 * MS, 2, 8), LanePolicy(25 * MS, 2, 8))
+Harness = tuple[FakeClock, FakeRunner, DualWindowBatcher[int, int]]
+
+
+@contextlib.asynccontextmanager
+async def on_a_fake_clock(policy: BatchPolicy = POLICY) -> AsyncIterator[Harness]:
+    """A started batcher on a clock the test moves (its timers run only when the test says), its
+    runner recording each batch; closed at the end."""
+    clock, runner = FakeClock(), FakeRunner()
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock)
+    batcher.start()
+    try:
+        yield clock, runner, batcher
+    finally:
+        await batcher.close(grace_s=0)
 
 
 async def test_a_request_whose_timer_is_late_is_answered_at_formation_not_batched() -> None:
-    clock, runner = FakeClock(), FakeRunner()
-    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
-    batcher.start()
-    try:
+    async with on_a_fake_clock() as (clock, runner, batcher):
         late = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 3 * MS))
         await settle()
         clock.t += 5 * MS  # its deadline passed; the loop has not run its timer yet
@@ -36,17 +48,12 @@ async def test_a_request_whose_timer_is_late_is_answered_at_formation_not_batche
         with pytest.raises(DeadlineExceeded):
             await late
         assert [r.output for r in await asyncio.gather(*on_time)] == [4, 6]
-    finally:
-        await batcher.close(grace_s=0)
 
 
 async def test_a_late_request_does_not_make_its_lane_ready_for_the_others() -> None:
     """The plan counted the late request (the oldest, its window closed): the one behind it must
     still wait its own window, not leave at once in a batch of one."""
-    clock, runner = FakeClock(), FakeRunner()
-    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
-    batcher.start()
-    try:
+    async with on_a_fake_clock() as (clock, runner, batcher):
         late = asyncio.ensure_future(batcher.submit(1, Lane.URGENT, 1 * MS))
         await settle()
         clock.t += 3 * MS  # its deadline and its window passed; its timer has not run yet
@@ -58,8 +65,6 @@ async def test_a_late_request_does_not_make_its_lane_ready_for_the_others() -> N
         await clock.advance(2 * MS)
         assert runner.batches == [[2]]
         assert (await behind).queued_s == pytest.approx(2 * MS)
-    finally:
-        await batcher.close(grace_s=0)
 
 
 async def test_on_the_real_loop_a_request_past_its_deadline_never_reaches_the_runner() -> None:
@@ -91,19 +96,16 @@ async def test_on_the_real_loop_a_request_past_its_deadline_never_reaches_the_ru
 async def test_a_close_answers_a_queued_request_past_its_deadline_as_such_not_draining() -> None:
     """Its deadline passed while the close waited (its timer not run yet): ``deadline_exceeded`` is
     what it would have got served, and what its client should read; ``draining`` is for the rest."""
-    clock, runner = FakeClock(), FakeRunner()
-    runner.gate = asyncio.Event()  # the running batch never ends
-    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(
-        runner, BatchPolicy(LanePolicy(2 * MS, 1, 8), LanePolicy(25 * MS, 1, 8)), clock=clock
-    )
-    batcher.start()
-    running = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 1.0))
-    late = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 3 * MS))
-    live = asyncio.ensure_future(batcher.submit(3, Lane.NORMAL, 1.0))
-    await settle()
-    assert runner.batches == [[1]]
-    clock.t += 5 * MS  # past the second one's deadline; its timer has not run
-    await batcher.close(grace_s=0)
+    async with on_a_fake_clock(BatchPolicy(LanePolicy(2 * MS, 1, 8), LanePolicy(25 * MS, 1, 8))) as harness:
+        clock, runner, batcher = harness
+        runner.gate = asyncio.Event()  # the running batch never ends
+        running = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 1.0))
+        late = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 3 * MS))
+        live = asyncio.ensure_future(batcher.submit(3, Lane.NORMAL, 1.0))
+        await settle()
+        assert runner.batches == [[1]]
+        clock.t += 5 * MS  # past the second one's deadline; its timer has not run
+        await batcher.close(grace_s=0)
     with pytest.raises(DeadlineExceeded):
         await late
     for task in (running, live):

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 from tests.unit.fakes import FakeClock, FakeRunner, settle
+from tests.unit.strategies import batch_policies
 
 EPS = 1e-9
 
@@ -42,19 +43,7 @@ RESULTS = ("ok", "ok", "service", "bug", "short", "cancelled", "fatal")
 # what the runner does with each batch in turn: held until a step releases it, or not; then its result
 outcomes = st.lists(st.tuples(st.booleans(), st.sampled_from(RESULTS)), min_size=1, max_size=6)
 
-lane_policies = st.builds(
-    lambda window, batch, extra: LanePolicy(window, batch, batch + extra),
-    st.sampled_from([0.001, 0.002, 0.005, 0.025]),
-    st.integers(min_value=1, max_value=5),
-    st.integers(min_value=0, max_value=4),
-)
-policies = st.builds(
-    BatchPolicy,
-    lane_policies,
-    lane_policies,
-    st.sampled_from(UrgentFill),
-    urgent_fill_backlog=st.integers(min_value=1, max_value=2),
-)
+policies = batch_policies(st.sampled_from([0.001, 0.002, 0.005, 0.025]), max_batch=5, max_extra_queue=4, max_backlog=2)
 submits = st.tuples(st.just("submit"), st.sampled_from(list(Lane)), st.sampled_from([0.001, 0.004, 0.03, 5.0]))
 advances = st.tuples(st.just("advance"), st.sampled_from([0.0005, 0.001, 0.002, 0.01, 0.025]))
 releases = st.tuples(st.just("release"), st.integers(min_value=0, max_value=50))
