@@ -1,10 +1,11 @@
 """Admission upstream of the batcher: requests admitted whose images are not yet queued.
 
-Between admission and the batcher's queue a request's body is read and its image decoded.
-Such requests hold a ``Seat`` in their lane (the batcher counts it in the queue bound and the
-predicted wait), and ``DecodeBacklog`` says how long a new image would wait for a decode
-thread: the images ahead of it at the measured decode time, shared among the threads, and,
-for a normal image, the urgent images that will come while it waits (they go first).
+Between its body being whole and the batcher's queue a request's image is decoded. Such
+requests hold a ``Seat`` in their lane (the batcher counts it in the queue bound and the
+predicted wait; a body still arriving holds none), and ``DecodeBacklog`` says how long a new
+image would wait for a decode thread: the images ahead of it at the measured decode time,
+shared among the threads, and, for a normal image, the urgent images that will come while it
+waits (they go first).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class DecodeBacklog:
 
 
 class Seat:
-    """A request's place in its lane from admission until it is queued (its body being read,
-    its image decoded); ``release`` once it is queued or has failed (idempotent)."""
+    """A request's place in its lane from its body being whole until it is queued (its image
+    decoded); ``release`` once it is queued or has failed (idempotent)."""
 
     def __init__(self, backlog: DecodeBacklog, seats: Seats, lane: Lane) -> None:
         self._backlog, self._seats, self._lane = backlog, seats, lane

@@ -1,8 +1,8 @@
 """A request's deadline over the stages before its queue: the body arriving, the image
 waiting for a decode thread. (The batcher keeps the deadline from the queue on.)
 
-A stalled upload or a decode backlog must not keep a request past its deadline, nor its seat
-in the lane held: at the deadline the stage is cancelled and the request answered 503
+A stalled upload or a decode backlog must not keep a request past its deadline (nor, for a
+decode, its seat in the lane held): at the deadline the stage is cancelled and the request answered 503
 ``deadline_exceeded``.
 """
 

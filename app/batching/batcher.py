@@ -16,7 +16,7 @@ import contextvars
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from app.batching.ceiling import Ceiling
@@ -85,6 +85,7 @@ class DualWindowBatcher(Generic[P, R]):
         # depends on its size, the seats fill as the rule says.)
         self._urgent_waited = False
         self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
+        self._arriving = 0  # admitted, their bodies still arriving: no seat, but a close waits for them
         self._ceiling = Ceiling(name)  # lowered under device memory pressure
         # moving estimates of one batch's run time, by the lane that formed it: with a thread
         # for urgent batches only (and the others niced), urgent batches run apart and faster,
@@ -193,7 +194,7 @@ class DualWindowBatcher(Generic[P, R]):
         return len(self._in_flight) < self._max_in_flight
 
     def _seats_held(self) -> bool:
-        return self._reserved[Lane.URGENT] > 0 or self._reserved[Lane.NORMAL] > 0
+        return self._reserved[Lane.URGENT] > 0 or self._reserved[Lane.NORMAL] > 0 or self._arriving > 0
 
     def _ahead(self, lane: Lane) -> int:
         return self._queues[lane].waiting + self._reserved[lane]
@@ -210,6 +211,7 @@ class DualWindowBatcher(Generic[P, R]):
         upstream_s: float = 0.0,
         predict: bool = True,
         seated: bool = False,
+        admitted: bool = False,
     ) -> None:
         """Refuse at once what cannot be served: closing, a full queue, a deadline out of reach.
 
@@ -220,13 +222,16 @@ class DualWindowBatcher(Generic[P, R]):
         to reach the queue (its image waiting to be decoded behind others'): the predicted wait
         is the longer of the two stages, since they run side by side. ``seated``: it holds a seat
         already, taken before closing began: it is still taken while the batcher runs.
+        ``admitted``: it was admitted before closing began, and held no seat meanwhile (its body
+        was arriving): it is still taken while the batcher runs, if the lane has room for it now.
         """
-        if not self._accepting and not (seated and self.running):
-            if seated:  # admitted, and the close's grace ran out while its body or image was on the way
+        earlier = seated or admitted
+        if not self._accepting and not (earlier and self.running):
+            if earlier:  # admitted, and the close's grace ran out while its body or image was on the way
                 self._observer.on_dropped(lane, "cancelled")
             raise Draining("the service is shutting down")
         if timeout_s <= 0:
-            if seated:  # admitted earlier, and its deadline passed on the way (its body, its decode)
+            if earlier:  # admitted earlier, and its deadline passed on the way (its body, its decode)
                 self._observer.on_dropped(lane, "deadline")
             else:
                 self._observer.on_rejected(lane, "deadline_exceeded")
@@ -281,6 +286,19 @@ class DualWindowBatcher(Generic[P, R]):
         self._reserved[lane] -= 1
         if not self._accepting:
             self._wakeup.set()  # closing: the dispatcher ends once no seat is held either
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Held while an admitted request's body arrives: it takes no seat (a stalled upload must
+        not fill the lane or lengthen the predicted wait), but a close waits for it, its grace
+        allowing, as for a request queued: admitted, it is served if its body comes in time."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+            if not self._accepting:
+                self._wakeup.set()  # closing: the dispatcher ends once nothing is on its way either
 
     @property
     def running(self) -> bool:

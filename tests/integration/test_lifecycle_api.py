@@ -329,7 +329,7 @@ async def test_a_degraded_version_is_refused_by_its_measured_accuracy_and_rollba
 
 async def _uploading_to_version_2(running: RunningApp) -> tuple[asyncio.Future[httpx.Response], asyncio.Event, Any]:
     """A prediction pinned to version 2, its body half sent (the rest once the event is set),
-    returned once version 2's batcher holds its seat; and that batcher."""
+    returned once it was admitted to version 2's batcher, its body on the way; and that batcher."""
     body_may_finish = asyncio.Event()
     png = sample_png(4)
 
@@ -342,7 +342,7 @@ async def _uploading_to_version_2(running: RunningApp) -> tuple[asyncio.Future[h
     request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
     batcher = running.service.groups["digits"].routing.loaded["2"].batcher
     async with asyncio.timeout(10):
-        while sum(batcher._reserved.values()) == 0:  # noqa: ASYNC110 (routed to v2, its seat held)
+        while batcher._arriving == 0:  # noqa: ASYNC110 (routed to v2, admitted, its body on the way)
             await asyncio.sleep(0.005)
     return request, body_may_finish, batcher
 

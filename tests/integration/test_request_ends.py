@@ -123,6 +123,60 @@ async def test_a_stalled_body_is_answered_at_its_deadline_and_its_seat_given_bac
             await asyncio.wait_for(connection.task, 30)
 
 
+async def test_uploads_that_stall_hold_no_seat_in_the_lane(make_settings: SettingsFactory) -> None:
+    """A seat is taken when the body is whole: a client that opens as many uploads as the lane
+    has seats and stalls them must not turn everyone else away (503 queue_full) until their
+    deadlines pass."""
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000}, batching={"normal": {"window_ms": 5.0, "max_batch": 2, "max_queue": 2}}
+    )
+    async with running_app(settings) as running:
+        batcher = running.service.models[MODEL_NAME].batcher
+        stalled = [png_request(running) for _ in range(3)]
+        for connection in stalled:
+            connection.body(PNG[:10], more=True)
+        async with asyncio.timeout(30):
+            while batcher._arriving != 3:  # noqa: ASYNC110 (admitted, their bodies on the way)
+                await asyncio.sleep(0.005)
+        assert batcher.depth(Lane.NORMAL) == 0, "a body on its way holds no seat"
+        answers = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in (1, 2)))
+        assert [a.status_code for a in answers] == [200, 200]
+        assert not any(c.answered.is_set() for c in stalled)
+        for connection in stalled:
+            connection.disconnect()
+            status, body = await connection.answer()
+            assert (status, body["code"]) == (499, "client_closed_request")
+            await asyncio.wait_for(connection.task, 30)
+        assert batcher._arriving == 0
+        counted = await scrape(running)
+        assert value(counted, "ai_backend_cancellations_total", reason="cancelled") == 3
+        assert total(counted, "ai_backend_rejections_total", reason="queue_full") == 0
+
+
+async def test_a_body_that_comes_during_the_drain_is_served(make_settings: SettingsFactory) -> None:
+    """Admitted before the drain began, a request whose body was still arriving is served if its
+    body comes within the grace, as one queued is: the drain waits for it."""
+    settings = make_settings(server={"default_timeout_ms": 60_000})
+    async with running_app(settings) as running:
+        connection = png_request(running, **{"x-request-id": "late-body"})
+        connection.body(PNG[:10], more=True)
+        batcher = running.service.models[MODEL_NAME].batcher
+        async with asyncio.timeout(30):
+            while batcher._arriving != 1:  # noqa: ASYNC110 (admitted, its body on the way)
+                await asyncio.sleep(0.005)
+        drained = asyncio.ensure_future(running.service.drain(30))
+        async with asyncio.timeout(30):
+            while not running.service.draining:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        refused = await running.predict_png(PNG)
+        assert (refused.status_code, refused.json()["code"]) == (503, "draining"), "new work is refused"
+        connection.body(PNG[10:], more=False)
+        status, body = await connection.answer()
+        assert status == 200 and body["request_id"] == "late-body"
+        await asyncio.wait_for(drained, 30)
+        assert not batcher.running
+
+
 async def test_a_client_gone_while_its_body_arrives_is_a_499_not_a_500(make_settings: SettingsFactory) -> None:
     async with running_app(make_settings()) as running:
         connection = png_request(running)
@@ -231,7 +285,7 @@ async def test_a_request_cut_off_after_the_drain_gets_503_draining_not_a_500(mak
         connection.body(PNG[:10], more=True)  # the rest never comes
         batcher = running.service.models[MODEL_NAME].batcher
         async with asyncio.timeout(30):
-            while batcher.depth(Lane.NORMAL) != 1:  # noqa: ASYNC110 (admitted: its seat is held)
+            while batcher._arriving != 1:  # noqa: ASYNC110 (admitted, its body on the way)
                 await asyncio.sleep(0.005)
         await running.service.drain(0.2)  # the grace ends with it still waiting for its body
         assert not connection.answered.is_set()

@@ -175,6 +175,51 @@ async def test_a_bound_lowered_while_seats_are_held_refuses_new_requests_not_the
     await batcher.close(grace_s=0)
 
 
+async def test_a_request_admitted_before_its_body_meets_the_lanes_rules_again_when_it_takes_its_seat() -> None:
+    """Its body read holding no seat, a request admitted earlier is refused by a lane that filled
+    meanwhile; past its deadline it counts as dropped, not refused; a close lets it on while the
+    batcher runs, where a new request is refused."""
+    from app.errors import QueueFull
+
+    batcher, _, _, recorder = make(max_batch=2, max_queue=2)
+    for _ in range(2):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+    with pytest.raises(QueueFull):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
+    assert recorder.rejected == [(Lane.NORMAL, "queue_full")]
+    with pytest.raises(DeadlineExceeded):
+        batcher.admit(Lane.NORMAL, 0.0, reserve=True, admitted=True)
+    assert recorder.dropped == [(Lane.NORMAL, "deadline")] and len(recorder.rejected) == 1
+    batcher.release(Lane.NORMAL)
+    closing = asyncio.ensure_future(batcher.close(grace_s=10.0))
+    await settle()
+    assert batcher.running, "a seat is held: the close waits for it"
+    with pytest.raises(Draining):
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+    batcher.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
+    for _ in range(2):
+        batcher.release(Lane.NORMAL)
+    await closing
+    with pytest.raises(Draining):  # the batcher has stopped: nothing is taken any more
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
+    assert recorder.dropped[-1] == (Lane.NORMAL, "cancelled")
+
+
+async def test_a_close_waits_for_a_body_on_its_way_without_counting_it_as_queued() -> None:
+    batcher, _, _, _ = make(max_batch=2, max_queue=2)
+    with batcher.arriving():
+        assert batcher.depth(Lane.NORMAL) == 0
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # the bound counts seats, not bodies
+        for _ in range(2):
+            batcher.release(Lane.NORMAL)
+        closing = asyncio.ensure_future(batcher.close(grace_s=10.0))
+        await settle()
+        assert batcher.running and not closing.done()
+    await settle()
+    assert closing.done() and not batcher.running
+
+
 async def test_reserved_seats_count_in_the_predicted_wait() -> None:
     batcher, clock, runner, recorder = make(max_batch=4)
     await run_one_timed_batch(batcher, clock, runner)  # 100 ms a batch

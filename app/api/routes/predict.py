@@ -30,6 +30,7 @@ from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
 from app.deadline import within
 from app.errors import Draining, SchemaError
+from app.routing import VersionNotLoaded
 from app.service import InferenceService, Outcome
 
 router = APIRouter(tags=["predict"])
@@ -91,32 +92,46 @@ async def _predict(name: str | None, request: Request) -> Response:
     state = request.scope["state"]
     # the version the edge's check drew (a canary is drawn once a request), else drawn now:
     # 404 / 503 before reading the body
-    served = state.pop("served", None) or service.served(name, headers.version)
-    # admitted before the body is read (a refusal stays cheap), holding a seat from then on
+    served = state.pop("served", None)
+    checked = served is not None  # the edge asked admission for it already
+    if served is None:
+        served = service.served(name, headers.version)
+    remaining = headers.timeout_s - (time.perf_counter() - state["started"])
+    if not checked:
+        service.admit(served, headers.lane, remaining)  # refused before the body is read: a refusal stays cheap
+    # the body is read holding no seat in the lane: uploads that stall (or crawl) must not fill
+    # the queue's bound or lengthen the wait predicted for others; admission is asked again
+    # once the body is whole, and the seat taken then. A close waits for it, as for one queued
+    expired = functools.partial(served.batcher.observer.on_dropped, headers.lane, "deadline")
+    try:
+        with served.batcher.arriving():
+            async with within(time.monotonic() + remaining, "while its body was arriving", expired):
+                body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
+    except ClientClosed:  # admitted, and gone before its image was whole
+        served.batcher.observer.on_dropped(headers.lane, "cancelled")
+        raise
+    most = min(server.max_top_k, len(served.labels))
+    asked = body.top_k or query_top_k
+    if asked is not None and asked > most:
+        raise SchemaError(f"top_k must be at most {most} for this model")
+    top_k = asked or min(server.default_top_k, most)  # a model of fewer classes: all of them
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     try:
-        seat = service.reserve(served, headers.lane, remaining)
+        seat = service.reserve(served, headers.lane, remaining, admitted=True)
     except Draining:
         if service.draining:
             raise
-        # the version routed to was unloaded since (the service is not shutting down): routed
-        # again, to what serves now (a pinned version gone is 503 version_not_loaded)
-        served = service.served(name, headers.version)
+        # the version routed to was unloaded while its body arrived (the service is not shutting
+        # down): routed again, to what serves now (a pinned version gone is 503 version_not_loaded)
+        gone = served
+        try:
+            served = service.served(name, headers.version)
+        except VersionNotLoaded:
+            raise VersionNotLoaded(
+                f"version {gone.version} of {gone.name} was unloaded while this request's body arrived"
+            ) from None
         seat = service.reserve(served, headers.lane, remaining)
     try:
-        expired = functools.partial(served.batcher.observer.on_dropped, headers.lane, "deadline")
-        try:
-            async with within(time.monotonic() + remaining, "while its body was arriving", expired):
-                body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
-        except ClientClosed:  # admitted, and gone before its image was whole
-            served.batcher.observer.on_dropped(headers.lane, "cancelled")
-            raise
-        most = min(server.max_top_k, len(served.labels))
-        asked = body.top_k or query_top_k
-        if asked is not None and asked > most:
-            raise SchemaError(f"top_k must be at most {most} for this model")
-        top_k = asked or min(server.default_top_k, most)  # a model of fewer classes: all of them
-        remaining = headers.timeout_s - (time.perf_counter() - state["started"])
         work = service.predict(served, body.payload, top_k, headers.lane, remaining, state["request_id"], seat)
         outcome = await unless_disconnected(request, work)
     finally:
