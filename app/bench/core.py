@@ -33,7 +33,8 @@ from app.batching.policy import Lane
 from app.bench.loadgen import event_loop_run, load_images
 from app.bench.threads import group_name, thread_cpu, threads_text
 from app.errors import ServiceError
-from app.service import InferenceService, Outcome
+from app.prediction import Outcome
+from app.service import InferenceService
 from app.settings import Settings, SettingsError, load_settings
 
 READY_TIMEOUT_S = 300.0

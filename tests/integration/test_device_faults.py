@@ -137,8 +137,9 @@ async def test_after_the_fallback_model_info_says_the_cpu_only(
     settings = make_settings(model={"cpu_fallback": True, "fallback_after_failures": 1})
     async with running_app(settings) as running:
         service, info = running.service, running.app.state.metrics.model_info
-        monkeypatch.setattr(service, "device", torch.device("cuda"))  # as served from a GPU in fp16
-        monkeypatch.setattr(service, "dtype", torch.float16)
+        for loaded_by in (service, service.loader):  # as served from a GPU in fp16
+            monkeypatch.setattr(loaded_by, "device", torch.device("cuda"))
+            monkeypatch.setattr(loaded_by, "dtype", torch.float16)
         info.remove(MODEL_NAME, "1", "cpu", "float32")
         info.labels(MODEL_NAME, "1", "cuda", "float16").set(1)
         monkeypatch.setattr("app.service.memory", lambda device: Memory(8 << 30, 16 << 30))

@@ -373,23 +373,23 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
 async def test_a_policy_change_while_versions_load_reaches_every_version(
     make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app.service import InferenceService
+    from app.loading import VersionLoader
     from tests.lifecycle_support import copy_version
     from tests.support import copy_repository
 
     root = copy_repository(tmp_path)
     copy_version(root, "2")
     gate, first_loaded = asyncio.Event(), asyncio.Event()
-    real_load = InferenceService._load
+    real_load = VersionLoader.load
 
-    async def slow_load(self: InferenceService, name: str, version: str, **options: bool):  # type: ignore[no-untyped-def]
+    async def slow_load(self: VersionLoader, name: str, version: str, **options: bool):  # type: ignore[no-untyped-def]
         served = await real_load(self, name, version, **options)
         if version == "1":  # the next version takes its time
             first_loaded.set()
             await gate.wait()
         return served
 
-    monkeypatch.setattr(InferenceService, "_load", slow_load)
+    monkeypatch.setattr(VersionLoader, "load", slow_load)
     settings = admin_settings(make_settings, model={"repository": root, "load_versions": "all"})
     async with running_app(settings, wait=False) as running:
         await asyncio.wait_for(first_loaded.wait(), 30)

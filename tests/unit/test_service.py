@@ -102,7 +102,7 @@ async def test_a_load_past_its_timeout_holds_off_other_loads_until_it_ends(
         assert loads.calls == 1, "the second load never started"
         loads.gate.set()
         async with asyncio.timeout(30):
-            while service._late_loads:  # noqa: ASYNC110 (the end is a log line and this set)
+            while service.late_loads:  # noqa: ASYNC110 (the end is a log line and this list)
                 await asyncio.sleep(0.01)
         assert loads.made and loads.made[0]() is None, "the late load's model (reference cycles and all) is gone"
         loads.restore()
@@ -165,7 +165,7 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
         assert loaded_on == ["loader", "loader"], "no load holds a device thread"
         nice = settings.model.normal_nice
         priorities = await asyncio.gather(
-            asyncio.to_thread(service._loader.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result, 10),
+            asyncio.to_thread(service.loader._loader.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result, 10),
             asyncio.to_thread(service._device_thread.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result, 10),
         )
         assert nice > 0 and priorities[0] == priorities[1], (

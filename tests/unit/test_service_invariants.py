@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from app.batching import Lane
 from app.errors import ServiceError
-from app.service import InferenceService, Outcome, ServedModel
+from app.loading import ServedModel
+from app.prediction import Outcome
+from app.service import InferenceService
 from app.settings import BatchingSettings, Settings
 from tests.faults import Faulty
 

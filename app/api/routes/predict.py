@@ -30,8 +30,9 @@ from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
 from app.deadline import within
 from app.errors import Draining, SchemaError
+from app.prediction import Outcome
 from app.routing import VersionNotLoaded
-from app.service import InferenceService, Outcome
+from app.service import InferenceService
 
 router = APIRouter(tags=["predict"])
 

@@ -1,0 +1,276 @@
+"""A model version's way onto the device: read, checked and warmed on a loader thread of its
+own, within ``model.load_timeout_s``, then served by a runner and a batcher of its own.
+
+A load the device fails (out of memory beside the versions already loaded, say) is a 503
+``device_unavailable``, with what it took released; one its files or graph refuse is a
+``ModelLoadError``; one past its timeout keeps running on the loader thread (a thread cannot
+be stopped) and no other load starts until it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from opentelemetry import trace
+
+from app.batching import BatchPolicy, DualWindowBatcher, LanePolicy
+from app.errors import DeviceUnavailable, Unavailable
+from app.inference.bounded import BoundedCall
+from app.inference.device import DeviceThread, Fault, Threads, device_fault, dtype_name, fault_line, release_memory
+from app.inference.jobs import Answer, Job, TracedRunner
+from app.inference.loader import LayeredModel, ModelLoadError
+from app.inference.repository import Repository
+from app.inference.runner import ModelRunner
+from app.inference.workers import WorkerThreads
+from app.settings import BatchingSettings, LaneSettings, Settings
+from app.telemetry.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def batch_policy(settings: BatchingSettings) -> BatchPolicy:
+    """The batcher's policy from the settings (milliseconds to seconds)."""
+
+    def lane(s: LaneSettings) -> LanePolicy:
+        return LanePolicy(s.window_ms / 1000.0, s.max_batch, s.max_queue)
+
+    return BatchPolicy(
+        lane(settings.urgent),
+        lane(settings.normal),
+        settings.urgent_fill,
+        settings.admission_headroom,
+        settings.urgent_fill_backlog,
+    )
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """A loaded model version with its own batcher."""
+
+    name: str
+    version: str
+    runner: ModelRunner
+    batcher: DualWindowBatcher[Job, Answer]
+    load_s: float
+
+    @property
+    def model(self) -> LayeredModel:
+        """The model that serves now: the runner's, which its CPU fallback replaces (no other
+        reference may keep a failed device's model, and its memory, alive)."""
+        return cast(LayeredModel, self.runner.model)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.model.manifest.labels
+
+
+class VersionLoader:
+    """Loads model versions for the service: each on the loader thread, checked and warmed on
+    the device threads, with its runner and batcher built. ``policy`` says the batching policy
+    in force (the warm-up runs its largest batch; a new batcher starts with it); ``release``
+    frees what unloaded or failed versions held."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        repository: Repository,
+        device: torch.device,
+        dtype: torch.dtype,
+        threads: Threads,
+        device_thread: DeviceThread,
+        metrics: Metrics,
+        tracer: trace.Tracer,
+        policy: Callable[[], BatchPolicy],
+        release: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.settings, self.repository, self.device, self.dtype = settings, repository, device, dtype
+        self.threads, self._device_thread = threads, device_thread
+        self.metrics, self.tracer = metrics, tracer
+        self._policy, self._release = policy, release
+        self._late_loads: set[str] = set()  # loads past their timeout, still running on the loader thread
+        # loads read, checksum, build and self-check a version on a thread of their own: on the
+        # device's (a GPU has one) a version loaded while serving held every batch for seconds.
+        # Where normal batches run niced (a CPU with an urgent thread), a load is as low: it must
+        # not take an urgent batch's core either
+        self._loader = WorkerThreads("loader", nice=settings.model.normal_nice if threads.urgent else 0)
+
+    def close(self) -> None:
+        """Stop the loader thread (blocks: call it off the loop)."""
+        self._loader.close()
+
+    @property
+    def late_loads(self) -> list[str]:
+        """``name/version`` of the loads past their timeout that still run on the loader thread."""
+        return sorted(self._late_loads)
+
+    def _late_load_ended(self, label: str, started: float, timeout: float) -> None:
+        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start)."""
+        self._late_loads.discard(label)
+        log.warning(
+            "the load of %s given up after model.load_timeout_s=%gs (or cancelled) ended %.1fs after it began; "
+            "what it loaded was dropped",
+            label,
+            timeout,
+            time.perf_counter() - started,
+        )
+
+    async def _device_failed(self, label: str, fault: Fault, line: str) -> DeviceUnavailable:
+        """A load the device failed (out of memory beside the versions already loaded, say): the
+        memory it took released, a 503 ``device_unavailable`` (any other error is a bug: 500).
+        Called once the error is handled and gone: its traceback held the model's frames, and
+        with them the memory to release."""
+        await self._release()  # the model sits in reference cycles: collected, then released
+        log.error("loading %s: the device failed (%s): %s", label, fault.value, line)
+        return DeviceUnavailable(f"loading {label}: the device failed ({fault.value}); try again later")
+
+    async def _warm_up(self, model: LayeredModel, every_thread: bool) -> None:
+        """Run the batch sizes serving will see. Before serving, on every device thread: each
+        keeps its own allocator arena, grown to the largest batch it has run, and warmed on one
+        the others grew under the first heavy load instead (mobilenet_v3_small at batch 32: 750
+        MiB resident once ready, 960 once the other two threads had run a batch of 32). A version
+        loaded while serving warms one batch size a call (the arenas are grown by then), so the
+        batches queued meanwhile run between them, urgent ones first: a GPU has one thread."""
+        policy = self._policy()
+        biggest = max(policy.urgent.max_batch, policy.normal.max_batch)
+        if every_thread:
+            await self._device_thread.run_on_each(functools.partial(model.warm_up, biggest))
+            return
+        for size in model.warm_up_sizes(biggest):
+            await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
+
+    async def _warmed(self, model: LayeredModel, every_thread: bool) -> tuple[Fault, str] | None:
+        """Warm ``model`` up; the device's failure (its fault and line) if the device failed it."""
+        try:
+            await self._warm_up(model, every_thread)
+        except Exception as exc:
+            if (fault := device_fault(exc)) is None:
+                raise
+            return fault, fault_line(exc)
+        return None
+
+    async def _load_model(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
+        """Load, check and warm one version's model, within ``model.load_timeout_s``."""
+        folder = self.repository.folder(name, version)
+        timeout = self.settings.model.load_timeout_s
+        if self._late_loads:
+            raise Unavailable(
+                f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
+                "the loader thread; another load can start once it ends",
+                code="model_loading",
+                retry_after_s=max(1, math.ceil(timeout)),
+            )
+
+        def load() -> LayeredModel:
+            manifest = self.repository.manifest(name, version)
+            model = LayeredModel.load(folder, manifest, self.device, self.dtype)
+            if self.settings.model.eager_heads:
+                model.load_all_heads()
+            elif self.settings.model.warmup:  # the warm-up's first use: here, not on a device thread
+                model.head()
+            model.self_check()
+            return model
+
+        label = f"{name}/{version}"
+        bounded = BoundedCall(
+            load,
+            release=functools.partial(release_memory, self.device),
+            on_late_end=functools.partial(self._late_load_ended, label, started, timeout),
+        )
+        failed: tuple[Fault, str] | None = None  # the device failed it: released once the error is gone
+        refused: str | None = None  # its files or graph refused it: on a GPU, what it moved there is released
+        try:
+            model = await bounded.run(self._loader, timeout)
+        except TimeoutError as exc:
+            raise ModelLoadError(
+                f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
+                "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
+            ) from exc
+        except (ModelLoadError, ValueError) as exc:  # a bad file, graph or manifest
+            refused = str(exc)
+        except Exception as exc:
+            if (fault := device_fault(exc)) is None:
+                raise
+            failed = fault, fault_line(exc)
+        finally:
+            if bounded.late:  # timed out or cancelled: a thread cannot be stopped, it ends when it ends
+                self._late_loads.add(label)
+        if refused is not None:
+            await self._release()  # the error, whose frames held what it built, is gone by now
+            raise ModelLoadError(refused)
+        if failed is None and self.settings.model.warmup:
+            failed = await self._warmed(model, every_thread)
+            if failed is not None:
+                del model  # the last reference, now the error's frames are gone: before the release
+        if failed is not None:
+            raise await self._device_failed(label, *failed)
+        return model
+
+    async def load(self, name: str, version: str, every_thread: bool = False) -> ServedModel:
+        """Load, check and warm one version, with its own (not yet started) batcher: warmed on
+        ``every_thread`` before serving, one batch size a call while serving."""
+        started = time.perf_counter()
+        model = await self._load_model(name, version, started, every_thread)
+        load_s = time.perf_counter() - started
+        log.info(
+            "model %s/%s ready on %s (%s) in %.2fs",
+            name,
+            version,
+            self.device,
+            dtype_name(self.dtype),
+            time.perf_counter() - started,
+            extra={"model": name, "version": version},
+        )
+        loop = asyncio.get_running_loop()
+        batchers: list[DualWindowBatcher[Job, Answer]] = []
+
+        def on_pressure(size: int) -> None:  # called on the device thread
+            loop.call_soon_threadsafe(batchers[0].lower_ceiling, size)
+
+        manifest, folder = model.manifest, model.folder  # not the model: the fallback lets it go
+
+        def cpu_fallback() -> LayeredModel:  # called on the device thread
+            fallback = LayeredModel.load(folder, manifest, torch.device("cpu"), torch.float32)
+            fallback.load_all_heads()
+            fallback.self_check()
+            served_from = (str(self.device), dtype_name(self.dtype))
+            self.metrics.model_info.labels(name, version, "cpu", "float32").set(1)
+            if served_from != ("cpu", "float32"):  # it no longer serves from the device
+                with contextlib.suppress(KeyError):
+                    self.metrics.model_info.remove(name, version, *served_from)
+            return fallback
+
+        faults = self.metrics.device_faults
+        runner = ModelRunner(
+            model,
+            self._device_thread,
+            self.settings.server.max_top_k,
+            on_pressure=on_pressure,
+            on_fault=lambda fault: faults.labels(name, version, fault.value.replace(" ", "_")).inc(),
+            fallback=cpu_fallback if self.settings.model.cpu_fallback else None,
+            fallback_after=self.settings.model.fallback_after_failures,
+        )
+        observer = self.metrics.observer(name, version)
+        traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype), observer)
+        batcher: DualWindowBatcher[Job, Answer] = DualWindowBatcher(
+            traced,
+            self._policy(),
+            observer=observer,
+            name=f"{name}/{version}",
+            max_in_flight=self.threads.workers,
+            urgent_in_flight=self.threads.urgent,
+            computed=lambda answers: sum(answer.top is not None for answer in answers),
+            model_epoch=lambda: runner.generation,
+        )
+        batchers.append(batcher)
+        self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
+        self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
+        return ServedModel(name, version, runner, batcher, load_s)
