@@ -43,7 +43,7 @@ from app.api.middleware import (
 from app.api.routes.predict import predict_call
 from app.api.schemas import ErrorResponse
 from app.api.shedding import shed
-from app.server import ClosingProtocol
+from app.connection import ClosingProtocol
 from app.telemetry.logging import caller_trace_var, request_id_var
 
 log = logging.getLogger(__name__)

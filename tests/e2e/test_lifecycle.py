@@ -561,7 +561,7 @@ def test_sigterm_under_load_from_clients_ignoring_retry_after(servers: dict[str,
     """Clients that ignore Retry-After and send again at once, right up to the listener closing.
 
     The server takes what waits in its listener's backlog before closing it, and answers the
-    request on its way on each connection (``app.server``), so a worker normally ends with a
+    request on its way on each connection (``app.connection``), so a worker normally ends with a
     503 ``draining`` and then a refused connection. A reset remains possible at the very
     instant the listener closes (a handshake completed between the server's last look at its
     backlog and the close) or for a request that comes after its connection was quiet for half

@@ -24,8 +24,8 @@ from starlette.types import Receive, Scope, Send
 from app.api.edge import edge_protocol
 from app.api.shedding import shed
 from app.bench.rawhttp import ResponseHead, build_request, read_response
+from app.connection import ClosingProtocol
 from app.main import create_app
-from app.server import ClosingProtocol
 from app.service import InferenceService
 from app.settings import Settings
 from app.telemetry.logging import RequestIdFilter

@@ -16,7 +16,7 @@ import struct
 
 import pytest
 
-from app import server
+from app import connection
 from app.batching import Lane
 from app.bench.rawhttp import build_request, read_response
 from app.telemetry.logging import RequestIdFilter
@@ -258,7 +258,7 @@ async def test_a_request_answered_before_its_body_whose_body_never_comes_is_clos
     """A 413 on the declared length comes at once; the client then sends a little and waits
     (as one that asked ``Expect: 100-continue`` may): the connection closes after the bound, not
     never. A body that does come is read and dropped, and the connection serves on."""
-    monkeypatch.setattr(server, "ANSWERED_BODY_S", 0.2)
+    monkeypatch.setattr(connection, "ANSWERED_BODY_S", 0.2)
     head = predict().split(b"\r\n\r\n", 1)[0].replace(b"Content-Length: ", b"X-Was: ")
     head += b"\r\nContent-Length: 2000000\r\n\r\n"
     upgrade = head.replace(b"\r\n\r\n", b"\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")  # its body read apart
@@ -284,7 +284,7 @@ async def test_a_request_answered_before_its_body_whose_body_never_comes_is_clos
 
 
 async def test_a_request_head_past_its_limit_is_431_and_the_connection_closes(make_settings: SettingsFactory) -> None:
-    huge = predict(X_Padding="x" * (server.MAX_HEAD_BYTES + 1024), X_Request_ID="huge")
+    huge = predict(X_Padding="x" * (connection.MAX_HEAD_BYTES + 1024), X_Request_ID="huge")
     async with served(make_settings()) as running:
         ((head, body),) = await answers_then_close(running, huge, 1)
         assert running.reached == []
@@ -296,7 +296,7 @@ async def test_a_request_head_past_its_limit_is_431_and_the_connection_closes(ma
 async def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_closes(
     make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(server, "HEAD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(connection, "HEAD_TIMEOUT_S", 0.3)
     async with served(make_settings()) as running:
         ((head, body),) = await answers_then_close(running, predict().split(b"\r\n")[0] + b"\r\nHost: x\r\n", 1)
         reader, writer = await running.connect()  # connected, and never a byte
@@ -337,7 +337,7 @@ async def test_a_client_gone_while_its_pipelined_request_runs_cancels_it(
 
 
 async def test_a_head_past_its_limit_behind_a_request_is_answered_after_it(make_settings: SettingsFactory) -> None:
-    huge = predict(X_Padding="x" * (server.MAX_HEAD_BYTES + 1024), X_Request_ID="huge")
+    huge = predict(X_Padding="x" * (connection.MAX_HEAD_BYTES + 1024), X_Request_ID="huge")
     async with served(make_settings()) as running:
         (first, first_body), (second, body) = await answers_then_close(running, predict(X_Request_ID="ok") + huge, 2)
         assert running.reached == ["POST /predict"]

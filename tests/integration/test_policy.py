@@ -338,7 +338,7 @@ async def test_reloads_run_one_at_a_time_on_the_event_loop(tmp_path: Path, monke
             threading.Event().wait(0.3)  # a poll that read the old file just before the next edit
         return settings
 
-    monkeypatch.setattr("app.settings.load_settings", slow_first)
+    monkeypatch.setattr("app.settings.loading.load_settings", slow_first)
     config.write_text(CONFIG.format(window=12000.0, batch=4))
     older = asyncio.ensure_future(manager.reload(forced=False))
     await asyncio.to_thread(first_read.wait, 10)
@@ -495,7 +495,7 @@ async def test_an_admin_change_made_while_a_reload_reads_the_file_is_not_lost(
         release.wait(10)  # a slow disk, a busy machine
         return settings
 
-    monkeypatch.setattr("app.settings.load_settings", slow)
+    monkeypatch.setattr("app.settings.loading.load_settings", slow)
     config.write_text(REVIEWED.format(window=10000.0, batch=4))  # the edit the watcher picks up
     polled = asyncio.ensure_future(manager.reload(forced=False))
     await asyncio.to_thread(reading.wait, 10)

@@ -17,10 +17,11 @@ from typing import cast
 import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app import server as server_module
+from app import connection as connection_module
 from app.batching import Lane
 from app.bench.rawhttp import read_response
-from app.server import close_listeners, unread_bytes
+from app.connection import unread_bytes
+from app.listeners import close_listeners
 from tests.conftest import SettingsFactory
 from tests.integration.test_edge import Served, predict, served
 
@@ -105,7 +106,7 @@ async def refused_draining_then_closed(stream: Stream, request: bytes | None = N
 @pytest.fixture
 def quiet_s(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """Sets how long a connection answered a moment ago is kept open at shutdown."""
-    return lambda seconds: monkeypatch.setattr(server_module, "QUIET_S", seconds)
+    return lambda seconds: monkeypatch.setattr(connection_module, "QUIET_S", seconds)
 
 
 async def test_a_request_unread_when_shutdown_begins_is_answered_then_the_connection_closes(
@@ -227,7 +228,7 @@ async def test_a_request_whose_rest_never_comes_is_closed_after_a_bound(
     make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, quiet_s: Callable[[float], None]
 ) -> None:
     quiet_s(0.0)
-    monkeypatch.setattr(server_module, "LAST_REQUEST_S", 0.05)
+    monkeypatch.setattr(connection_module, "LAST_REQUEST_S", 0.05)
     async with served(make_settings()) as running:
         (reader, writer), _ = await half_sent(running)
         shut_down(running)

@@ -1,47 +1,19 @@
-"""One ``Settings`` object for the whole service.
-
-Precedence, highest first: values passed to ``Settings(...)``, environment variables
-(``AI_SERVICE_`` prefix, ``__`` between nested names, e.g.
-``AI_SERVICE_BATCHING__NORMAL__WINDOW_MS=10``), then the TOML file named by
-``AI_SERVICE_CONFIG_FILE`` (default ``config/default.toml``), then the defaults below,
-which the shipped file repeats. Every field is validated; a bad value stops start-up
-with a message naming the setting and the rule.
-"""
+"""The setting groups: the server, the models, the batcher's lanes, the admin API, telemetry,
+logging, and the ``Settings`` that holds them all, each field with its default and its rule."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SecretStr,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
-from pydantic_settings import SettingsError as EnvironmentValueError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from app.batching.policy import UrgentFill
-from app.errors import dotted
-
-ENV_PREFIX = "AI_SERVICE_"
-CONFIG_FILE_ENV = "AI_SERVICE_CONFIG_FILE"
-DEFAULT_CONFIG_FILE = Path("config/default.toml")
+from app.settings.sources import CONFIG_FILE_ENV, ENV_PREFIX, SettingsError, config_path
 
 Seconds = Annotated[float, Field(gt=0, le=86_400)]  # a day: longer overflows what waits on it
 
@@ -389,7 +361,7 @@ def check_windows(batching: BatchingSettings, server: ServerSettings) -> None:
 
 
 class Settings(BaseSettings):
-    """Everything the service can be told. See the module docstring for precedence."""
+    """Everything the service can be told. See ``app.settings`` for precedence."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -423,153 +395,3 @@ class Settings(BaseSettings):
         if CONFIG_FILE_ENV in os.environ and not config_file.is_file():
             raise SettingsError(f"{CONFIG_FILE_ENV}={config_file}: no such file")
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file))
-
-
-class SettingsError(ValueError):
-    """A setting is invalid; the message names it, its environment variable and the rule."""
-
-
-def read_secrets(settings: Settings) -> tuple[bytes | None, bytes | None]:
-    """The admin token (while the admin API is on) and the API key, from their settings or
-    their files. Blocking; ``SettingsError`` names the setting whose file cannot be used."""
-    admin, server = settings.admin, settings.server
-    token = _secret(admin.token, admin.token_file, ("admin", "token_file")) if admin.enabled else None
-    return token, _secret(server.api_key, server.api_key_file, ("server", "api_key_file"))
-
-
-def _secret(value: SecretStr | None, file: Path | None, where: tuple[str, str]) -> bytes | None:
-    if value is not None:
-        return value.get_secret_value().encode()
-    if file is None:
-        return None
-    setting = f"{'.'.join(where)} ({env_name(where)})"
-    try:
-        secret = file.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"{setting}: {file} cannot be read: {exc}") from exc
-    if len(secret) < 16:
-        raise SettingsError(f"{setting}: {file} holds fewer than 16 characters")
-    return secret.encode()
-
-
-def env_name(location: tuple[int | str, ...]) -> str:
-    """The environment variable for a setting's location, e.g. ``AI_SERVICE_MODEL__DEVICE``."""
-    return ENV_PREFIX + "__".join(str(part).upper() for part in location)
-
-
-def setting_location(location: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    """The part of a validation error's location that names a setting: the keys and indices
-    after it are inside that setting's value (``model.versions.digits.0`` is an entry of
-    ``AI_SERVICE_MODEL__VERSIONS``'s JSON, not a variable of its own)."""
-    model: type[BaseModel] | None = Settings
-    for length, part in enumerate(location):
-        if model is None:
-            return location[:length]
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:  # a name the group does not have (``server.prot``): the variable that set it
-            return location[: length + 1]
-        annotation = field.annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return location
-
-
-def _source(location: tuple[int | str, ...], overrides: Mapping[str, object]) -> str:
-    """Where a refused setting came from, for its message: the variable that holds it (its own, or
-    its group's JSON), or the config file when no variable of its has a say and it was not given
-    in code (``serve --port``, Ray's builder arguments: then its variable's name, as before)."""
-    setting = setting_location(location)
-    names = [env_name(setting[:length]) for length in range(len(setting), 0, -1)]
-    if held := next((name for name in names if name in os.environ), None):
-        return held
-    below = names[0] + "__"  # a group's own rule over values some of which are variables
-    if setting[0] in overrides or any(name.startswith(below) for name in os.environ):
-        return names[0]
-    return f"config file {config_path()}"
-
-
-def _unparsable_variables(environ: Mapping[str, str]) -> list[str]:
-    """The ``AI_SERVICE_*`` variables of list or table settings whose values are not JSON
-    (pydantic-settings names only the group, not the variable)."""
-    found = []
-    for name, value in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV:
-            continue
-        model: type[BaseModel] | None = Settings
-        annotation: Any = None
-        for part in name[len(ENV_PREFIX) :].lower().split("__"):
-            field = model.model_fields.get(part) if model is not None else None
-            if field is None:
-                annotation = None
-                break
-            annotation = field.annotation
-            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-        if annotation is None or not _is_complex(annotation):
-            continue
-        try:
-            json.loads(value)
-        except ValueError:
-            found.append(name)
-    return found
-
-
-def _is_complex(annotation: Any) -> bool:
-    """A list, tuple, set, dict or model: what pydantic-settings reads from the environment as JSON."""
-    origin = get_origin(annotation)
-    if origin in (Union, UnionType):
-        return any(_is_complex(arg) for arg in get_args(annotation) if arg is not type(None))
-    kind = origin or annotation
-    return isinstance(kind, type) and (issubclass(kind, (list, tuple, set, frozenset, dict, BaseModel)))
-
-
-def config_path() -> Path:
-    """The config file: ``AI_SERVICE_CONFIG_FILE``, or ``config/default.toml``."""
-    return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
-
-
-FileStamp = tuple[int, int, int, bytes] | str | None
-"""A file's identity and version: inode, size, mtime in ns and a digest of its bytes; a string:
-why it cannot be read (``Permission denied``); None: absent."""
-
-
-def file_stamp(path: Path) -> FileStamp:
-    """Blocking. Changes when the file is edited in place or replaced (an editor's rename), and
-    when two writes of the same size land within one tick of the file system's clock."""
-    try:
-        stat = path.stat()
-        digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
-    except (FileNotFoundError, NotADirectoryError):  # a dangling link (a ConfigMap's key removed) too
-        return None
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns, digest
-
-
-def read_settings(server: dict[str, object] | None = None) -> Settings:
-    """The settings from the environment and the config file, with the ``server`` fields given
-    on the command line (``serve --host/--port``) over them. Blocking."""
-    settings = load_settings()
-    if server:
-        settings = load_settings(server=settings.server.model_dump() | server)
-    return settings
-
-
-def load_settings(**overrides: object) -> Settings:
-    """Build ``Settings``, turning a validation failure, or a config file that cannot be read as
-    TOML (a syntax error, an editor's write half done), into one readable ``SettingsError``."""
-    try:
-        return Settings(**overrides)  # type: ignore[arg-type]
-    except ValidationError as exc:
-        lines = []
-        for error in exc.errors():
-            location = tuple(part for part in error["loc"] if not isinstance(part, int) or part >= 0)
-            named = dotted(location, "settings")  # an admin body's keys cut short too
-            where = f"{named} ({_source(location, overrides)})" if location else named
-            lines.append(f"  {where}: {error['msg']}")
-        raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
-    except SettingsError:
-        raise
-    except EnvironmentValueError as exc:  # pydantic-settings': a variable that does not parse
-        named = ", ".join(_unparsable_variables(os.environ)) or f"an {ENV_PREFIX}* variable"
-        raise SettingsError(f"{named} cannot be read: lists and tables are JSON, e.g. '[\"digits\"]' ({exc})") from exc
-    except (ValueError, OSError) as exc:  # tomllib.TOMLDecodeError, UnicodeDecodeError, a read error
-        raise SettingsError(f"config file {config_path()} cannot be read: {exc}") from exc

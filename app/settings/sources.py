@@ -1,0 +1,74 @@
+"""Where settings come from, and the error that names a bad one: the environment variables'
+names, the config file (its path, and a stamp that tells when it changed), and the files that
+hold the secrets."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import SecretStr
+
+if TYPE_CHECKING:
+    from app.settings.groups import Settings
+
+ENV_PREFIX = "AI_SERVICE_"
+CONFIG_FILE_ENV = "AI_SERVICE_CONFIG_FILE"
+DEFAULT_CONFIG_FILE = Path("config/default.toml")
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names it, its environment variable and the rule."""
+
+
+def read_secrets(settings: Settings) -> tuple[bytes | None, bytes | None]:
+    """The admin token (while the admin API is on) and the API key, from their settings or
+    their files. Blocking; ``SettingsError`` names the setting whose file cannot be used."""
+    admin, server = settings.admin, settings.server
+    token = _secret(admin.token, admin.token_file, ("admin", "token_file")) if admin.enabled else None
+    return token, _secret(server.api_key, server.api_key_file, ("server", "api_key_file"))
+
+
+def _secret(value: SecretStr | None, file: Path | None, where: tuple[str, str]) -> bytes | None:
+    if value is not None:
+        return value.get_secret_value().encode()
+    if file is None:
+        return None
+    setting = f"{'.'.join(where)} ({env_name(where)})"
+    try:
+        secret = file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{setting}: {file} cannot be read: {exc}") from exc
+    if len(secret) < 16:
+        raise SettingsError(f"{setting}: {file} holds fewer than 16 characters")
+    return secret.encode()
+
+
+def env_name(location: tuple[int | str, ...]) -> str:
+    """The environment variable for a setting's location, e.g. ``AI_SERVICE_MODEL__DEVICE``."""
+    return ENV_PREFIX + "__".join(str(part).upper() for part in location)
+
+
+def config_path() -> Path:
+    """The config file: ``AI_SERVICE_CONFIG_FILE``, or ``config/default.toml``."""
+    return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
+
+
+FileStamp = tuple[int, int, int, bytes] | str | None
+"""A file's identity and version: inode, size, mtime in ns and a digest of its bytes; a string:
+why it cannot be read (``Permission denied``); None: absent."""
+
+
+def file_stamp(path: Path) -> FileStamp:
+    """Blocking. Changes when the file is edited in place or replaced (an editor's rename), and
+    when two writes of the same size land within one tick of the file system's clock."""
+    try:
+        stat = path.stat()
+        digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
+    except (FileNotFoundError, NotADirectoryError):  # a dangling link (a ConfigMap's key removed) too
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, digest
