@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,23 @@ def _hermetic_environment() -> Iterator[None]:
                 patch.delenv(name)
         patch.chdir(REPO_ROOT)
         yield
+
+
+# What a test may change process-wide without meaning to: ``main(["serve"])`` sets SIGTERM to
+# end start-up early and ignores SIGHUP (as a fresh process should), and every app's lifespan
+# leaves SIGHUP ignored once it takes its reload handler down.
+_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions() -> Iterator[None]:
+    """Each test leaves the signal handlers as it found them: a SIGTERM to pytest (a CI job
+    cancelled) ends it, and does not raise a serve command's start-up exception in a later test."""
+    before = {number: signal.getsignal(number) for number in _SIGNALS}
+    yield
+    for number, handler in before.items():
+        if signal.getsignal(number) is not handler and handler is not None:
+            signal.signal(number, handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

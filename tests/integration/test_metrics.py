@@ -85,7 +85,9 @@ async def test_queue_depth_rejections_and_cancellations_are_counted(make_setting
                 while batcher.batches == 0:  # noqa: ASYNC110
                     await asyncio.sleep(0.005)
             waiting = asyncio.ensure_future(running.predict_png(sample_png(3)))
-            doomed = asyncio.ensure_future(running.predict_png(sample_png(4), headers={"X-Request-Timeout": "300"}))
+            # queued beside ``waiting`` until its deadline: long enough for both to be decoded and the
+            # depth read on a loaded machine (at 300 ms it could expire first, and the depth never read 2)
+            doomed = asyncio.ensure_future(running.predict_png(sample_png(4), headers={"X-Request-Timeout": "1000"}))
             await wait_queued(running, Lane.NORMAL, 2)
             samples = await scrape(running)
             assert value(samples, "ai_backend_queue_depth", model="digits", version="1", lane="normal") == 2

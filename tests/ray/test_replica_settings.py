@@ -117,5 +117,9 @@ async def test_a_replica_picks_up_an_edit_made_while_it_starts(tmp_path: Path) -
     os.utime(own_file, (2, 2))
     async with LifespanManager(state_per_request(app), startup_timeout=30):
         await app.state.starting
-        await asyncio.sleep(0.5)  # many polls
-        assert app.state.policy.current.urgent.window_ms == 3.0, "the edit made while it started was missed"
+        try:
+            async with asyncio.timeout(10):  # a poll every 0.1 s: a bound on a miss, not a wait
+                while app.state.policy.current.urgent.window_ms != 3.0:  # noqa: ASYNC110 - no event says "applied"
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            pytest.fail("the edit made while it started was missed")

@@ -40,7 +40,10 @@ def creations(entries: int, preset: str | None = None) -> dict[str, int]:
 
 
 def test_the_setting_fills_the_environment_unless_it_already_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PRIMITIVE_CACHE_ENV, raising=False)
+    # set first, so that monkeypatch records the variable and takes off what the function sets (a
+    # delenv of a variable that is not there records nothing, and 8192 stayed for the session)
+    monkeypatch.setenv(PRIMITIVE_CACHE_ENV, "unset by the test")
+    monkeypatch.delenv(PRIMITIVE_CACHE_ENV)
     assert size_primitive_cache(0) is None, "0 keeps oneDNN's own default"
     assert size_primitive_cache(8192) == "8192" and os.environ[PRIMITIVE_CACHE_ENV] == "8192"
     monkeypatch.setenv(PRIMITIVE_CACHE_ENV, "300")

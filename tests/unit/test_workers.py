@@ -269,11 +269,14 @@ async def test_close_cancels_the_runs_still_waiting() -> None:
     running = asyncio.ensure_future(workers.run(hold))
     waiting = asyncio.ensure_future(workers.run(lambda: "never"))
     assert await asyncio.to_thread(started.wait, 10)
-    threading.Timer(0.05, gate.set).start()
-    await asyncio.to_thread(workers.close, 10.0, True)
+    closing = asyncio.ensure_future(asyncio.to_thread(workers.close, 10.0, True))
+    try:
+        with pytest.raises(asyncio.CancelledError):  # called off while the thread is still held
+            await asyncio.wait_for(waiting, 10)
+    finally:
+        gate.set()  # only now: set earlier, the free thread would run what waits
+    await closing
     assert await asyncio.wait_for(running, 10) is True
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(waiting, 10)
 
 
 def busy(workers: WorkerThreads, gate: threading.Event) -> Future[bool]:
@@ -346,12 +349,13 @@ async def test_close_cancels_the_calls_each_thread_waits_to_run() -> None:
     each = asyncio.ensure_future(workers.run_on_each(lambda: ran.append("each")))
     await asyncio.sleep(0)
     closing = asyncio.ensure_future(asyncio.to_thread(workers.close, 10.0, True))
-    await asyncio.sleep(0.05)
-    gate.set()
+    try:
+        with pytest.raises(asyncio.CancelledError):  # called off while the thread is still held
+            await asyncio.wait_for(each, 10)
+    finally:
+        gate.set()  # only now: set earlier, the free thread would run its own call
     await closing
     blocker.result(10)
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(each, 10)
     assert ran == []
 
 
