@@ -127,7 +127,7 @@ def _serve_now(args: argparse.Namespace) -> int:
 _DELEGATED = {
     "export": ("app.inference.export", "export a torchvision model into the model repository"),
     "train-digits": ("app.training.digits", "train the bundled digits model"),
-    "bench": ("app.bench.loadgen", "send bounded load to a running service on loopback"),
+    "bench": ("app.bench.loadgen.cli", "send bounded load to a running service on loopback"),
     "sweep": ("app.bench.sweep", "time a model in process at batch sizes 1..N and find the knee"),
     "limit": ("app.bench.limit", "measure the in-process images/s limit of a model on this machine"),
     "core": ("app.bench.core", "measure the service's throughput in process, with no HTTP in front of it"),

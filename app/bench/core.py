@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from app.batching.policy import Lane
-from app.bench.loadgen import event_loop_run, load_images
+from app.bench.loadgen.drive import event_loop_run
+from app.bench.loadgen.senders import load_images
 from app.bench.threads import group_name, thread_cpu, threads_text
 from app.errors import ServiceError
 from app.service import InferenceService, Outcome
