@@ -128,7 +128,7 @@ _DELEGATED = {
     "export": ("app.inference.export", "export a torchvision model into the model repository"),
     "train-digits": ("app.training.digits", "train the bundled digits model"),
     "bench": ("app.bench.loadgen.cli", "send bounded load to a running service on loopback"),
-    "sweep": ("app.bench.sweep", "time a model in process at batch sizes 1..N and find the knee"),
+    "sweep": ("app.bench.sweep.cli", "time a model in process at batch sizes 1..N and find the knee"),
     "limit": ("app.bench.limit.cli", "measure the in-process images/s limit of a model on this machine"),
     "core": ("app.bench.core", "measure the service's throughput in process, with no HTTP in front of it"),
     "floor": ("app.bench.floor", "serve predictions behind the least HTTP possible (a benchmark reference)"),
