@@ -127,9 +127,9 @@ def _serve_now(args: argparse.Namespace) -> int:
 _DELEGATED = {
     "export": ("app.inference.export", "export a torchvision model into the model repository"),
     "train-digits": ("app.training.digits", "train the bundled digits model"),
-    "bench": ("app.bench.loadgen", "send bounded load to a running service on loopback"),
-    "sweep": ("app.bench.sweep", "time a model in process at batch sizes 1..N and find the knee"),
-    "limit": ("app.bench.limit", "measure the in-process images/s limit of a model on this machine"),
+    "bench": ("app.bench.loadgen.cli", "send bounded load to a running service on loopback"),
+    "sweep": ("app.bench.sweep.cli", "time a model in process at batch sizes 1..N and find the knee"),
+    "limit": ("app.bench.limit.cli", "measure the in-process images/s limit of a model on this machine"),
     "core": ("app.bench.core", "measure the service's throughput in process, with no HTTP in front of it"),
     "floor": ("app.bench.floor", "serve predictions behind the least HTTP possible (a benchmark reference)"),
     "eval": ("app.lifecycle.evaluate", "evaluate a model version on a held-out set and record it in its manifest"),

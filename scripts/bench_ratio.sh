@@ -49,7 +49,7 @@ source "$root/scripts/bench_common.sh"
 wait_quiet() {
   "$py" - "${QUIET_WAIT:-120}" "${QUIET_CORES:-0.15}" <<'PY'
 import sys, time
-from app.bench.loadgen import machine_cpu_s
+from app.bench.loadgen.usage import machine_cpu_s
 deadline, limit = time.monotonic() + float(sys.argv[1]), float(sys.argv[2])
 while True:
     busy, _ = machine_cpu_s()

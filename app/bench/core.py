@@ -3,7 +3,7 @@
 Between the limit (each stage timed on one core while the others idle) and the service over
 HTTP stand two steps, and the ratio report measures both so that each loss is read apart:
 
-- the machine with every core at once and no serving layer (``limit.measure_every_core``);
+- the machine with every core at once and no serving layer (``limit.every_core.measure_every_core``);
 - the service itself (admission, the decode pool, the batcher, the device threads, the
   labelling) in this process, fed by N coroutines that hand it the base64 text a JSON body
   carries, on the settings ``ai-backend serve`` would read (``AI_SERVICE_*``, config/).
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from app.batching.policy import Lane
-from app.bench.loadgen import event_loop_run, load_images
+from app.bench.loadgen.drive import event_loop_run
+from app.bench.loadgen.senders import load_images
 from app.bench.threads import group_name, thread_cpu, threads_text
 from app.errors import ServiceError
 from app.prediction import Outcome

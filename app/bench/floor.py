@@ -24,7 +24,8 @@ from typing import cast
 import httptools
 
 from app.bench.core import predict_plain
-from app.bench.loadgen import event_loop_run, is_loopback
+from app.bench.loadgen.drive import event_loop_run
+from app.bench.loadgen.target import is_loopback
 from app.service import InferenceService
 from app.settings import SettingsError, load_settings
 

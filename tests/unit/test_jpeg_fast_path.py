@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from app.bench.limit import synthetic_photo
+from app.bench.limit.photos import synthetic_photo
 from app.errors import BadRequest, PayloadTooLarge
 from app.inference import jpeg, preprocess
 from app.inference.jpeg import decode_reduced, draft_scale, pillow_image

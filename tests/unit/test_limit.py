@@ -14,8 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from app.bench import limit
-from app.bench.limit import Cost, DecodeCost, ForwardCost, cpu_cost, limit_report, synthetic_photo
+from app.bench.limit import cli, measure, photos
+from app.bench.limit.cost import Cost, cpu_cost
+from app.bench.limit.every_core import measure_every_core
+from app.bench.limit.measure import DecodeCost, ForwardCost
+from app.bench.limit.model import model_repository
+from app.bench.limit.photos import synthetic_photo
+from app.bench.limit.report import cores, limit_report
 from app.inference import device
 from app.inference.device import CpuLimit, cpu_cores
 from tests.support import MODELS_DIR
@@ -30,9 +35,9 @@ def test_synthetic_photos_are_deterministic_640x480_jpegs_of_a_photos_size() -> 
 
 
 def test_images_are_written_then_listed_by_name(tmp_path: Path) -> None:
-    written = limit.write_images(tmp_path, 3, seed=2)
+    written = photos.write_images(tmp_path, 3, seed=2)
     (tmp_path / "notes.txt").write_text("not an image")
-    assert limit.image_files(tmp_path) == written == sorted(written)
+    assert photos.image_files(tmp_path) == written == sorted(written)
 
 
 def test_cpu_cost_is_cpu_per_call_over_rounds_with_a_warm_up_pass() -> None:
@@ -74,13 +79,13 @@ def no_export(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 def test_a_missing_model_is_exported_into_the_repository_and_a_temporary_one_removed(
     tmp_path: Path, no_export: list[str]
 ) -> None:
-    with limit.model_repository(tmp_path, "mobilenet_v3_small") as root:
+    with model_repository(tmp_path, "mobilenet_v3_small") as root:
         assert root == tmp_path
     assert no_export == ["mobilenet_v3_small"] and (tmp_path / "mobilenet_v3_small").is_dir()
-    with limit.model_repository(tmp_path, "mobilenet_v3_small"):
+    with model_repository(tmp_path, "mobilenet_v3_small"):
         pass
     assert no_export == ["mobilenet_v3_small"], "a model that is there is not exported again"
-    with limit.model_repository(None, "resnet18") as temporary:
+    with model_repository(None, "resnet18") as temporary:
         assert (temporary / "resnet18").is_dir()
     assert not temporary.exists()
 
@@ -91,7 +96,7 @@ def test_a_whole_run_on_the_digits_model_writes_the_report(tmp_path: Path, capsy
     argv += ["--batch-sizes", "1,4", "--seconds", "0.05", "--pipeline-seconds", "0.2"]
     argv += ["--every-core-seconds", "0.3", "--out", str(out)]
     threads = torch.get_num_threads()
-    assert limit.main(argv) == 0
+    assert cli.main(argv) == 0
     assert torch.get_num_threads() == threads, "the thread count is put back"
     report = json.loads(out.read_text())
     result = report["limit"]
@@ -110,7 +115,7 @@ def test_a_whole_run_on_the_digits_model_writes_the_report(tmp_path: Path, capsy
 
 def test_given_images_are_used_and_a_folder_without_jpegs_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "only.png").write_bytes(base64.b64decode("iVBORw0KGgo="))
-    code = limit.main(["--repository", str(MODELS_DIR), "--model", "digits", "--images", str(tmp_path)])
+    code = cli.main(["--repository", str(MODELS_DIR), "--model", "digits", "--images", str(tmp_path)])
     assert code == 1
 
 
@@ -143,9 +148,9 @@ def test_forward_sizes_are_timed_in_interleaved_rounds_each_the_median_of_its_ro
         timed.append(model.calls[-1])
         return Cost(next(drift) / 1000, 0.0, 1)
 
-    monkeypatch.setattr(limit, "cpu_cost", fake_cost)
+    monkeypatch.setattr(measure, "cpu_cost", fake_cost)
     sizes = (1, 2, 4, 8)
-    results = limit.measure_forward(model, [torch.zeros(3, 4, 4, dtype=torch.uint8)], sizes, 1, 0.3, rounds=3)  # type: ignore[arg-type]
+    results = measure.measure_forward(model, [torch.zeros(3, 4, 4, dtype=torch.uint8)], sizes, 1, 0.3, rounds=3)  # type: ignore[arg-type]
     rounds = [timed[i : i + len(sizes)] for i in range(0, len(timed), len(sizes))]
     assert len(rounds) == 3 and all(sorted(r) == list(sizes) for r in rounds), "every size once in every round"
     assert len({tuple(r) for r in rounds}) > 1, "the order changes between rounds"
@@ -170,7 +175,7 @@ def test_the_limit_counts_the_cpus_a_cgroup_quota_allows_fraction_and_all(
     assert device.cpu_cores() == threads, "the service plans whole threads"
     # the limit is CPUs / CPU per image: counting four would double it and halve the ratio, and
     # counting 1.5 CPUs as 2 would add a third to it
-    assert limit.cores() == cpus
+    assert cores() == cpus
     decode = DecodeCost(base64_ms=0.2, decode_ms=1.3, total_ms=1.5, total_min_ms=1.45)
     report = limit_report(decode, [ForwardCost(16, 1, 2.5, 2.6, 10)], [], device.cpu_limit())
     assert report["cores"] == cpus and report["images_per_s"] == cpus * 250
@@ -187,9 +192,9 @@ def test_limit_refuses_a_malloc_retain_that_glibc_cannot_take(
     def ran(_: object) -> dict[str, object]:
         raise AssertionError(f"--malloc-retain-mb {megabytes} was accepted and the limit ran")
 
-    monkeypatch.setattr(limit, "run", ran)
+    monkeypatch.setattr(cli, "run", ran)
     with pytest.raises(SystemExit) as exit_:
-        limit.main(["--malloc-retain-mb", megabytes, "--out", "/dev/null"])
+        cli.main(["--malloc-retain-mb", megabytes, "--out", "/dev/null"])
     assert exit_.value.code == 2
 
 
@@ -212,7 +217,7 @@ def test_limit_on_a_folder_with_an_image_the_service_would_refuse_says_so(
     (tmp_path / "big.jpg").write_bytes(buffer.getvalue())
     argv = ["--repository", str(MODELS_DIR), "--model", "digits", "--images", str(tmp_path), "--seconds", "0.05"]
     argv += ["--pipeline-seconds", "0", "--every-core-seconds", "0", "--out", str(tmp_path / "limit.json")]
-    assert limit.main(argv) == 1
+    assert cli.main(argv) == 1
     assert "ai-backend limit:" in capsys.readouterr().err
 
 
@@ -226,7 +231,7 @@ def test_every_core_fails_promptly_when_one_of_its_processes_dies(tmp_path: Path
 
     def every_core() -> None:
         try:
-            outcome.append(limit.measure_every_core(tmp_path, "digits", None, ["AAAA"], 1, 0.1))
+            outcome.append(measure_every_core(tmp_path, "digits", None, ["AAAA"], 1, 0.1))
         except BaseException as exc:  # noqa: BLE001 - what it raised is the point
             outcome.append(exc)
 
@@ -259,19 +264,19 @@ def test_limit_refuses_an_out_path_it_cannot_write_before_measuring(
     def ran(_: object) -> dict[str, object]:
         raise AssertionError("measured with an --out it cannot write")
 
-    monkeypatch.setattr(limit, "run", ran)
+    monkeypatch.setattr(cli, "run", ran)
     with pytest.raises(SystemExit) as exit_:
-        limit.main(["--out", str(tmp_path)])  # a folder
+        cli.main(["--out", str(tmp_path)])  # a folder
     assert exit_.value.code == 2 and "--out" in capsys.readouterr().err
 
 
 def test_limit_prints_its_summary_before_writing_and_a_failed_write_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(limit, "run", lambda args: canned_limit_report())
-    monkeypatch.setattr(limit, "write_text", lambda path, text: "No space left on device")
+    monkeypatch.setattr(cli, "run", lambda args: canned_limit_report())
+    monkeypatch.setattr(cli, "write_text", lambda path, text: "No space left on device")
     out = tmp_path / "limit.json"
-    assert limit.main(["--out", str(out)]) == 1
+    assert cli.main(["--out", str(out)]) == 1
     printed = capsys.readouterr()
     assert "**limit: 375.0 images/s** = 1.5 / 4.000 ms" in printed.out, printed.out
     assert "1.5 cores (cgroup v1 quota)" in printed.out, "the summary says which CPUs it counted"

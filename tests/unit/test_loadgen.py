@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from app.bench import loadgen, rawhttp
+from app.bench import rawhttp
+from app.bench.loadgen import cli, drive, loops, senders, summary, target, usage
 from app.bench.rawhttp import HttpProtocolError, build_request, parse_head, read_response
 
 
@@ -264,8 +265,8 @@ def bench_args(**overrides: object) -> argparse.Namespace:
     }
     args = argparse.Namespace(**(defaults | overrides))
     if args.url:  # what main makes of --url
-        host, port = loadgen.parse_url(args.url)
-        args.target = loadgen.Target(host, port, loadgen.loopback_addresses(host)[0])
+        host, port = target.parse_url(args.url)
+        args.target = target.Target(host, port, target.loopback_addresses(host)[0])
     return args
 
 
@@ -282,7 +283,7 @@ async def test_a_closed_loop_run_cycles_the_images_and_reports_batches_lanes_and
 
     async with http_server(respond) as (port, per_connection):
         args = bench_args(url=f"http://127.0.0.1:{port}", client=client)
-        report = await loadgen.bench(args, [b"one", b"two", b"three"])
+        report = await drive.bench(args, [b"one", b"two", b"three"])
     assert report["client"] == client and report["images"] == 3
     assert report["ok"] > 0 and report["mean_batch_size"] == 4.0
     assert set(report["errors"]) <= {"503:queue_full"}
@@ -301,9 +302,9 @@ async def test_a_closed_loop_run_cycles_the_images_and_reports_batches_lanes_and
 async def test_a_refused_connection_is_an_error_sample_not_a_crash() -> None:
     async with http_server(lambda n, _: b"") as (port, _):
         pass  # closed again: nothing listens on the port now
-    send, pool = loadgen.raw_sender(loadgen.Target("127.0.0.1", port, "127.0.0.1"), "/predict", [b"{}"], timeout=1.0)
-    run = loadgen.Run(measured_from=0.0)
-    await loadgen.closed_loop(send, 2, 0.0, time.perf_counter() + 0.05, 4, run, random.Random(0))
+    send, pool = senders.raw_sender(target.Target("127.0.0.1", port, "127.0.0.1"), "/predict", [b"{}"], timeout=1.0)
+    run = loops.Run(measured_from=0.0)
+    await loops.closed_loop(send, 2, 0.0, time.perf_counter() + 0.05, 4, run, random.Random(0))
     pool.close()
     assert run.samples and {s.status for s in run.samples} == {0}
     assert {s.code for s in run.samples} == {"ConnectionRefusedError"}
@@ -312,51 +313,51 @@ async def test_a_refused_connection_is_an_error_sample_not_a_crash() -> None:
 def test_cpu_report_splits_the_machine_into_server_client_and_the_rest() -> None:
     before = {"client": 1.0, "server": 10.0, "machine": 100.0, "steal": 0.0, "wall": 50.0}
     after = {"client": 1.5, "server": 18.0, "machine": 119.0, "steal": 0.2, "wall": 60.0}
-    report = loadgen.cpu_report(before, after, ok=1000)
+    report = usage.cpu_report(before, after, ok=1000)
     assert report["server_cores"] == 0.8 and report["client_cores"] == 0.05 and report["other_cores"] == 1.05
     assert report["server_ms_per_request"] == 8.0 and report["client_ms_per_request"] == 0.5
 
 
 def test_machine_cpu_reads_busy_and_stolen_ticks(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
-    ticks = loadgen.CLOCK_TICKS
+    ticks = usage.CLOCK_TICKS
     stat.write_text(f"cpu  {ticks} 0 {ticks} {50 * ticks} 7 0 0 {ticks} 0 0\ncpu0 1 2 3\n")
-    assert loadgen.machine_cpu_s(stat) == (2.0, 1.0)
+    assert usage.machine_cpu_s(stat) == (2.0, 1.0)
 
 
 def test_images_come_from_a_folder_by_name_or_from_one_file(tmp_path: Path) -> None:
     (tmp_path / "b.jpg").write_bytes(b"B")
     (tmp_path / "a.png").write_bytes(b"A")
     (tmp_path / "notes.txt").write_bytes(b"no")
-    assert loadgen.load_images(tmp_path / "a.png", tmp_path) == [b"A", b"B"]
-    assert loadgen.load_images(tmp_path / "b.jpg", None) == [b"B"]
+    assert senders.load_images(tmp_path / "a.png", tmp_path) == [b"A", b"B"]
+    assert senders.load_images(tmp_path / "b.jpg", None) == [b"B"]
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
-        loadgen.load_images(tmp_path / "a.png", tmp_path / "empty")
+        senders.load_images(tmp_path / "a.png", tmp_path / "empty")
 
 
 def test_a_deadline_is_sent_and_answers_later_than_it_are_counted() -> None:
-    assert loadgen._headers(True, 250.4)["X-Request-Timeout"] == "250"
-    assert "X-Request-Timeout" not in loadgen._headers(False)
-    run = loadgen.Run(measured_from=0.0, ended=1.0)
+    assert senders._headers(True, 250.4)["X-Request-Timeout"] == "250"
+    assert "X-Request-Timeout" not in senders._headers(False)
+    run = loops.Run(measured_from=0.0, ended=1.0)
     run.samples += [
-        loadgen.Sample("normal", 0.100, 200, None, 4, True),
-        loadgen.Sample("normal", 0.300, 200, None, 4, True),  # past a 250 ms deadline
-        loadgen.Sample("urgent", 0.002, 503, "would_miss_deadline", None, True),
-        loadgen.Sample("normal", 0.004, 503, "queue_full", None, True),
+        loops.Sample("normal", 0.100, 200, None, 4, True),
+        loops.Sample("normal", 0.300, 200, None, 4, True),  # past a 250 ms deadline
+        loops.Sample("urgent", 0.002, 503, "would_miss_deadline", None, True),
+        loops.Sample("normal", 0.004, 503, "queue_full", None, True),
     ]
-    report = loadgen.summarise(run, {}, deadline_ms=250)
+    report = summary.summarise(run, {}, deadline_ms=250)
     assert report["ok_past_deadline"] == 1 and report["deadline_ms"] == 250
     assert report["latency"]["refused"]["count"] == 2 and report["latency"]["refused"]["max_ms"] == 4.0
-    assert "ok_past_deadline" not in loadgen.summarise(run, {})
+    assert "ok_past_deadline" not in summary.summarise(run, {})
 
 
 def test_the_server_s_stage_timings_are_summarised_per_lane() -> None:
-    run = loadgen.Run(measured_from=0.0, ended=1.0)
+    run = loops.Run(measured_from=0.0, ended=1.0)
     stages = {"preprocess": 2.0, "queue": 10.0, "inference": 30.0, "total": 45.0}
-    run.samples += [loadgen.Sample("urgent", 0.05, 200, None, 2, True, stages)] * 3
-    run.samples += [loadgen.Sample("normal", 0.05, 200, None, 8, True, {**stages, "queue": 20.0})]
-    report = loadgen.summarise(run, {})
+    run.samples += [loops.Sample("urgent", 0.05, 200, None, 2, True, stages)] * 3
+    run.samples += [loops.Sample("normal", 0.05, 200, None, 8, True, {**stages, "queue": 20.0})]
+    report = summary.summarise(run, {})
     assert report["server_stages_ms"]["urgent"]["queue"] == {"p50": 10.0, "p99": 10.0}
     assert report["server_stages_ms"]["normal"]["queue"]["p99"] == 20.0
 
@@ -366,14 +367,14 @@ def test_memory_that_levels_off_and_memory_that_leaks_read_apart() -> None:
     and then hold; a leak goes on growing: the second half's growth tells them apart."""
     levelling = [724.0, 1061.0, 1169.0, 1217.0, 1247.0, 1254.0, 1257.0, 1257.0, 1257.0]
     leaking = [724.0 + 20 * i for i in range(9)]
-    assert loadgen.memory_summary(levelling) == {
+    assert usage.memory_summary(levelling) == {
         "first": 724.0,
         "last": 1257.0,
         "max": 1257.0,
         "second_half_growth": 10.0,
     }
-    assert loadgen.memory_summary(leaking)["second_half_growth"] == 80.0
-    assert loadgen.memory_summary([900.0])["second_half_growth"] == 0.0
+    assert usage.memory_summary(leaking)["second_half_growth"] == 80.0
+    assert usage.memory_summary([900.0])["second_half_growth"] == 0.0
 
 
 async def answering_once_per_connection(hang_up_before_answering: bool) -> tuple[asyncio.Server, list[int]]:
@@ -425,7 +426,7 @@ async def test_the_report_counts_a_request_the_server_hung_up_on_as_connection_c
         args = bench_args(
             url=f"http://127.0.0.1:{port}", concurrency=1, requests=20, duration=2.0, warmup=0.0, server_pid=None
         )
-        report = await loadgen.bench(args, [b"x"])
+        report = await drive.bench(args, [b"x"])
     finally:
         server.close()
         await server.wait_closed()
@@ -450,7 +451,7 @@ def test_a_url_that_is_not_http_host_and_port_is_refused_in_one_line(
 ) -> None:
     """A port out of range or not a number, a broken IPv6 literal: they were tracebacks."""
     with pytest.raises(SystemExit) as exited:
-        loadgen.main(["--url", url, "--duration", "0.2"])
+        cli.main(["--url", url, "--duration", "0.2"])
     assert exited.value.code == 2 and "--url" in capsys.readouterr().err
 
 
@@ -464,18 +465,18 @@ def test_localhost_is_resolved_not_trusted(monkeypatch: pytest.MonkeyPatch, caps
         return real(host, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
-    assert not loadgen.is_loopback("http://localhost:8000")
+    assert not target.is_loopback("http://localhost:8000")
     with pytest.raises(SystemExit) as exited:
-        loadgen.main(["--url", "http://localhost:9", "--duration", "0.2"])
+        cli.main(["--url", "http://localhost:9", "--duration", "0.2"])
     assert exited.value.code == 2 and "192.0.2.10" in capsys.readouterr().err
-    assert loadgen.is_loopback("http://127.0.0.2:8000") and loadgen.is_loopback("http://[::1]:8000")
-    assert not loadgen.is_loopback("http://0.0.0.0:8000")
+    assert target.is_loopback("http://127.0.0.2:8000") and target.is_loopback("http://[::1]:8000")
+    assert not target.is_loopback("http://0.0.0.0:8000")
 
 
 def test_the_run_goes_to_the_resolved_address_that_answers() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listening:  # the kernel completes the handshake
         port = listening.getsockname()[1]
-        address, why = loadgen.reachable(["::1", "127.0.0.1"], port)
+        address, why = target.reachable(["::1", "127.0.0.1"], port)
     assert (address, why) == ("127.0.0.1", ""), "localhost may resolve to ::1 first, the server on 127.0.0.1"
 
 
@@ -500,7 +501,7 @@ async def test_the_host_header_is_host_and_port_never_the_url_s_user_information
 
     async with serving(handle) as port:
         args = bench_args(url=f"http://user:secret@localhost:{port}", client=client, requests=3, server_pid=None)
-        await loadgen.bench(args, [b"x"])
+        await drive.bench(args, [b"x"])
         # the client closed its connections: each handler ends at their end, and closes its own
         await asyncio.wait_for(asyncio.gather(*(task for task in handlers if task)), timeout=5)
         await asyncio.sleep(0.01)
@@ -512,7 +513,7 @@ async def test_the_host_header_is_host_and_port_never_the_url_s_user_information
 async def test_a_request_sent_before_its_scheduled_arrival_counts_its_latency_from_the_send() -> None:
     """uvloop's timers fire up to a millisecond early: counted from the later, scheduled time, such
     a request's latency read short by as much (here by the whole 50 ms it went early)."""
-    run = loadgen.Run(measured_from=0.0)
+    run = loops.Run(measured_from=0.0)
 
     async def answer_after_20_ms(number: int, urgent: bool) -> tuple[int, bytes]:
         await asyncio.sleep(0.02)
@@ -520,7 +521,7 @@ async def test_a_request_sent_before_its_scheduled_arrival_counts_its_latency_fr
 
     early = time.perf_counter() + 0.05
     sent = time.perf_counter()
-    await loadgen._send(answer_after_20_ms, 0, False, run, scheduled=early)
+    await loops._send(answer_after_20_ms, 0, False, run, scheduled=early)
     (sample,) = run.samples
     assert sample.latency_s >= 0.02 and sample.lag_s is not None and sample.lag_s < 0
     assert abs(sample.sent_at - sent) < 0.01, "when it was sent, not before"

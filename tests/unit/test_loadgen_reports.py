@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import loadgen
+from app.bench.loadgen import cli, drive, loops, summary
 from tests.unit.test_loadgen import bench_args, http_server, json_answer, serving
 
 
 @pytest.mark.parametrize(("n", "q"), [(100, 99), (10, 50), (10, 90), (200, 99), (4, 50), (1000, 99), (7, 50), (100, 7)])
 def test_percentile_is_the_nearest_rank(n: int, q: float) -> None:
     values = [float(v) for v in range(n, 0, -1)]  # unsorted
-    assert loadgen.percentile(values, q) == float(max(1, math.ceil(q * n / 100)))
+    assert summary.percentile(values, q) == float(max(1, math.ceil(q * n / 100)))
 
 
 def test_one_stall_in_a_hundred_answers_is_not_the_p99() -> None:
-    assert loadgen.percentile([1.0] * 99 + [5000.0], 99) == 1.0
-    assert loadgen.percentile([1.0] * 98 + [5000.0] * 2, 99) == 5000.0
+    assert summary.percentile([1.0] * 99 + [5000.0], 99) == 1.0
+    assert summary.percentile([1.0] * 98 + [5000.0] * 2, 99) == 5000.0
 
 
 async def test_open_loop_throughput_is_what_the_server_answered_not_what_was_offered() -> None:
@@ -39,9 +39,9 @@ async def test_open_loop_throughput_is_what_the_server_answered_not_what_was_off
             await asyncio.sleep(0.010)
         return 200, b'{"batch_size": 1}'
 
-    run = loadgen.Run()
-    await loadgen._drive(send, bench_args(rate=400.0, duration=0.3, warmup=0.0, urgent_fraction=0.0), run)
-    report = loadgen.summarise(run, {})
+    run = loops.Run()
+    await drive._drive(send, bench_args(rate=400.0, duration=0.3, warmup=0.0, urgent_fraction=0.0), run)
+    report = summary.summarise(run, {})
     assert report["sent_with_warmup"] > 80, "about 120 offered"
     assert report["throughput_rps"] <= 110, report["throughput_rps"]
 
@@ -51,14 +51,14 @@ async def test_open_loop_accounts_for_every_request_it_sent() -> None:
         await asyncio.sleep(0.001 if number % 2 else 30.0)  # half never answer in time
         return 200, b'{"batch_size": 1}'
 
-    run = loadgen.Run()
+    run = loops.Run()
     stop_at = time.perf_counter() + 0.2
-    await loadgen.open_loop(send, 100.0, 0.0, stop_at, 10_000, run, random.Random(0), timeout_s=0.05)
+    await loops.open_loop(send, 100.0, 0.0, stop_at, 10_000, run, random.Random(0), timeout_s=0.05)
     assert run.sent > 5
     assert len(run.samples) == run.sent, "each request sent has a sample"
     unanswered = [s for s in run.samples if s.code == "unanswered"]
     assert unanswered and all(s.status == 0 for s in unanswered)
-    assert loadgen.summarise(run, {})["errors"]["0:unanswered"] == len(unanswered)
+    assert summary.summarise(run, {})["errors"]["0:unanswered"] == len(unanswered)
 
 
 async def test_open_loop_latency_counts_from_the_scheduled_arrival() -> None:
@@ -70,9 +70,9 @@ async def test_open_loop_latency_counts_from_the_scheduled_arrival() -> None:
         await asyncio.sleep(0.1)
         time.sleep(0.3)  # noqa: ASYNC251 (the point: the client's loop gets no CPU for 300 ms, as on a busy machine)
 
-    run = loadgen.Run()
+    run = loops.Run()
     staller = asyncio.create_task(stall())
-    await loadgen.open_loop(send, 200.0, 0.0, time.perf_counter() + 0.6, 10_000, run, random.Random(1))
+    await loops.open_loop(send, 200.0, 0.0, time.perf_counter() + 0.6, 10_000, run, random.Random(1))
     await staller
     late = [s for s in run.samples if s.latency_s > 0.05]
     # about 60 arrivals (200/s for 0.3 s) fell due during the stall and waited up to 300 ms
@@ -94,7 +94,7 @@ async def test_open_loop_latency_counts_from_the_scheduled_arrival() -> None:
 def test_the_cli_refuses_what_would_not_be_bounded(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--url", "http://127.0.0.1:9", "--duration", "0.2", *extra]
     with pytest.raises(SystemExit) as exited:
-        loadgen.main(argv)
+        cli.main(argv)
     assert exited.value.code == 2 and "need" in capsys.readouterr().err
 
 
@@ -107,7 +107,7 @@ async def test_an_error_answer_that_is_not_json_keeps_its_status() -> None:
         return json_answer({"batch_size": 1})
 
     async with http_server(respond) as (port, _):
-        report = await loadgen.bench(bench_args(url=f"http://127.0.0.1:{port}", server_pid=None), [b"x"])
+        report = await drive.bench(bench_args(url=f"http://127.0.0.1:{port}", server_pid=None), [b"x"])
     assert set(report["errors"]) == {"503:non_json"}, report["errors"]
     assert report["latency"]["refused"]["count"] == report["errors"]["503:non_json"]
 
@@ -116,13 +116,13 @@ def test_a_200_that_is_not_json_is_a_failed_request_of_its_status() -> None:
     """A server (or something in front of it) that answers 200 with a page: the request failed,
     and the server answered it, so the error keeps the status (it was ``0:ValueError``, read as
     the client's own failure); it is neither an answer, nor in the throughput, nor a batch."""
-    assert loadgen._outcome(200, b"<html>") == ("non_json", {})
-    assert loadgen._outcome(200, b"[1, 2]") == ("non_json", {}), "JSON, but not an object"
-    assert loadgen._outcome(200, b'{"batch_size": 2}') == (None, {"batch_size": 2})
-    run = loadgen.Run(measured_from=0.0, ended=1.0)
-    run.samples += [loadgen.Sample("normal", 0.01, 200, "non_json", None, True, finished=0.5)] * 3
-    run.samples += [loadgen.Sample("normal", 0.01, 200, None, 2, True, finished=0.5)]
-    report = loadgen.summarise(run, {})
+    assert loops._outcome(200, b"<html>") == ("non_json", {})
+    assert loops._outcome(200, b"[1, 2]") == ("non_json", {}), "JSON, but not an object"
+    assert loops._outcome(200, b'{"batch_size": 2}') == (None, {"batch_size": 2})
+    run = loops.Run(measured_from=0.0, ended=1.0)
+    run.samples += [loops.Sample("normal", 0.01, 200, "non_json", None, True, finished=0.5)] * 3
+    run.samples += [loops.Sample("normal", 0.01, 200, None, 2, True, finished=0.5)]
+    report = summary.summarise(run, {})
     assert report["errors"] == {"200:non_json": 3}
     assert (report["ok"], report["throughput_rps"], report["latency"]["all"]["count"]) == (1, 1.0, 1)
 
@@ -130,10 +130,10 @@ def test_a_200_that_is_not_json_is_a_failed_request_of_its_status() -> None:
 def test_the_mean_batch_size_is_per_batch() -> None:
     # one batch of 1 and one of 3: four answers, two batches, a mean batch of 2 (what the
     # dashboard's ai_backend_batch_size sum / count says)
-    run = loadgen.Run(measured_from=0.0, ended=1.0)
-    run.samples += [loadgen.Sample("normal", 0.01, 200, None, 1, True, finished=0.5)]
-    run.samples += [loadgen.Sample("normal", 0.01, 200, None, 3, True, finished=0.5)] * 3
-    report = loadgen.summarise(run, {})
+    run = loops.Run(measured_from=0.0, ended=1.0)
+    run.samples += [loops.Sample("normal", 0.01, 200, None, 1, True, finished=0.5)]
+    run.samples += [loops.Sample("normal", 0.01, 200, None, 3, True, finished=0.5)] * 3
+    report = summary.summarise(run, {})
     assert report["mean_batch_size"] == 2.0 and report["mean_batch_size_by_request_lane"]["normal"] == 2.0
     assert "mean_batch_size_by_lane" not in report, "named for what it groups by: the lane the request asked for"
     assert report["mean_batch_size_by_request_lane"]["urgent"] is None, "no urgent answers: no batches, not 0.0"
@@ -152,7 +152,7 @@ async def test_the_httpx_client_never_goes_through_a_proxy(monkeypatch: pytest.M
         for name in ("NO_PROXY", "no_proxy"):
             monkeypatch.delenv(name, raising=False)
         args = bench_args(url=f"http://127.0.0.1:{target}", client="httpx", duration=0.2, server_pid=None)
-        await loadgen.bench(args, [b"x"])
+        await drive.bench(args, [b"x"])
     assert sum(proxy_seen) == 0 and sum(target_seen) > 0
 
 
@@ -175,31 +175,31 @@ async def test_an_open_loop_client_that_falls_behind_says_so() -> None:
             pass
         return 200, b'{"batch_size": 1}'  # the "server" answers at once
 
-    run = loadgen.Run()
-    await loadgen._drive(send, bench_args(rate=200.0, duration=0.6, warmup=0.0, urgent_fraction=0.0), run)
-    report = loadgen.summarise(run, {"rate_rps": 200.0})
+    run = loops.Run()
+    await drive._drive(send, bench_args(rate=200.0, duration=0.6, warmup=0.0, urgent_fraction=0.0), run)
+    report = summary.summarise(run, {"rate_rps": 200.0})
     assert report["send_lag_ms"]["p99"] > 50 and report["send_lag_ms"]["max"] >= report["send_lag_ms"]["p99"]
     assert report["offered_rps"] < 160, report["offered_rps"]
     assert report["latency"]["all"]["p99_ms"] >= report["send_lag_ms"]["p99"], "latency from the scheduled send"
-    warning = loadgen.behind_schedule(report)
+    warning = summary.behind_schedule(report)
     assert warning is not None and "fell behind" in warning
 
 
 def test_the_send_lag_and_the_rate_offered_in_the_window() -> None:
-    run = loadgen.Run(measured_from=10.0, ended=12.0)
+    run = loops.Run(measured_from=10.0, ended=12.0)
     # scheduled at 10.5, 11, 11.5 and 11.9 s, sent 1, 2, 4 and 200 ms late: the last one after the window
     for scheduled, lag in ((10.5, 0.001), (11.0, 0.002), (11.5, 0.004), (11.95, 0.2)):
-        run.samples.append(loadgen.Sample("normal", 0.25, 200, None, 1, True, finished=scheduled + 0.25, lag_s=lag))
-    run.samples.append(loadgen.Sample("normal", 0.5, 200, None, 1, False, finished=10.4, lag_s=0.3))  # warm-up
-    report = loadgen.summarise(run, {})
+        run.samples.append(loops.Sample("normal", 0.25, 200, None, 1, True, finished=scheduled + 0.25, lag_s=lag))
+    run.samples.append(loops.Sample("normal", 0.5, 200, None, 1, False, finished=10.4, lag_s=0.3))  # warm-up
+    report = summary.summarise(run, {})
     assert report["send_lag_ms"] == {"p50": 2.0, "p99": 200.0, "max": 200.0}
     assert report["offered_rps"] == 2.0, "the warm-up one sent at 10.2 s and three in the window, over 2 s"
-    assert loadgen.behind_schedule(report) is not None
+    assert summary.behind_schedule(report) is not None
     report["send_lag_ms"]["p99"] = 1.0
-    assert loadgen.behind_schedule(report) is None
-    closed = loadgen.Run(measured_from=0.0, ended=1.0)
-    closed.samples.append(loadgen.Sample("normal", 0.01, 200, None, 1, True, finished=0.5))
-    assert "send_lag_ms" not in loadgen.summarise(closed, {}), "a closed loop has no schedule"
+    assert summary.behind_schedule(report) is None
+    closed = loops.Run(measured_from=0.0, ended=1.0)
+    closed.samples.append(loops.Sample("normal", 0.01, 200, None, 1, True, finished=0.5))
+    assert "send_lag_ms" not in summary.summarise(closed, {}), "a closed loop has no schedule"
 
 
 async def test_httpx_bounds_each_request_as_a_whole_against_a_server_that_drips() -> None:
@@ -222,7 +222,7 @@ async def test_httpx_bounds_each_request_as_a_whole_against_a_server_that_drips(
         args = bench_args(
             url=f"http://127.0.0.1:{port}", client="httpx", concurrency=1, timeout=0.3, duration=0.2, server_pid=None
         )
-        report = await asyncio.wait_for(loadgen.bench(args, [b"x"]), timeout=10)
+        report = await asyncio.wait_for(drive.bench(args, [b"x"]), timeout=10)
     assert report["ok"] == 0 and set(report["errors"]) <= {"0:TimeoutError"}
 
 
@@ -230,22 +230,22 @@ async def test_httpx_bounds_each_request_as_a_whole_against_a_server_that_drips(
 def test_a_deadline_the_service_would_refuse_is_refused_here(deadline: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Under 1 every request was answered 400 and the run exited 0 (nan and inf were a traceback)."""
     with pytest.raises(SystemExit) as exited:
-        loadgen.main(["--url", "http://127.0.0.1:9", f"--deadline-ms={deadline}"])
+        cli.main(["--url", "http://127.0.0.1:9", f"--deadline-ms={deadline}"])
     assert exited.value.code == 2 and "--deadline-ms" in capsys.readouterr().err
 
 
 def test_a_deadline_over_the_default_maximum_is_sent_with_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
     """A service may be set to take more than its default server.max_timeout_ms (120000)."""
     with contextlib.suppress(SystemExit):
-        loadgen.main(["--url", "http://127.0.0.1:9", "--deadline-ms=200000", "--duration=0.1", "--warmup=0"])
+        cli.main(["--url", "http://127.0.0.1:9", "--deadline-ms=200000", "--duration=0.1", "--warmup=0"])
     assert "--deadline-ms 200000 is over 120000" in capsys.readouterr().err
 
 
 def test_a_deadline_within_the_service_s_bounds_is_accepted() -> None:
-    assert loadgen._deadline_accepted(1.0) and loadgen._deadline_accepted(120_000.0)
-    assert loadgen._deadline_accepted(1e9), "a service may be set to take it"
-    assert loadgen._deadline_accepted(0.6), "rounded to 1 ms, as X-Request-Timeout sends it"
-    assert not loadgen._deadline_accepted(0.5), "rounded to 0 (to even), which the service refuses"
+    assert cli._deadline_accepted(1.0) and cli._deadline_accepted(120_000.0)
+    assert cli._deadline_accepted(1e9), "a service may be set to take it"
+    assert cli._deadline_accepted(0.6), "rounded to 1 ms, as X-Request-Timeout sends it"
+    assert not cli._deadline_accepted(0.5), "rounded to 0 (to even), which the service refuses"
 
 
 def a_report(ok: int, errors: dict[str, int]) -> dict[str, object]:
@@ -253,11 +253,11 @@ def a_report(ok: int, errors: dict[str, int]) -> dict[str, object]:
 
 
 def test_a_run_where_every_request_failed_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    assert loadgen._report(a_report(0, {"503:queue_full": 40}), None) == 1
+    assert cli._report(a_report(0, {"503:queue_full": 40}), None) == 1
     printed = capsys.readouterr()
     assert '"ok": 0' in printed.out, "the report is printed all the same"
     assert "no request in the measured window succeeded (503:queue_full x40)" in printed.err
-    assert loadgen._report(a_report(1, {"503:queue_full": 40}), None) == 0
+    assert cli._report(a_report(1, {"503:queue_full": 40}), None) == 0
 
 
 def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(
@@ -265,19 +265,19 @@ def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(
 ) -> None:
     """It was a traceback after the whole run, with the report lost."""
     with pytest.raises(SystemExit) as exited:
-        loadgen.main(["--url", "http://127.0.0.1:9", "--out", str(tmp_path)])  # a folder
+        cli.main(["--url", "http://127.0.0.1:9", "--out", str(tmp_path)])  # a folder
     assert exited.value.code == 2 and "--out" in capsys.readouterr().err
 
 
 def test_a_report_that_cannot_be_written_is_printed_then_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(loadgen, "write_text", lambda path, text: "No space left on device")
-    assert loadgen._report(a_report(5, {}), tmp_path / "report.json") == 1
+    monkeypatch.setattr(cli, "write_text", lambda path, text: "No space left on device")
+    assert cli._report(a_report(5, {}), tmp_path / "report.json") == 1
     printed = capsys.readouterr()
     assert '"ok": 5' in printed.out
     where = tmp_path / "report.json"
     assert printed.err.strip() == f"ai-backend bench: could not write {where}: No space left on device"
     monkeypatch.undo()
-    assert loadgen._report(a_report(5, {}), tmp_path / "report.json") == 0
+    assert cli._report(a_report(5, {}), tmp_path / "report.json") == 0
     assert '"ok": 5' in (tmp_path / "report.json").read_text()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from torchvision import transforms
 
-from app.bench.limit import synthetic_photo
+from app.bench.limit.photos import synthetic_photo
 from app.inference.manifest import InputSpec, ResizeSpec
 from app.inference.preprocess import ImageLimits, decode, draft_size
 

@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 
-from app.bench import ratio
+from app.bench.ratio import cli
+from app.bench.ratio.compare import Run, compare, compare_markdown
+from app.bench.ratio.profile import parse_collapsed, short, stage_of, summarise_profile
+from app.bench.ratio.report import build_report, markdown
 
 SITE = "/venv/lib/python3.11/site-packages"
 RAW = "\n".join(
@@ -27,19 +30,19 @@ RAW = "\n".join(
 
 
 def test_raw_lines_parse_into_thread_frames_and_counts() -> None:
-    samples = ratio.parse_collapsed(RAW)
+    samples = parse_collapsed(RAW)
     assert [s.tid for s in samples][:1] == [100] and samples[-1].tid == 0x12D
     assert samples[1].thread == "MainThread" and samples[1].count == 30 and len(samples[1].frames) == 3
     with pytest.raises(ValueError):
-        ratio.parse_collapsed("no thread here 3")
+        parse_collapsed("no thread here 3")
 
 
 def test_a_sample_belongs_to_the_stage_of_its_deepest_named_frame() -> None:
     frames = ("a (x/starlette/routing.py)", "b (r/app/api/body.py)", "base64_bytes (r/app/inference/preprocess.py)")
-    assert ratio.stage_of(frames) == "base64 decode"
-    assert ratio.stage_of(("mystery (nowhere.py)",)) == "other: mystery (nowhere.py)"
-    assert ratio.short(f"f ({SITE}/starlette/routing.py)") == "f (starlette/routing.py)"
-    assert ratio.short("g (/work/main/app/service.py)") == "g (app/service.py)"
+    assert stage_of(frames) == "base64 decode"
+    assert stage_of(("mystery (nowhere.py)",)) == "other: mystery (nowhere.py)"
+    assert short(f"f ({SITE}/starlette/routing.py)") == "f (starlette/routing.py)"
+    assert short("g (/work/main/app/service.py)") == "g (app/service.py)"
 
 
 def test_the_summary_gives_cores_per_group_from_proc_and_shares_of_busy_samples() -> None:
@@ -47,7 +50,7 @@ def test_the_summary_gives_cores_per_group_from_proc_and_shares_of_busy_samples(
     before[300] = ("omp", 1.0)
     after = {100: ("ai-backend", 12.0), 201: ("ai-backend", 6.0), 202: ("ai-backend", 6.0), 0x12D: ("x", 4.0)}
     after[300] = ("omp", 2.0)
-    summary = ratio.summarise_profile(ratio.parse_collapsed(RAW), before, after, window_s=4.0)
+    summary = summarise_profile(parse_collapsed(RAW), before, after, window_s=4.0)
     groups = {g["group"]: g for g in summary["groups"]}
     assert groups["device"]["cores"] == 1.0
     assert groups["MainThread"]["cores"] == 0.5 and groups["preprocess"]["cores"] == 0.5
@@ -83,27 +86,27 @@ LIMIT = {"limit": {"images_per_s": 400.0, "cpu_ms_per_image": 4.5, "best_batch":
 
 
 def test_the_report_takes_the_best_throughput_as_saturation() -> None:
-    report = ratio.build_report(LIMIT, [bench(16, 300.0), bench(64, 340.0, 5.0), bench(128, 330.0)], None, {"a": "1"})
+    report = build_report(LIMIT, [bench(16, 300.0), bench(64, 340.0, 5.0), bench(128, 330.0)], None, {"a": "1"})
     sat = report["saturation"]
     assert sat["concurrency"] == 64 and sat["ratio"] == 0.85
     assert sat["cpu_ratio"] == 0.9 and sat["overhead_cpu_ms_per_request"] == 0.5
     assert [row["ratio"] for row in report["sweep"]] == [0.75, 0.85, 0.825]
-    text = ratio.markdown(report)
+    text = markdown(report)
     assert "service / limit: 0.85" in text and "`a=1`" in text
 
 
 def test_variants_are_compared_by_the_median_of_their_rounds() -> None:
-    runs: list[ratio.Run] = [
+    runs: list[Run] = [
         ("a", bench(64, 300.0), None),
         ("b", bench(64, 360.0, 4.5), None),
         ("a", bench(64, 320.0), None),
         ("b", bench(64, 340.0), None),
     ]
-    result = ratio.compare(LIMIT, runs)
+    result = compare(LIMIT, runs)
     rows = {row["variant"]: row for row in result["variants"]}
     assert rows["a"]["median_rps"] == 310.0 and rows["a"]["rounds"] == 2
     assert rows["b"]["ratio"] == 0.875 and rows["b"]["cpu_ratio"] == pytest.approx((4.5 / 4.5 + 4.5 / 5) / 2, abs=1e-4)
-    assert "| b | 350.0 (360, 340)" in ratio.compare_markdown(result)
+    assert "| b | 350.0 (360, 340)" in compare_markdown(result)
 
 
 def test_each_round_is_divided_by_its_own_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,7 +117,7 @@ def test_each_round_is_divided_by_its_own_limit(tmp_path: Path, capsys: pytest.C
         (tmp_path / name).write_text(json.dumps(content))
     runs = [f"a={tmp_path / 'a1.json'}@{tmp_path / 'r1.json'}", f"a={tmp_path / 'a2.json'}@{tmp_path / 'r2.json'}"]
     args = ["compare", "--limit", str(tmp_path / "limit.json"), "--run", *runs, "--out-json", str(tmp_path / "c.json")]
-    assert ratio.main(args) == 0
+    assert cli.main(args) == 0
     result = json.loads((tmp_path / "c.json").read_text())
     assert result["round_limits"] == [400.0, 300.0]
     assert result["variants"][0]["ratios"] == [0.8, 0.9] and result["variants"][0]["ratio"] == 0.85
@@ -126,27 +129,27 @@ def test_the_report_command_writes_json_and_markdown(tmp_path: Path, capsys: pyt
     (tmp_path / "b.json").write_text(json.dumps(bench(32, 200.0)))
     args = ["report", "--limit", str(tmp_path / "limit.json"), "--bench", str(tmp_path / "b.json")]
     args += ["--out-json", str(tmp_path / "r.json"), "--out-md", str(tmp_path / "r.md")]
-    assert ratio.main(args) == 0
+    assert cli.main(args) == 0
     assert json.loads((tmp_path / "r.json").read_text())["saturation"]["ratio"] == 0.5
     assert (tmp_path / "r.md").read_text().startswith("## service / limit: 0.50")
 
 
 def test_a_limit_measured_again_after_the_service_is_averaged_in() -> None:
     after = {"limit": {"images_per_s": 360.0, "cpu_ms_per_image": 5.5, "best_batch": 16}}
-    report = ratio.build_report(LIMIT, [bench(64, 340.0)], None, {}, limit_after=after)
+    report = build_report(LIMIT, [bench(64, 340.0)], None, {}, limit_after=after)
     assert report["limit_images_per_s"] == 380.0 and report["limit_runs_images_per_s"] == [400.0, 360.0]
     assert report["saturation"]["ratio"] == round(340 / 380, 4)
-    assert "measured 400.0 and 360.0" in ratio.markdown(report)
+    assert "measured 400.0 and 360.0" in markdown(report)
 
 
 def test_the_every_core_ceiling_gives_a_second_ratio_when_the_limit_measured_it() -> None:
     before = {"limit": {**LIMIT["limit"], "every_core_images_per_s": 320.0}}
     after = {"limit": {**LIMIT["limit"], "every_core_images_per_s": 360.0}}
-    report = ratio.build_report(before, [bench(64, 306.0)], None, {}, limit_after=after)
+    report = build_report(before, [bench(64, 306.0)], None, {}, limit_after=after)
     assert report["every_core_images_per_s"] == 340.0 and report["every_core_runs_images_per_s"] == [320.0, 360.0]
     assert report["saturation"]["every_core_ratio"] == 0.9 and report["saturation"]["ratio"] == 0.765
-    assert "0.85 of the limit); **service / every core: 0.90**" in ratio.markdown(report)
-    assert "every_core_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
+    assert "0.85 of the limit); **service / every core: 0.90**" in markdown(report)
+    assert "every_core_ratio" not in build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
 
 
 def test_the_service_with_no_http_gives_what_the_http_layer_keeps(tmp_path: Path) -> None:
@@ -157,27 +160,27 @@ def test_the_service_with_no_http_gives_what_the_http_layer_keeps(tmp_path: Path
         "errors": {},
         "cpu": {"cores": 1.9, "ms_per_request": 5.1, "threads_ms_per_request": {"device": 2.6, "event loop": 0.25}},
     }
-    report = ratio.build_report(LIMIT, [bench(64, 306.0)], None, {}, core=core)
+    report = build_report(LIMIT, [bench(64, 306.0)], None, {}, core=core)
     assert report["core_ratio"] == 0.85 and report["saturation"]["http_ratio"] == 0.9
-    text = ratio.markdown(report)
+    text = markdown(report)
     assert "340.0 requests/s (0.85 of the limit), 5.100 ms CPU per request (device 2.60, event loop 0.25)" in text
     assert "**service / no HTTP: 0.90**" in text
-    assert "http_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
+    assert "http_ratio" not in build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
     # and through the command, from ai-backend core's JSON report
     for name, content in {"limit.json": LIMIT, "b.json": bench(64, 306.0), "core.json": core}.items():
         (tmp_path / name).write_text(json.dumps(content))
     args = ["report", "--limit", str(tmp_path / "limit.json"), "--bench", str(tmp_path / "b.json")]
-    assert ratio.main([*args, "--core", str(tmp_path / "core.json"), "--out-json", str(tmp_path / "r.json")]) == 0
+    assert cli.main([*args, "--core", str(tmp_path / "core.json"), "--out-json", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["saturation"]["http_ratio"] == 0.9
 
 
 def test_the_least_http_possible_gives_what_http_and_the_layers_on_it_keep() -> None:
     floor = bench(64, 360.0, 4.8)
-    report = ratio.build_report(LIMIT, [bench(64, 306.0)], None, {}, floor=floor)
+    report = build_report(LIMIT, [bench(64, 306.0)], None, {}, floor=floor)
     assert report["floor_ratio"] == 0.9 and report["saturation"]["floor_http_ratio"] == 0.85
     assert report["floor"] == {"throughput_rps": 360.0, "cpu": floor["cpu"], "errors": {}}
-    text = ratio.markdown(report)
+    text = markdown(report)
     assert "360.0 requests/s (0.90 of the limit), 4.800 ms CPU per request; **service / least HTTP: 0.85**" in text
-    assert "floor_http_ratio" not in ratio.build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
-    failed = ratio.build_report(LIMIT, [bench(64, 306.0)], None, {}, floor={**floor, "errors": {"transport": 3}})
-    assert "errors {'transport': 3}; **service / least HTTP" in ratio.markdown(failed)
+    assert "floor_http_ratio" not in build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
+    failed = build_report(LIMIT, [bench(64, 306.0)], None, {}, floor={**floor, "errors": {"transport": 3}})
+    assert "errors {'transport': 3}; **service / least HTTP" in markdown(failed)

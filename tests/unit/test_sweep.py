@@ -12,9 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from app.bench import sweep as sw
 from app.bench.chart import nice_ticks
-from app.bench.sweep import Limits, SizeResult, batch_sizes, find_knee, percentile, recommend
+from app.bench.sweep import cli
+from app.bench.sweep.knee import Recommendation, find_knee, recommend
+from app.bench.sweep.memory import ProcessMemory
+from app.bench.sweep.report import build_report, markdown
+from app.bench.sweep.timing import Forward, Limits, SizeResult, batch_sizes, percentile, sweep
 from app.inference.device import cpu_cores, plan_threads
 from tests.support import copy_repository
 
@@ -172,7 +175,7 @@ class FakeProbe:
         return {"growth_bytes": 0}
 
 
-def fake_model(clock: FakeClock, ms_per_item: float, oom_from: int | None = None) -> tuple[sw.Forward, list[int]]:
+def fake_model(clock: FakeClock, ms_per_item: float, oom_from: int | None = None) -> tuple[Forward, list[int]]:
     calls: list[int] = []
 
     def forward(batch: torch.Tensor) -> object:
@@ -191,7 +194,7 @@ def run(
 ) -> tuple[list[SizeResult], list[int]]:
     clock = FakeClock()
     forward, calls = fake_model(clock, ms_per_item, oom_from)
-    results = sw.sweep(forward, lambda n: torch.zeros(n, 1), list(sizes), FakeProbe(), limits, clock=clock)
+    results = sweep(forward, lambda n: torch.zeros(n, 1), list(sizes), FakeProbe(), limits, clock=clock)
     return results, calls
 
 
@@ -219,7 +222,7 @@ def test_an_out_of_memory_is_recorded_and_ends_the_sweep() -> None:
 def test_process_memory_reads_rss_and_peak(tmp_path: Path) -> None:
     status, clear_refs = tmp_path / "status", tmp_path / "clear_refs"
     status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
-    probe = sw.ProcessMemory(status, clear_refs)
+    probe = ProcessMemory(status, clear_refs)
     probe.start()
     status.write_text("VmHWM:\t  4096 kB\nVmRSS:\t  1536 kB\n")
     assert probe.stop() == {
@@ -229,7 +232,7 @@ def test_process_memory_reads_rss_and_peak(tmp_path: Path) -> None:
         "growth_bytes": 3072 * 1024,
     }
     assert clear_refs.read_text() == "5"
-    probe = sw.ProcessMemory(status, tmp_path / "missing" / "clear_refs")
+    probe = ProcessMemory(status, tmp_path / "missing" / "clear_refs")
     probe.start()
     assert not probe.peak_resets and "could not be reset" in probe.description
 
@@ -250,7 +253,7 @@ def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
 ) -> None:
     repository = copy_repository(tmp_path)
     out_json, out_png = tmp_path / "out" / "sweep.json", tmp_path / "out" / "sweep.png"
-    code = sw.main(
+    code = cli.main(
         [
             "--repository", str(repository), "--model", "digits", "--device", "cpu",
             "--max-batch", "8", "--warmup", "1", "--iterations", "5", "--seconds-per-size", "0.2",
@@ -290,7 +293,7 @@ def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
 def test_a_knee_gain_that_is_not_a_share_is_refused(gain: str, capsys: pytest.CaptureFixture[str]) -> None:
     # 10 meant as 10%: every doubling would have to gain 1000%, and the knee was always 1
     with pytest.raises(SystemExit) as exit_:
-        sw.main(["--knee-gain", gain])
+        cli.main(["--knee-gain", gain])
     assert exit_.value.code == 2 and "--knee-gain" in capsys.readouterr().err
 
 
@@ -298,7 +301,7 @@ def test_an_unknown_model_fails_with_a_clear_message(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], torch_threads: None
 ) -> None:
     repository = copy_repository(tmp_path)
-    assert sw.main(["--repository", str(repository), "--model", "nope", "--out-json", str(tmp_path / "x.json")]) == 1
+    assert cli.main(["--repository", str(repository), "--model", "nope", "--out-json", str(tmp_path / "x.json")]) == 1
     assert "model 'nope' is not in" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
@@ -307,8 +310,6 @@ def test_a_cpu_out_of_memory_is_recorded_and_ends_the_sweep_as_a_cuda_one_is() -
     """On the CPU, torch's allocator refuses a batch too large for the machine with a RuntimeError,
     not torch.cuda.OutOfMemoryError: the sweep crashed and wrote nothing of the sizes it had timed."""
     import torch
-
-    from app.bench import sweep as sw
 
     class Probe:
         kind, description = "fake", "fake"
@@ -324,14 +325,14 @@ def test_a_cpu_out_of_memory_is_recorded_and_ends_the_sweep_as_a_cuda_one_is() -
             return torch.empty(batch.shape[0] << 48, dtype=torch.uint8)
         return batch
 
-    results = sw.sweep(forward, lambda n: torch.zeros(n, 1), [1, 2, 4, 8], Probe(), sw.Limits(1, 2, 1.0))
+    results = sweep(forward, lambda n: torch.zeros(n, 1), [1, 2, 4, 8], Probe(), Limits(1, 2, 1.0))
     assert [(r.batch_size, r.status) for r in results] == [(1, "ok"), (2, "ok"), (4, "oom")]
 
 
 # ---- what the table, the plot and the command say -------------------------------------------
 
 
-def canned_report(results: list[SizeResult], rec: sw.Recommendation, png: Path = Path("x.png")) -> dict[str, object]:
+def canned_report(results: list[SizeResult], rec: Recommendation, png: Path = Path("x.png")) -> dict[str, object]:
     meta = {
         "model": "m",
         "version": "1",
@@ -343,16 +344,16 @@ def canned_report(results: list[SizeResult], rec: sw.Recommendation, png: Path =
         "memory": {"kind": "process-rss", "description": "rss"},
         "plot": {"path": str(png), "width": 960, "height": 600},
     }
-    return sw.build_report(meta, results, rec)
+    return build_report(meta, results, rec)
 
 
 def test_a_curve_still_rising_at_the_largest_size_is_not_said_to_have_a_knee_there() -> None:
     rising = curve({1: 100, 2: 200, 4: 400, 8: 800})
-    table = sw.markdown(canned_report(rising, recommend(rising, 0.10)))
+    table = markdown(canned_report(rising, recommend(rising, 0.10)))
     assert "| no knee up to here, recommended |" in table and "| knee" not in table
     assert "no knee up to batch 8; recommended max batch: 8" in table
     saturating = curve({1: 100, 2: 190, 4: 350, 8: 360})
-    table = sw.markdown(canned_report(saturating, recommend(saturating, 0.10)))
+    table = markdown(canned_report(saturating, recommend(saturating, 0.10)))
     assert "| knee, recommended |" in table and "knee: batch 4; recommended max batch: 4" in table
 
 
@@ -380,8 +381,8 @@ def no_model(monkeypatch: pytest.MonkeyPatch, torch_threads: None) -> list[str]:
         results = curve({1: 100, 2: 200})
         return canned_report(results, recommend(results, 0.10))
 
-    monkeypatch.setattr(sw, "_load", lambda args: (None, 0.0))
-    monkeypatch.setattr(sw, "_run", run)
+    monkeypatch.setattr(cli, "_load", lambda args: (None, 0.0))
+    monkeypatch.setattr(cli, "_run", run)
     return ran
 
 
@@ -393,7 +394,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_sizes_are_t
     for flag in writable:
         paths = writable | {flag: str(tmp_path)}  # a folder
         with pytest.raises(SystemExit) as exit_:
-            sw.main(["--model", "m", *(part for pair in paths.items() for part in pair)])
+            cli.main(["--model", "m", *(part for pair in paths.items() for part in pair)])
         assert exit_.value.code == 2 and flag in capsys.readouterr().err
     assert no_model == [], "nothing was measured"
 
@@ -401,9 +402,9 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_sizes_are_t
 def test_a_report_that_cannot_be_written_is_printed_first_then_one_line(
     tmp_path: Path, no_model: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(sw, "write_text", lambda path, text: "No space left on device")
+    monkeypatch.setattr(cli, "write_text", lambda path, text: "No space left on device")
     out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
-    assert sw.main(["--model", "m", "--out-json", str(out_json), "--out-png", str(out_png)]) == 1
+    assert cli.main(["--model", "m", "--out-json", str(out_json), "--out-png", str(out_png)]) == 1
     printed = capsys.readouterr()
     assert "| batch | iters |" in printed.out, "the table is printed before the files are written"
     assert printed.err.strip() == f"ai-backend sweep: could not write {out_json}: No space left on device"

@@ -1,0 +1,128 @@
+"""``ai-backend bench``: a load generator for a running service, on loopback only.
+
+Closed loop (a fixed number of clients, each sending its next request when the last
+one is answered) or open loop (Poisson arrivals at a rate, whatever the answers do).
+A share of requests can ride the urgent lane. The first seconds are a warm-up and are
+not counted. Every run is bounded in time and in requests, and it stops by itself.
+
+The client shares the machine with the service, so by default it is ``--client raw``: a
+minimal HTTP/1.1 client on asyncio streams with every request's bytes built up front
+(``app.bench.rawhttp``), several times cheaper per request than httpx (``--client httpx``,
+kept as an independent implementation to cross-check against). ``--images DIR`` cycles
+through several images; ``--server-pid`` adds where the CPU went in the measured window:
+the server's, the client's and everything else's, per request and in cores; and, per group of
+the server's threads (event loop, decode, device), the cores each used and the cores' worth of
+time it was runnable but kept waiting for one (``server_threads``, Linux schedstat).
+
+Exit status: 0; 1 when nothing answers at the URL, when no request sent in the measured window
+succeeded (a run of errors is not a measurement), or when ``--out`` could not be written (the
+report is printed first); 2 for arguments that are wrong or could not be bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.bench.loadgen.drive import bench, event_loop_run
+from app.bench.loadgen.senders import load_images
+from app.bench.loadgen.summary import behind_schedule
+from app.bench.loadgen.target import Target, loopback_addresses, parse_url, reachable
+from app.bench.output import unwritable, write_text
+from app.settings import ServerSettings
+
+DEFAULT_IMAGE = Path("models/digits/samples/digit_3.png")
+
+
+# what a service on its default settings accepts; one may be set to take more (server.max_timeout_ms)
+MAX_DEADLINE_MS: int = ServerSettings.model_fields["max_timeout_ms"].default
+
+
+def _deadline_accepted(deadline_ms: float) -> bool:
+    """Whether ``deadline_ms`` can be sent (rounded to whole milliseconds): finite and at least
+    one; the service answers 400 to a value under 1, to every request."""
+    return math.isfinite(deadline_ms) and round(deadline_ms) >= 1
+
+
+def _report(report: dict[str, Any], out: Path | None) -> int:
+    """Print the report (then a warning if the client fell behind its schedule) and write it to
+    ``out``. 1 when no request in the window succeeded or the file could not be written."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if (warning := behind_schedule(report)) is not None:
+        print(f"ai-backend bench: {warning}", file=sys.stderr)
+    code = 0
+    if not report["ok"]:
+        errors = ", ".join(f"{key} x{count}" for key, count in report["errors"].items()) or "none sent"
+        print(f"ai-backend bench: no request in the measured window succeeded ({errors})", file=sys.stderr)
+        code = 1
+    if out is not None and (why := write_text(out, text + "\n")) is not None:
+        print(f"ai-backend bench: could not write {out}: {why}", file=sys.stderr)
+        code = 1
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ai-backend bench", description=__doc__)
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback URL of a running service")
+    parser.add_argument("--model", help="target /v1/models/NAME/predict instead of /predict")
+    parser.add_argument("--image", default=str(DEFAULT_IMAGE), help="the image every request sends")
+    parser.add_argument("--images", type=Path, help="a folder of images: request n sends the n-th, cycling")
+    parser.add_argument(
+        "--client", choices=("raw", "httpx"), default="raw", help="raw: precomputed HTTP/1.1 bytes (default); httpx"
+    )
+    parser.add_argument("--server-pid", type=int, help="also report this process's CPU use (Linux /proc)")
+    loop = parser.add_mutually_exclusive_group()
+    loop.add_argument("--concurrency", type=int, default=32, help="closed loop: clients in flight (default 32)")
+    loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    parser.add_argument("--urgent-fraction", type=float, default=0.0, help="share of requests with X-Urgency: high")
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds, after the warm-up (max 600)")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds sent but not counted")
+    parser.add_argument("--requests", type=int, default=200_000, help="hard cap on requests sent")
+    parser.add_argument("--timeout", type=float, default=60.0, help="per-request client timeout, seconds")
+    parser.add_argument(
+        "--deadline-ms", type=float, help="send X-Request-Timeout; count answers that came later than it"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_url(args.url)
+    except ValueError as exc:
+        parser.error(f"--url {exc}")
+    try:
+        addresses = loopback_addresses(host)
+    except ValueError as exc:
+        parser.error(f"--url must point at a loopback address (127.0.0.0/8, ::1 or localhost): {exc}")
+    if not 0 < args.duration <= 600 or not 0 <= args.warmup <= 600 or not 0 <= args.urgent_fraction <= 1:
+        parser.error("need 0 < duration <= 600, 0 <= warmup <= 600 and 0 <= urgent-fraction <= 1")
+    if args.rate is not None and not 0 < args.rate <= 100_000:
+        parser.error("need 0 < rate <= 100000 arrivals a second")
+    if args.concurrency < 1 or args.requests < 1 or not 0 < args.timeout <= 600:
+        parser.error("need concurrency >= 1, requests >= 1 and 0 < timeout <= 600")
+    if args.deadline_ms is not None and not _deadline_accepted(args.deadline_ms):
+        parser.error("need a finite --deadline-ms of at least 1 (as the service's X-Request-Timeout)")
+    if args.deadline_ms is not None and round(args.deadline_ms) > MAX_DEADLINE_MS:
+        print(
+            f"ai-backend bench: warning: --deadline-ms {args.deadline_ms:g} is over {MAX_DEADLINE_MS}, "
+            "server.max_timeout_ms by default: a service not set to take it answers 400 to every request",
+            file=sys.stderr,
+        )
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
+        parser.error(f"--server-pid {args.server_pid}: no such process (or no /proc)")
+    if args.out is not None and (why := unwritable(args.out)) is not None:
+        parser.error(f"--out {args.out}: {why}")
+    try:
+        images = load_images(Path(args.image), args.images)
+    except OSError as exc:
+        parser.error(str(exc))
+    address, why = reachable(addresses, port)
+    if address is None:
+        print(f"ai-backend bench: nothing answers at {args.url}: {why}", file=sys.stderr)
+        return 1
+    args.target = Target(host, port, address)
+    return _report(event_loop_run(bench(args, images)), args.out)

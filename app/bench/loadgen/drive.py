@@ -1,0 +1,105 @@
+"""One run from start to end: the client set up, the load driven through the warm-up and the
+measured window while the server's CPU and memory are watched, and the report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import httpx
+
+from app.bench.loadgen.loops import Run, Send, closed_loop, open_loop
+from app.bench.loadgen.senders import httpx_sender, json_bodies, raw_sender
+from app.bench.loadgen.summary import summarise
+from app.bench.loadgen.target import Target
+from app.bench.loadgen.usage import cpu_snapshot, rss_mb, thread_snapshot
+
+
+async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    run.started = time.perf_counter()
+    run.measured_from = run.started + args.warmup
+    stop_at = run.measured_from + args.duration
+
+    async def watch_cpu() -> None:
+        await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
+        run.cpu_before = cpu_snapshot(args.server_pid)
+        run.threads_before = thread_snapshot(args.server_pid)
+
+    async def watch_memory(pid: int) -> None:
+        await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
+        while (rss := rss_mb(pid)) is not None:
+            run.rss_mb.append(rss)
+            await asyncio.sleep(1.0)
+
+    watcher = asyncio.create_task(watch_cpu())
+    memory = asyncio.create_task(watch_memory(args.server_pid)) if args.server_pid is not None else None
+    if args.rate is None:
+        await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
+        mode: dict[str, Any] = {"mode": "closed", "concurrency": args.concurrency}
+    else:
+        await open_loop(send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng, args.timeout)
+        mode = {"mode": "open", "rate_rps": args.rate}
+    run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
+    if watcher.done():  # from the window's start to the last answer, in-flight requests included
+        run.cpu_after = cpu_snapshot(args.server_pid)
+        run.threads_after = thread_snapshot(args.server_pid)
+    else:  # the load stopped before the window began (request cap): no CPU figures
+        watcher.cancel()
+    if memory is not None:
+        memory.cancel()
+        if (rss := rss_mb(args.server_pid)) is not None and run.rss_mb:
+            run.rss_mb.append(rss)
+    return mode
+
+
+async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, Any]:
+    bodies = json_bodies(images)
+    path = f"/v1/models/{args.model}/predict" if args.model else "/predict"
+    run = Run()
+    target: Target = args.target
+    if args.client == "raw":
+        send, pool = raw_sender(target, path, bodies, args.timeout, args.deadline_ms)
+        try:
+            mode = await _drive(send, args, run)
+        finally:
+            pool.close()
+        mode["connections"] = pool.size
+        mode["retried"] = pool.retried
+    else:
+        limits = httpx.Limits(max_connections=max(args.concurrency, 64) if args.rate is None else 1000)
+        # trust_env=False: a proxy in the environment would take the load off loopback; the
+        # resolved address, so that the name is not resolved again, and the URL's Host header
+        async with httpx.AsyncClient(
+            base_url=target.base_url,
+            headers={"Host": target.authority},
+            limits=limits,
+            timeout=args.timeout,
+            trust_env=False,
+        ) as client:
+            mode = await _drive(httpx_sender(client, path, bodies, args.timeout, args.deadline_ms), args, run)
+    settings = {
+        **mode,
+        "client": args.client,
+        "images": len(images),
+        "mean_body_bytes": round(sum(map(len, bodies)) / len(bodies)),
+        "urgent_fraction": args.urgent_fraction,
+        "warmup_s": args.warmup,
+    }
+    return summarise(run, settings, args.deadline_ms)
+
+
+T = TypeVar("T")
+
+
+def event_loop_run(work: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run``, on uvloop where it is installed (less CPU per request for the client too)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(work)
+    return uvloop.run(work)

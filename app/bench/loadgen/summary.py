@@ -1,0 +1,139 @@
+"""A run's report: throughput, latency percentiles per lane, errors, batch sizes, where the CPU
+and memory went, and in open loop how far the client fell behind its schedule."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from app.bench.loadgen.loops import Run, Sample
+from app.bench.loadgen.usage import cpu_report, memory_summary
+from app.bench.threads import sched_report
+
+
+# Not ``sweep.timing.percentile`` (interpolated, numpy's default) on purpose: a latency percentile
+# of thousands of answers is one of them, a latency a request really had, and a lane that answered
+# nothing reads 0 in the report; the sweep interpolates between its few passes per size and has no
+# figure for no passes.
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of ``values`` (sorted or not): the smallest value with at
+    least ``q`` percent of them at or below it; 0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = math.ceil(round(q / 100 * len(ordered), 9))  # rounded: 0.07 * 100 is 7.000000000000001
+    return ordered[max(1, min(len(ordered), rank)) - 1]
+
+
+LAG_WARNING_MS = 5.0  # open loop: a p99 send lag above this is the client's own delay, not the server's
+
+
+def schedule_report(run: Run) -> dict[str, Any]:
+    """Open loop: how late the client sent against its schedule (actual - scheduled send time,
+    over the requests scheduled in the window), and the rate it really offered in the window
+    (requests it sent in it, by the time it sent them). Latency counts from the scheduled
+    arrival, so when the client falls behind (its own CPU the bottleneck) the lag is charged to
+    the server as latency: these two say when that happened."""
+    lags = [s.lag_s * 1000 for s in run.samples if s.counted and s.lag_s is not None]
+    sent = sum(1 for s in run.samples if s.lag_s is not None and run.measured_from <= s.sent_at <= run.ended)
+    return {
+        "send_lag_ms": {
+            "p50": round(percentile(lags, 50), 3),
+            "p99": round(percentile(lags, 99), 3),
+            "max": round(max(lags, default=0.0), 3),
+        },
+        "offered_rps": round(sent / max(1e-9, run.ended - run.measured_from), 2),
+    }
+
+
+def behind_schedule(report: dict[str, Any]) -> str | None:
+    """A warning line when an open-loop client sent late enough to distort the latencies, else None."""
+    lag = report.get("send_lag_ms")
+    if lag is None or lag["p99"] <= LAG_WARNING_MS:
+        return None
+    return (
+        f"warning: the client fell behind its schedule (send lag p50 {lag['p50']:g}, p99 {lag['p99']:g}, "
+        f"max {lag['max']:g} ms; offered {report['offered_rps']:g} of {report.get('rate_rps', '?')} requests/s): "
+        "latency counts from the scheduled send, so the client's own lag reads as the server's latency"
+    )
+
+
+def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = None) -> dict[str, Any]:
+    """The report: throughput, latency percentiles per lane (answers, and 503 refusals),
+    errors, mean batch size, answers later than their deadline, the server's memory, and in
+    open loop how far the client fell behind its schedule."""
+    counted = [s for s in run.samples if s.counted]
+    ok = [s for s in counted if s.ok]
+    refused = [s for s in counted if s.status == 503]
+    window = max(1e-9, run.ended - run.measured_from)
+    # answers that came inside the window, whenever sent: what the server got through in it
+    answered = sum(1 for s in run.samples if s.ok and run.measured_from <= s.finished <= run.ended)
+
+    def latencies(samples: list[Sample]) -> dict[str, float | int]:
+        values = [s.latency_s * 1000 for s in samples]
+        return {
+            "count": len(values),
+            "p50_ms": round(percentile(values, 50), 3),
+            "p90_ms": round(percentile(values, 90), 3),
+            "p99_ms": round(percentile(values, 99), 3),
+            "max_ms": round(max(values, default=0.0), 3),
+        }
+
+    def mean_batch(samples: list[Sample]) -> float:
+        # per batch, not per request: a batch of b holds b of the answers (the harmonic mean)
+        sizes = [s.batch_size for s in samples if s.batch_size]
+        return round(len(sizes) / sum(1 / b for b in sizes), 2) if sizes else 0.0
+
+    extra: dict[str, Any] = {}
+    if any(s.timings_ms for s in ok):  # where each lane's time went, by the server's account
+        extra["server_stages_ms"] = {
+            lane: {
+                stage: {"p50": round(percentile(v, 50), 3), "p99": round(percentile(v, 99), 3)}
+                for stage in ("preprocess", "queue", "inference", "total")
+                if (
+                    v := [
+                        float(s.timings_ms[stage])
+                        for s in ok
+                        if s.lane == lane and s.timings_ms and stage in s.timings_ms
+                    ]
+                )
+            }
+            for lane in ("urgent", "normal")
+        }
+    if run.cpu_before is not None and run.cpu_after is not None:
+        extra["cpu"] = cpu_report(run.cpu_before, run.cpu_after, len(ok))
+        if run.threads_before and run.threads_after:
+            window_s = run.cpu_after["wall"] - run.cpu_before["wall"]
+            extra["server_threads"] = sched_report(run.threads_before, run.threads_after, window_s)
+    if deadline_ms is not None:  # the client's own clock: what it waited, beyond what it allowed
+        extra["deadline_ms"] = deadline_ms
+        extra["ok_past_deadline"] = sum(1 for s in ok if s.latency_s * 1000 > deadline_ms)
+    if run.rss_mb:
+        extra["server_rss_mb"] = memory_summary(run.rss_mb)
+    if any(s.lag_s is not None for s in run.samples):
+        extra.update(schedule_report(run))
+    return {
+        **settings,
+        "measured_s": round(window, 3),
+        "sent_with_warmup": run.sent,
+        "sent_in_window": len(counted),
+        "ok": len(ok),
+        "throughput_rps": round(answered / window, 2),
+        "latency": {
+            "all": latencies(ok),
+            "urgent": latencies([s for s in ok if s.lane == "urgent"]),
+            "normal": latencies([s for s in ok if s.lane == "normal"]),
+            "refused": latencies(refused),
+        },
+        "errors": dict(Counter(f"{s.status}:{s.code}" for s in counted if not s.ok)),
+        "mean_batch_size": mean_batch(ok),
+        # by the lane each request asked for: a normal request that rode an urgent batch counts
+        # that batch's size under normal (the answer does not say which lane its batch ran in);
+        # null for a lane no answer came in (0.0 read as batches of nothing)
+        "mean_batch_size_by_request_lane": {
+            lane: mean_batch(in_lane) if (in_lane := [s for s in ok if s.lane == lane]) else None
+            for lane in ("urgent", "normal")
+        },
+        **extra,
+    }

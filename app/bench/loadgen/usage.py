@@ -1,0 +1,84 @@
+"""Where the CPU and the memory went while a run measured: the server's, the client's and the
+machine's, read from Linux ``/proc``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from app.bench.threads import Scheduled, thread_sched
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (every thread), from ``/proc/PID/stat``."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and brackets
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def memory_summary(samples_mb: Sequence[float]) -> dict[str, float]:
+    """The server's resident memory over the window (samples once a second): first, last and
+    max, and how much it grew over the window's second half (from the middle sample to the last):
+    queues filling and allocators reaching their largest batch show in the first half, while a
+    leak goes on growing through the second."""
+    return {
+        "first": round(samples_mb[0], 1),
+        "last": round(samples_mb[-1], 1),
+        "max": round(max(samples_mb), 1),
+        "second_half_growth": round(samples_mb[-1] - samples_mb[len(samples_mb) // 2], 1),
+    }
+
+
+def rss_mb(pid: int) -> float | None:
+    """The resident memory of ``pid`` in MiB (Linux ``/proc``), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float]:
+    """Busy and stolen CPU seconds of the whole machine, all cores, from ``/proc/stat``."""
+    values = [int(v) for v in stat.read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (values + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS
+
+
+def cpu_snapshot(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: this process, the server (if given) and the machine."""
+    busy, steal = machine_cpu_s() if Path("/proc/stat").exists() else (0.0, 0.0)
+    snapshot = {"client": time.process_time(), "machine": busy, "steal": steal, "wall": time.perf_counter()}
+    if server_pid is not None:
+        with contextlib.suppress(OSError):  # the server is gone: no server figures
+            snapshot["server"] = process_cpu_s(server_pid)
+    return snapshot
+
+
+def cpu_report(before: dict[str, float], after: dict[str, float], ok: int) -> dict[str, float]:
+    """Where the CPU went between two snapshots: in cores, and in milliseconds per answered request."""
+    wall = max(1e-9, after["wall"] - before["wall"])
+    used = {key: after[key] - before[key] for key in before if key in after and key != "wall"}
+    if "server" in used:
+        used["other"] = max(0.0, used["machine"] - used["client"] - used["server"])
+    report = {f"{key}_cores": round(value / wall, 3) for key, value in used.items()}
+    for key in ("client", "server"):
+        if key in used and ok:
+            report[f"{key}_ms_per_request"] = round(used[key] * 1000 / ok, 4)
+    return {"window_s": round(wall, 3), **report}
+
+
+def thread_snapshot(server_pid: int | None) -> dict[int, Scheduled] | None:
+    """The server's threads, by the scheduler's account; None without a server, or once it is gone."""
+    if server_pid is None:
+        return None
+    with contextlib.suppress(OSError):  # the server is gone
+        return thread_sched(server_pid)
+    return None

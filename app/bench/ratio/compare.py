@@ -1,0 +1,86 @@
+"""Variants measured in interleaved rounds, side by side."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+Run = tuple[str, dict[str, Any], dict[str, Any] | None]
+"""A variant's label, one round's bench report, and the limit measured in that round (if any)."""
+
+
+def compare(limit: dict[str, Any], runs: Sequence[Run]) -> dict[str, Any]:
+    """Variants measured in interleaved rounds: per variant, the median of its rounds.
+
+    A run with its round's own limit is divided by that one: the machine's speed drifts
+    between rounds, and a ratio taken within a minute is steadier than one across the run.
+    """
+    images_per_s = float(limit["limit"]["images_per_s"])
+    limit_ms = float(limit["limit"]["cpu_ms_per_image"])
+    by_label: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for label, bench, round_limit in runs:
+        by_label[label].append((bench, (round_limit or limit)["limit"]))
+    rows = []
+    for label, pairs in by_label.items():
+        benches = [bench for bench, _ in pairs]
+        rps = statistics.median(float(b["throughput_rps"]) for b in benches)
+        ratios = [float(b["throughput_rps"]) / float(lim["images_per_s"]) for b, lim in pairs]
+        cpu_ratios = [
+            float(lim["cpu_ms_per_image"]) / float(b["cpu"]["server_ms_per_request"])
+            for b, lim in pairs
+            if b.get("cpu", {}).get("server_ms_per_request")
+        ]
+        server = [b["cpu"]["server_ms_per_request"] for b in benches if "server_ms_per_request" in b.get("cpu", {})]
+        rows.append(
+            {
+                "variant": label,
+                "rounds": len(benches),
+                "throughput_rps": [b["throughput_rps"] for b in benches],
+                "median_rps": round(rps, 1),
+                "ratio": round(statistics.median(ratios), 4),
+                "ratios": [round(r, 3) for r in ratios],
+                "server_ms_per_request": round(statistics.median(server), 4) if server else None,
+                "cpu_ratio": round(statistics.median(cpu_ratios), 4) if cpu_ratios else None,
+                "mean_batch_size": round(statistics.median(b["mean_batch_size"] for b in benches), 2),
+                "p50_ms": round(statistics.median(b["latency"]["all"]["p50_ms"] for b in benches), 1),
+                "other_cores": [b.get("cpu", {}).get("other_cores") for b in benches],
+            }
+        )
+    round_limits: list[dict[str, Any]] = []  # each round's limit once, in order
+    for _, _, round_limit in runs:
+        if round_limit is not None and not any(round_limit is seen for seen in round_limits):
+            round_limits.append(round_limit)
+    return {
+        "limit_images_per_s": images_per_s,
+        "limit_cpu_ms_per_image": limit_ms,
+        "round_limits": [float(r["limit"]["images_per_s"]) for r in round_limits],
+        "variants": rows,
+    }
+
+
+def compare_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"limit {result['limit_images_per_s']:.1f} images/s, {result['limit_cpu_ms_per_image']:.3f} ms CPU per image"
+        + (
+            f"; per round: {', '.join(f'{v:.0f}' for v in result['round_limits'])}"
+            if result.get("round_limits")
+            else ""
+        ),
+        "",
+        "| variant | requests/s (rounds) | ratio (rounds) | server CPU ms/req | CPU ratio | mean batch | p50 ms "
+        "| other cores |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in result["variants"]:
+        server = "-" if row["server_ms_per_request"] is None else f"{row['server_ms_per_request']:.3f}"
+        cpu_ratio = "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}"
+        others = ", ".join("-" if o is None else f"{o:.2f}" for o in row["other_cores"])
+        lines.append(
+            f"| {row['variant']} | {row['median_rps']:.1f} ({', '.join(f'{r:.0f}' for r in row['throughput_rps'])}) "
+            f"| {row['ratio']:.2f} ({', '.join(f'{r:.2f}' for r in row['ratios'])}) | {server} | {cpu_ratio} "
+            f"| {row['mean_batch_size']:.1f} | {row['p50_ms']:.0f} "
+            f"| {others} |"
+        )
+    return "\n".join(lines)
