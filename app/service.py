@@ -93,7 +93,11 @@ class InferenceService:
         )
         server = settings.server
         self._tuning = Tuning(
-            server.switch_interval_ms / 1000, server.gc_freeze, server.gc_young_threshold, server.malloc_retain_mb << 20
+            server.switch_interval_ms / 1000,
+            server.gc_freeze,
+            server.gc_young_threshold,
+            server.malloc_retain_mb << 20,
+            server.wakeup_preemption,
         )
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
         self._backlog = DecodeBacklog(self.threads.decode)  # admitted requests whose images wait or decode

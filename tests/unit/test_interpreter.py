@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import sys
 import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
-from app.interpreter import Tuning
+import pytest
+
+from app.interpreter import Tuning, no_wakeup_preemption
 from app.service import InferenceService
 from app.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+linux_only = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
 
 
 class _Node:
@@ -98,3 +106,69 @@ async def test_the_service_freezes_once_its_models_are_warm_and_restores_at_clos
     finally:
         await service.close(0)
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+
+def _policy(thread_id: int = 0) -> int:
+    return os.sched_getscheduler(thread_id)
+
+
+def _on_a_thread(work: Callable[[], T]) -> T:
+    """``work`` on a fresh thread: a scheduling policy set there ends with it, whatever fails."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(work).result(10)
+
+
+@linux_only
+def test_without_wakeup_preemption_the_loops_thread_runs_as_batch_until_restored() -> None:
+    def serve_and_close() -> tuple[int, int, int]:
+        before = _policy()
+        tuning = Tuning(sys.getswitchinterval(), gc_freeze=False, gc_young_threshold=0, wakeup_preemption=False)
+        tuning.apply()
+        serving = _policy()
+        tuning.restore()
+        return before, serving, _policy()
+
+    assert _on_a_thread(serve_and_close) == (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_OTHER)
+
+
+@linux_only
+def test_with_wakeup_preemption_the_scheduling_is_left_alone() -> None:
+    def serve_and_close() -> tuple[int, int]:
+        tuning = Tuning(sys.getswitchinterval(), gc_freeze=False, gc_young_threshold=0, wakeup_preemption=True)
+        tuning.apply()
+        serving = _policy()
+        tuning.restore()
+        return serving, _policy()
+
+    assert _on_a_thread(serve_and_close) == (os.SCHED_OTHER, os.SCHED_OTHER)
+
+
+@linux_only
+def test_a_policy_its_operator_set_is_not_changed() -> None:
+    def idle_then_tuned() -> tuple[int | None, int]:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # e.g. started under chrt --idle
+        return no_wakeup_preemption(), _policy()
+
+    assert _on_a_thread(idle_then_tuned) == (None, os.SCHED_IDLE)
+
+
+@linux_only
+async def test_the_service_schedules_its_loops_thread_as_batch_not_its_worker_threads(
+    tmp_path: Path,
+) -> None:
+    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
+    for preempting in (False, True):
+        settings = Settings(
+            model={"repository": tmp_path, "warmup": False, "urgent_workers": 1},  # type: ignore[arg-type]
+            server={"wakeup_preemption": preempting},  # type: ignore[arg-type]
+        )
+        service = InferenceService(settings)
+        await service.start()
+        try:
+            loop, decode = _policy(), {_policy(t.native_id or 0) for t in service._pool._threads}
+            device = {_policy(t.native_id or 0) for t in service._device_thread._threads}
+        finally:
+            await service.close(0)
+        batch = os.SCHED_OTHER if preempting else os.SCHED_BATCH
+        assert (loop, decode, device) == (batch, {os.SCHED_OTHER}, {os.SCHED_OTHER}), f"preemption={preempting}"
+        assert _policy() == os.SCHED_OTHER, "the loop's thread is given back as it was"
