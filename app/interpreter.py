@@ -19,12 +19,13 @@
   core: on a machine whose cores all run batches, each wakeup cut a forward pass short, switched
   its thread out and ran the loop's Python on caches the forward pass had filled, and the pass
   came back to caches the loop had filled. With ``server.wakeup_preemption`` off (the default)
-  the loop's thread runs as ``SCHED_BATCH``: waking, it waits for the running thread's time
-  slice (a few ms), or takes an idle core at once, as before. The device and decode threads keep
-  Linux's usual policy. Measured side by side on 2 cores (docs/performance.md, twenty-seventh
-  pass): 1.11 of the throughput at saturation, 0.90 of the CPU a request; the urgent lane's
-  latency a few ms longer. The decode thread as ``SCHED_BATCH`` too gained 3% more, and cost the
-  twice-the-load answered share (0.87 and 0.92 of saturation against 0.93).
+  the loop's thread runs as ``SCHED_BATCH`` while no urgent request is in flight: waking, it
+  waits for the running thread's time slice (a few ms), or takes an idle core at once, as
+  before; while an urgent request is in flight it pre-empts as usual, so the urgent lane keeps
+  its latency. The device and decode threads keep Linux's usual policy. Measured side by side
+  on 2 cores (docs/performance.md, twenty-seventh pass): 1.11 of the throughput at saturation
+  on plain traffic, 0.90 of the CPU a request. The decode thread as ``SCHED_BATCH`` too gained 3%
+  more, and cost the twice-the-load answered share (0.87 and 0.92 of saturation against 0.93).
 
 ``Tuning`` applies that at start-up and puts back what it found at close. It is process-wide
 state: services sharing a process (tests, embedders) should close in the reverse order of
@@ -79,6 +80,7 @@ class Tuning:
         self.wakeup_preemption = wakeup_preemption
         self._saved: tuple[float, tuple[int, int, int]] | None = None
         self._scheduling: int | None = None  # the event loop thread's policy before ``apply``
+        self._urgent = 0  # urgent requests in flight
         self.frozen = False
 
     def apply(self) -> None:
@@ -93,6 +95,20 @@ class Tuning:
             gc.set_threshold(self.gc_young_threshold, *older)
         if self.malloc_retain_bytes > 0:  # for the rest of the process: glibc cannot go back to adjusting them
             retain_freed_memory(self.malloc_retain_bytes)
+
+    def urgent_began(self) -> None:
+        """An urgent request is in flight (called on the loop's thread). While any is, the loop
+        pre-empts as Linux usually lets it: the urgent lane's hand-offs (its image decoded, its
+        window's end, its batch done) are not held for a batch's time slice."""
+        self._urgent += 1
+        if self._urgent == 1 and self._scheduling is not None:
+            restore_scheduling(self._scheduling)
+
+    def urgent_ended(self) -> None:
+        """An urgent request is answered (or failed): with none left, the loop waits its turn again."""
+        self._urgent -= 1
+        if self._urgent == 0 and self._scheduling is not None:
+            no_wakeup_preemption()
 
     def freeze(self) -> None:
         """Collect what start-up left as garbage, then move everything alive out of the

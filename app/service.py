@@ -340,7 +340,13 @@ class InferenceService:
         # a seat in its lane, held while the image decodes: a backlog upstream of the queue
         # counts as queued, so overload is refused at admission, not after a long wait
         seat = seat or self.reserve(served, lane, timeout_s)
-        return await self._predictor.predict(served, image, top_k, lane, deadline, request_id, seat)
+        if lane is not Lane.URGENT:
+            return await self._predictor.predict(served, image, top_k, lane, deadline, request_id, seat)
+        self._tuning.urgent_began()  # the loop pre-empts while it is in flight (app.interpreter)
+        try:
+            return await self._predictor.predict(served, image, top_k, lane, deadline, request_id, seat)
+        finally:
+            self._tuning.urgent_ended()
 
     async def memory(self) -> Memory:
         """Of the device the models run on: the host's once every one fell back to the CPU. A

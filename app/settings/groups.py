@@ -89,8 +89,8 @@ class ServerSettings(_Group):
     wakeup_preemption: bool = Field(
         default=False,
         description="the event loop pre-empts a running batch the moment it wakes (Linux's usual scheduling); off, "
-        "it runs as SCHED_BATCH and waits for the batch's time slice: fewer context switches and cold caches, "
-        "more throughput on busy cores, a few ms more latency",
+        "while no urgent request is in flight it runs as SCHED_BATCH and waits for the batch's time slice: fewer "
+        "context switches and cold caches, more throughput on busy cores",
     )
     gc_freeze: bool = Field(
         default=True,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import shutil
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +16,7 @@ from typing import TypeVar
 
 import pytest
 
+from app.batching import Lane
 from app.interpreter import Tuning, no_wakeup_preemption
 from app.service import InferenceService
 from app.settings import Settings
@@ -172,3 +175,52 @@ async def test_the_service_schedules_its_loops_thread_as_batch_not_its_worker_th
         batch = os.SCHED_OTHER if preempting else os.SCHED_BATCH
         assert (loop, decode, device) == (batch, {os.SCHED_OTHER}, {os.SCHED_OTHER}), f"preemption={preempting}"
         assert _policy() == os.SCHED_OTHER, "the loop's thread is given back as it was"
+
+
+@linux_only
+def test_while_an_urgent_request_is_in_flight_the_loop_pre_empts_again() -> None:
+    def serve_urgent_twice() -> list[int]:
+        tuning = Tuning(sys.getswitchinterval(), gc_freeze=False, gc_young_threshold=0, wakeup_preemption=False)
+        tuning.apply()
+        seen = [_policy()]
+        tuning.urgent_began()
+        tuning.urgent_began()  # a second one overlapping the first
+        seen.append(_policy())
+        tuning.urgent_ended()
+        seen.append(_policy())  # one is still in flight
+        tuning.urgent_ended()
+        seen.append(_policy())
+        tuning.urgent_began()  # one in flight at the close: given back all the same
+        tuning.restore()
+        tuning.urgent_ended()  # answered after the close: changes nothing
+        return [*seen, _policy()]
+
+    other, batch = os.SCHED_OTHER, os.SCHED_BATCH
+    assert _on_a_thread(serve_urgent_twice) == [batch, other, other, batch, other]
+
+
+@linux_only
+async def test_the_service_pre_empts_while_an_urgent_prediction_is_in_flight_only(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
+    settings = Settings(model={"repository": tmp_path, "warmup": False})  # type: ignore[arg-type]
+    service = InferenceService(settings)
+    await service.start()
+    image = (ROOT / "models" / "digits" / "samples" / "digit_3.png").read_bytes()
+    gate = threading.Event()
+    try:
+        seen = {}
+        for lane in (Lane.NORMAL, Lane.URGENT):
+            for _ in range(service._pool.workers):  # every decode thread held: the request stays in flight
+                service._pool.submit(gate.wait)
+            served = service.served(None)
+            prediction = asyncio.ensure_future(service.predict(served, image, 1, lane, 30.0))
+            await asyncio.sleep(0)  # it starts, and waits for a decode thread
+            seen[lane] = _policy()
+            gate.set()
+            assert (await prediction).predictions[0].label == "3"
+            gate.clear()
+        assert seen == {Lane.NORMAL: os.SCHED_BATCH, Lane.URGENT: os.SCHED_OTHER}
+        assert _policy() == os.SCHED_BATCH, "with nothing urgent in flight, the loop waits its turn again"
+    finally:
+        gate.set()
+        await service.close(0)
