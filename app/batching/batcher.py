@@ -223,11 +223,12 @@ class DualWindowBatcher(Generic[P, R]):
         is the longer of the two stages, since they run side by side. ``seated``: it holds a seat
         already, taken before closing began: it is still taken while the batcher runs.
         ``admitted``: it was admitted before closing began, and held no seat meanwhile (its body
-        was arriving): it is still taken while the batcher runs, if the lane has room for it now.
+        was arriving): it is still taken while the batcher runs, if the lane has room for it now;
+        refused by the close, it is not counted here: its caller may route it to another version.
         """
         earlier = seated or admitted
         if not self._accepting and not (earlier and self.running):
-            if earlier:  # admitted, and the close's grace ran out while its body or image was on the way
+            if seated:  # its image decoded, and the close's grace ran out while it was on the way
                 self._observer.on_dropped(lane, "cancelled")
             raise Draining("the service is shutting down")
         if timeout_s <= 0:

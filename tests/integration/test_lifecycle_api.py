@@ -27,6 +27,7 @@ from app.inference.manifest import InputSpec, Provenance
 from app.inference.packaging import sha256_file, write_version
 from app.settings import Settings
 from tests.faults import DeviceLost
+from tests.integration.test_metrics import scrape, total
 from tests.integration.test_request_ends import Connection
 from tests.lifecycle_support import StuckLoads
 from tests.support import RunningApp, build_settings, running_app, sample_png, truncate_file
@@ -235,6 +236,8 @@ async def test_a_request_whose_routed_version_is_unloaded_before_its_seat_is_rou
         request.body(png, more=False)
         status, reply = await request.answer()
         assert (status, reply.get("version")) == (200, "1"), reply
+        counted = await scrape(running)
+        assert total(counted, "ai_backend_cancellations_total") == 0, "routed again and answered: not dropped"
 
 
 async def test_unloading_releases_device_memory_off_the_event_loop(

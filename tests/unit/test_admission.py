@@ -178,7 +178,8 @@ async def test_a_bound_lowered_while_seats_are_held_refuses_new_requests_not_the
 async def test_a_request_admitted_before_its_body_meets_the_lanes_rules_again_when_it_takes_its_seat() -> None:
     """Its body read holding no seat, a request admitted earlier is refused by a lane that filled
     meanwhile; past its deadline it counts as dropped, not refused; a close lets it on while the
-    batcher runs, where a new request is refused."""
+    batcher runs, where a new request is refused; once the batcher stops, it is refused uncounted
+    (the route counts it, or routes it to another version)."""
     from app.errors import QueueFull
 
     batcher, _, _, recorder = make(max_batch=2, max_queue=2)
@@ -202,6 +203,9 @@ async def test_a_request_admitted_before_its_body_meets_the_lanes_rules_again_wh
     await closing
     with pytest.raises(Draining):  # the batcher has stopped: nothing is taken any more
         batcher.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
+    assert len(recorder.dropped) == 1, "not counted here: its caller may route it to another version"
+    with pytest.raises(Draining):  # its image decoded: it ends here, and is counted
+        batcher.admit(Lane.NORMAL, 10.0, seated=True)
     assert recorder.dropped[-1] == (Lane.NORMAL, "cancelled")
 
 

@@ -120,14 +120,18 @@ async def _predict(name: str | None, request: Request) -> Response:
     try:
         seat = service.reserve(served, headers.lane, remaining, admitted=True)
     except Draining:
+        # the close's grace ran out while its body arrived: dropped, unless routed again
+        dropped = functools.partial(served.batcher.observer.on_dropped, headers.lane, "cancelled")
         if service.draining:
+            dropped()
             raise
-        # the version routed to was unloaded while its body arrived (the service is not shutting
-        # down): routed again, to what serves now (a pinned version gone is 503 version_not_loaded)
+        # the version routed to was unloaded (the service is not shutting down): routed again, to
+        # what serves now, and counted there (a pinned version gone is 503 version_not_loaded)
         gone = served
         try:
             served = service.served(name, headers.version)
         except VersionNotLoaded:
+            dropped()
             raise VersionNotLoaded(
                 f"version {gone.version} of {gone.name} was unloaded while this request's body arrived"
             ) from None
