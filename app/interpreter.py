@@ -38,30 +38,33 @@ import contextlib
 import gc
 import os
 import sys
+import threading
 
 from app.allocator import retain_freed_memory
 
 
-def no_wakeup_preemption() -> int | None:
-    """The calling thread runs as ``SCHED_BATCH`` from now on (Linux: waking, it waits for the
-    running thread's time slice rather than pre-empting it; no privilege needed). Returns the
-    policy it had, to put back, or None where the OS has no such policy (or refused it)."""
+def no_wakeup_preemption(thread: int = 0) -> int | None:
+    """The thread whose native id is ``thread`` (0: the caller) runs as ``SCHED_BATCH`` from now
+    on (Linux: waking, it waits for the running thread's time slice rather than pre-empting it; no
+    privilege needed). Returns the policy it had, to put back, or None where the OS has no such
+    policy (or refused it)."""
     if not hasattr(os, "SCHED_BATCH"):
         return None
     try:
-        before = os.sched_getscheduler(0)
+        before = os.sched_getscheduler(thread)
         if before != os.SCHED_OTHER:  # batch already, idle, or real-time as its operator set it: left so
             return None
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0))
     except OSError:
         return None
     return before
 
 
-def restore_scheduling(policy: int) -> None:
-    """The calling thread back to ``policy`` (what ``no_wakeup_preemption`` returned)."""
+def restore_scheduling(policy: int, thread: int = 0) -> None:
+    """The thread ``thread`` (0: the caller) back to ``policy`` (what ``no_wakeup_preemption``
+    returned)."""
     with contextlib.suppress(OSError):  # a real-time policy it had needs a privilege to take back
-        os.sched_setscheduler(0, policy, os.sched_param(0))
+        os.sched_setscheduler(thread, policy, os.sched_param(0))
 
 
 class Tuning:
@@ -79,7 +82,8 @@ class Tuning:
         self.malloc_retain_bytes = malloc_retain_bytes
         self.wakeup_preemption = wakeup_preemption
         self._saved: tuple[float, tuple[int, int, int]] | None = None
-        self._scheduling: int | None = None  # the event loop thread's policy before ``apply``
+        # the event loop's thread, made SCHED_BATCH by ``apply``, and the policy it had before
+        self._tuned: tuple[threading.Thread, int] | None = None
         self._urgent = 0  # urgent requests in flight
         self.frozen = False
 
@@ -88,8 +92,8 @@ class Tuning:
         it starts later (``asyncio.to_thread``'s) take it too, as they wake it and are woken."""
         self._saved = (sys.getswitchinterval(), gc.get_threshold())
         sys.setswitchinterval(self.switch_interval_s)
-        if not self.wakeup_preemption:
-            self._scheduling = no_wakeup_preemption()
+        if not self.wakeup_preemption and (before := no_wakeup_preemption()) is not None:
+            self._tuned = (threading.current_thread(), before)
         if self.gc_young_threshold > 0:
             _, *older = gc.get_threshold()
             gc.set_threshold(self.gc_young_threshold, *older)
@@ -101,14 +105,27 @@ class Tuning:
         pre-empts as Linux usually lets it: the urgent lane's hand-offs (its image decoded, its
         window's end, its batch done) are not held for a batch's time slice."""
         self._urgent += 1
-        if self._urgent == 1 and self._scheduling is not None:
-            restore_scheduling(self._scheduling)
+        if self._urgent == 1 and (tuned := self._tuned_thread()) is not None:
+            restore_scheduling(*tuned)
 
     def urgent_ended(self) -> None:
         """An urgent request is answered (or failed): with none left, the loop waits its turn again."""
         self._urgent -= 1
-        if self._urgent == 0 and self._scheduling is not None:
-            no_wakeup_preemption()
+        if self._urgent == 0 and (tuned := self._tuned_thread()) is not None:
+            no_wakeup_preemption(tuned[1])
+
+    def _tuned_thread(self) -> tuple[int, int] | None:
+        """The policy to put back and the native id of the thread ``apply`` made ``SCHED_BATCH``,
+        while that thread runs; None otherwise. That thread by its id, not the caller (0): a
+        service serving or closed on another thread than the one it was tuned on (an embedder's
+        loops) must neither leave that one batch nor make the caller so for good. Never an id
+        whose thread ended: Linux gives ids again, to other processes' threads too."""
+        if self._tuned is None:
+            return None
+        thread, before = self._tuned
+        if not thread.is_alive() or thread.native_id is None:
+            return None
+        return before, thread.native_id
 
     def freeze(self) -> None:
         """Collect what start-up left as garbage, then move everything alive out of the
@@ -129,10 +146,10 @@ class Tuning:
             gc.freeze()
 
     def restore(self) -> None:
-        """On the event loop's thread, as ``apply``."""
-        if self._scheduling is not None:
-            restore_scheduling(self._scheduling)
-            self._scheduling = None
+        """Put back what ``apply`` changed (the scheduling of the thread it ran on, from any)."""
+        if (tuned := self._tuned_thread()) is not None:
+            restore_scheduling(*tuned)
+        self._tuned = None
         if self._saved is not None:
             sys.setswitchinterval(self._saved[0])
             gc.set_threshold(*self._saved[1])

@@ -224,3 +224,40 @@ async def test_the_service_pre_empts_while_an_urgent_prediction_is_in_flight_onl
     finally:
         gate.set()
         await service.close(0)
+
+
+@linux_only
+def test_urgent_requests_and_the_close_on_another_thread_change_only_the_tuned_threads_policy() -> None:
+    """The service tuned on one thread and serving or closing on another (an embedder's loops):
+    the urgent toggles and the close act on the thread ``apply`` tuned, and leave the caller's
+    policy as it was (before, an urgent request left its caller's thread ``SCHED_BATCH`` for good)."""
+    tuning = Tuning(sys.getswitchinterval(), gc_freeze=False, gc_young_threshold=0, wakeup_preemption=False)
+    tuned, done = threading.Event(), threading.Event()
+    native: list[int] = []
+
+    def loop_thread() -> None:
+        tuning.apply()
+        native.append(threading.get_native_id())
+        tuned.set()
+        done.wait(10)
+
+    with ThreadPoolExecutor(1) as loop:
+        running = loop.submit(loop_thread)
+        try:
+            assert tuned.wait(10)
+            seen: list[tuple[int, int]] = []
+
+            def serve_urgent_then_close() -> None:
+                tuning.urgent_began()
+                seen.append((_policy(native[0]), _policy()))
+                tuning.urgent_ended()
+                seen.append((_policy(native[0]), _policy()))
+                tuning.restore()
+                seen.append((_policy(native[0]), _policy()))
+
+            _on_a_thread(serve_urgent_then_close)
+        finally:
+            done.set()
+            running.result(10)
+    other, batch = os.SCHED_OTHER, os.SCHED_BATCH
+    assert seen == [(other, other), (batch, other), (other, other)]
