@@ -376,13 +376,16 @@ class InferenceService:
         log.info("drained in %.2fs", time.perf_counter() - started)
 
     async def close(self, grace_s: float | None) -> None:
-        """Drain (if nobody did yet), then stop the threads and release the device."""
-        await self.drain(grace_s)
-        # joined, bounded: threads left inside torch at interpreter exit can abort the process
-        await asyncio.to_thread(self._pool.close, cancel_waiting=True)
-        await asyncio.gather(asyncio.to_thread(self._device_thread.close), asyncio.to_thread(self.loader.close))
-        if self.device.type == "cuda":
-            self.groups.clear()  # the models sit in reference cycles: collected, then released
-            await self.release_unloaded()
-        self._tuning.restore()
+        """Drain (if nobody did yet), then stop the threads and release the device. The process's
+        tuning is put back however it ends (cut short, the loop's thread would stay batch)."""
+        try:
+            await self.drain(grace_s)
+            # joined, bounded: threads left inside torch at interpreter exit can abort the process
+            await asyncio.to_thread(self._pool.close, cancel_waiting=True)
+            await asyncio.gather(asyncio.to_thread(self._device_thread.close), asyncio.to_thread(self.loader.close))
+            if self.device.type == "cuda":
+                self.groups.clear()  # the models sit in reference cycles: collected, then released
+                await self.release_unloaded()
+        finally:
+            self._tuning.restore()
         self.state = State.STOPPED

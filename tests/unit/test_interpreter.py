@@ -261,3 +261,31 @@ def test_urgent_requests_and_the_close_on_another_thread_change_only_the_tuned_t
             running.result(10)
     other, batch = os.SCHED_OTHER, os.SCHED_BATCH
     assert seen == [(other, other), (batch, other), (other, other)]
+
+
+@linux_only
+async def test_a_close_cut_short_still_gives_the_loops_thread_back(tmp_path: Path) -> None:
+    """Cancelled while it drains (a second Ctrl-C, an embedder's timeout), the close still puts
+    back the loop thread's scheduling: left batch, the thread and every thread it starts after
+    would wait for time slices for the rest of the process."""
+    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
+    service = InferenceService(Settings(model={"repository": tmp_path, "warmup": False}))  # type: ignore[arg-type]
+    await service.start()
+    image = (ROOT / "models" / "digits" / "samples" / "digit_3.png").read_bytes()
+    gate = threading.Event()
+    try:
+        for _ in range(service._pool.workers):  # every decode thread held: the prediction stays in flight
+            service._pool.submit(gate.wait)
+        prediction = asyncio.ensure_future(service.predict(service.served(None), image, 1, Lane.NORMAL, 30.0))
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(service.close(None))  # no grace: it waits for the prediction
+        await asyncio.sleep(0.05)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert _policy() == os.SCHED_OTHER
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # whatever the close left
+        gate.set()
+        await asyncio.gather(prediction, return_exceptions=True)
+        await service.close(0)
