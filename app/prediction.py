@@ -23,8 +23,8 @@ from app.inference.jobs import BatchTrace, Job, batch_trace_of
 from app.inference.manifest import InputSpec
 from app.inference.postprocess import Prediction, label
 from app.inference.workers import WorkerThreads
-from app.loading import ServedModel
 from app.routing import VersionNotLoaded
+from app.versions import ServedModel
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The inference service: models, their batchers, the device thread and the decode pool.
 
 It owns everything with a start and a stop below the HTTP layer. ``start`` loads, checks
-and warms every model (``app.loading``); ``admit`` and ``reserve`` say whether a request
+and warms every model (``app.versions``); ``admit`` and ``reserve`` say whether a request
 can be served in time; ``predict`` takes image bytes through preprocessing, the batcher and
 postprocessing (``app.prediction``); ``close`` drains the batchers and stops the threads.
 """
@@ -44,11 +44,11 @@ from app.inference.loader import ModelLoadError
 from app.inference.repository import ModelEntry, Repository
 from app.inference.workers import WorkerThreads
 from app.interpreter import Tuning
-from app.loading import ServedModel, VersionLoader, batch_policy
 from app.prediction import Outcome, Predictor
 from app.routing import ModelGroup, Routing
 from app.settings import BatchingSettings, Settings
 from app.telemetry.metrics import Metrics
+from app.versions import ServedModel, VersionLoader, batch_policy
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest, is_valid_version
 from app.inference.repository import RepositoryError
 from app.lifecycle.gates import Precision, check_promotion
-from app.loading import ServedModel
 from app.routing import ModelGroup
 from app.service import InferenceService
+from app.versions import ServedModel
 
 log = logging.getLogger(__name__)
 

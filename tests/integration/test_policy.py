@@ -373,7 +373,7 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
 async def test_a_policy_change_while_versions_load_reaches_every_version(
     make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app.loading import VersionLoader
+    from app.versions import VersionLoader
     from tests.lifecycle_support import copy_version
     from tests.support import copy_repository
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from app.batching import Lane
 from app.errors import ServiceError
-from app.loading import ServedModel
 from app.prediction import Outcome
 from app.service import InferenceService
 from app.settings import BatchingSettings, Settings
+from app.versions import ServedModel
 from tests.faults import Faulty
 
 ROOT = Path(__file__).resolve().parents[2]
