@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from app.settings import Settings
 from app.telemetry.logging import RequestIdFilter
 from app.telemetry.metrics import PREFIX
 from tests.conftest import SettingsFactory
-from tests.support import cyclic_garbage, free_port, sample_png
+from tests.support import cyclic_garbage, sample_png
 
 
 @dataclass
@@ -65,8 +66,9 @@ class Served:
 async def served(settings: Settings) -> AsyncIterator[Served]:
     """``create_app(settings)`` served by uvicorn with the edge protocol, as ``ai-backend serve`` does."""
     app = create_app(settings)
-    port = free_port()
-    result = Served(app, port)
+    # bound here and handed to uvicorn: a port picked free and bound later could be taken in between
+    listener = socket.create_server(("127.0.0.1", 0))
+    result = Served(app, listener.getsockname()[1])
 
     async def counting(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -75,8 +77,6 @@ async def served(settings: Settings) -> AsyncIterator[Served]:
 
     config = uvicorn.Config(
         counting,
-        host="127.0.0.1",
-        port=port,
         log_config=None,
         access_log=False,
         http=edge_protocol(app),
@@ -85,7 +85,7 @@ async def served(settings: Settings) -> AsyncIterator[Served]:
         timeout_keep_alive=60,  # longer than any test waits: only the server's own rules close an idle connection
     )
     server = result.server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
     try:
         async with asyncio.timeout(60):
             while not server.started:  # noqa: ASYNC110 (uvicorn has no event for it)
@@ -94,7 +94,8 @@ async def served(settings: Settings) -> AsyncIterator[Served]:
         yield result
     finally:
         server.should_exit = True
-        await serving
+        with listener:  # uvicorn's shutdown closes it too, but only once it started
+            await serving
 
 
 def predict(
