@@ -53,6 +53,16 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)  # type: ignore[arg-type]
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # where it listens, as fields: started on port 0 (any free port), the log is the only
+        # place that says which one (uvicorn's own line has it in its text alone)
+        for listening in self.servers:
+            for listener in listening.sockets:
+                host, port = listener.getsockname()[:2]
+                url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+                log.info("listening on %s", url, extra={"host": host, "port": port})
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self._loop is None:
             self.config.timeout_graceful_shutdown = 0  # Ctrl-C: what still runs is answered 503 now

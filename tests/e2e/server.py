@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import signal
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import REPO_ROOT, copy_repository, free_port, server_environment
+from tests.support import REPO_ROOT, copy_repository, server_environment
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
@@ -21,8 +23,31 @@ START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
 @dataclass
 class ServerProcess:
     process: subprocess.Popen[bytes]
-    port: int
     logs: Path  # holds stdout.log and stderr.log
+
+    @functools.cached_property
+    def port(self) -> int:
+        """The port it bound (it is started on port 0, any free one), as its start-up log says;
+        waits for that line (bounded), failing with the log if the process ends first."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while (port := self._logged_port()) is None:
+            if self.process.poll() is not None:
+                pytest.fail(f"server exited with {self.process.returncode}:\n{self.stderr()[-4000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"not listening after {START_TIMEOUT_S:.0f}s:\n{self.stderr()[-4000:]}")
+            time.sleep(0.02)
+        return port
+
+    def _logged_port(self) -> int | None:
+        """The port in its "listening on" line (``app.server``'s JSON), once written."""
+        for line in self.stderr().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # not a log record (a traceback), or a line still being written
+                continue
+            if isinstance(record, dict) and record.get("logger") == "app.server" and "port" in record:
+                return int(record["port"])
+        return None
 
     @property
     def url(self) -> str:
@@ -63,13 +88,15 @@ class ServerProcess:
         pytest.fail(f"not ready after {START_TIMEOUT_S:.0f}s; saw {seen[-20:]}:\n{self.stderr()[-4000:]}")
 
 
-def spawn(logs: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
-    """``python -m app.cli serve`` on a free loopback port, output to files (a full pipe would stall it)."""
-    port = free_port(HOST)
-    command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port)]
+def spawn(logs: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``python -m app.cli serve`` on loopback port 0, output to files (a full pipe would stall it).
+
+    The server binds a free port itself and logs which (``ServerProcess.port``): a port picked
+    free here and bound by the server later could be taken in between.
+    """
+    command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", "0"]
     with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
-    return process, port
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
 
 
 def spawn_digits(tmp_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
@@ -80,5 +107,4 @@ def spawn_digits(tmp_path: Path, env: dict[str, str] | None = None) -> ServerPro
         "AI_SERVICE_MODEL__REPOSITORY": str(copy_repository(tmp_path)),
         "AI_SERVICE_MODEL__WARMUP": "false",
     }
-    process, port = spawn(tmp_path, server_environment(base | (env or {})))
-    return ServerProcess(process, port, tmp_path)
+    return ServerProcess(spawn(tmp_path, server_environment(base | (env or {}))), tmp_path)

@@ -90,7 +90,7 @@ class Server(ServerProcess):
 
 
 def _spawn(logs: Path, env: dict[str, str]) -> Server:
-    return Server(*spawn(logs, env), logs)
+    return Server(spawn(logs, env), logs)
 
 
 def _stop_all(processes: list[subprocess.Popen[bytes]]) -> None:

@@ -172,7 +172,7 @@ def _spawn(logs: Path, schedule_delay_ms: int) -> Server:
         },
         drop=("OTEL_",),
     )
-    return Server(*spawn(logs, env), logs, receiver)
+    return Server(spawn(logs, env), logs, receiver)
 
 
 def _stop(server: Server) -> None:

@@ -21,8 +21,7 @@ ADMIN_TOKEN = "served-answers-admin-token-0123456789"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs: Path = tmp_path_factory.mktemp("served-answers")
     env = server_environment({"AI_SERVICE_ADMIN__ENABLED": "true", "AI_SERVICE_ADMIN__TOKEN": ADMIN_TOKEN})
-    process, port = spawn(logs, env)
-    running = ServerProcess(process, port, logs)
+    running = ServerProcess(spawn(logs, env), logs)
     try:
         running.wait_ready()
         with httpx.Client(base_url=running.url, timeout=10.0) as client:  # a batch timed in each lane

@@ -11,7 +11,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,13 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.server import START_TIMEOUT_S, ServerProcess, spawn
 from tests.support import (
     DIGITS_DIR,
     MODEL_NAME,
-    REPO_ROOT,
     b64,
     copy_repository,
-    free_port,
     png_from_array,
     sample_png,
     server_environment,
@@ -37,31 +35,12 @@ from tests.support import (
 
 pytestmark = pytest.mark.e2e
 
-HOST = "127.0.0.1"
-START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
 EXIT_TIMEOUT_S = 60.0
 
 
 @dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    port: int
-    logs: Path  # holds stdout.log and stderr.log
+class Server(ServerProcess):
     readiness: list[int | str] = field(default_factory=list)  # what each /readyz poll saw
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def stderr(self) -> str:
-        return (self.logs / "stderr.log").read_text(errors="replace")
-
-
-def _spawn(logs: Path, env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
-    """``python -m app.cli serve`` on loopback, output to files (a full pipe would stall it)."""
-    command = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port)]
-    with (logs / "stdout.log").open("wb") as out, (logs / "stderr.log").open("wb") as err:
-        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -131,10 +110,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, held_out: Future[HeldOut]) 
             "AI_SERVICE_BATCHING__NORMAL__MAX_QUEUE": "1024",
         }
     )
-    port = free_port(HOST)
     logs = tmp_path_factory.mktemp("server")
-    process = _spawn(logs, env, port)
-    running = Server(process, port, logs)
+    process = spawn(logs, env)
+    running = Server(process, logs)
     try:
         _poll_until_ready(running)
         yield running
@@ -271,7 +249,7 @@ def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Doome
     try:
         for name, (env, names) in cases.items():
             logs = tmp_path_factory.mktemp(name)
-            started[name] = Doomed(_spawn(logs, env, free_port(HOST)), logs, names)
+            started[name] = Doomed(spawn(logs, env), logs, names)
         yield started
     finally:
         for case in started.values():
