@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import itertools
 import json
 import logging
 import os
@@ -22,6 +23,18 @@ from tests.support import MODEL_NAME, running_app, sample_png
 
 TOKEN = "s3cret-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def until_entered(entered: asyncio.Event, caller: asyncio.Future[bool]) -> None:
+    """Until a patched function says it was entered (``entered``, set through the loop), bounded;
+    failing at once if ``caller`` ends first: then the patch no longer applies, and the test,
+    which slows that function to open its race, would prove nothing."""
+    waiting = asyncio.ensure_future(entered.wait())
+    try:
+        await asyncio.wait({waiting, caller}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    assert entered.is_set(), "the patched function was never called: the patch no longer applies"
 
 
 def admin_settings(make_settings: SettingsFactory, **extra: object):  # type: ignore[no-untyped-def]
@@ -328,20 +341,22 @@ async def test_reloads_run_one_at_a_time_on_the_event_loop(tmp_path: Path, monke
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     applied: list[tuple[int, int]] = []
     manager = PolicyManager(load_settings(), lambda b: applied.append((b.normal.max_batch, threading.get_ident())))
-    real = load_settings
-    first_read = threading.Event()
+    real, loop, reads = load_settings, asyncio.get_running_loop(), itertools.count()
+    first_read = asyncio.Event()
 
     def slow_first(**overrides: object):  # type: ignore[no-untyped-def]
         settings = real(**overrides)  # the file as it is now
-        if not first_read.is_set():
-            first_read.set()
-            threading.Event().wait(0.3)  # a poll that read the old file just before the next edit
+        if next(reads) == 0:
+            loop.call_soon_threadsafe(first_read.set)
+            # a poll that read the old file just before the next edit: time for a reload that
+            # did not wait for this one to read the new file and land first
+            threading.Event().wait(0.3)
         return settings
 
     monkeypatch.setattr("app.settings.loading.load_settings", slow_first)
     config.write_text(CONFIG.format(window=12000.0, batch=4))
     older = asyncio.ensure_future(manager.reload(forced=False))
-    await asyncio.to_thread(first_read.wait, 10)
+    await until_entered(first_read, older)
     config.write_text(CONFIG.format(window=12000.0, batch=5))
     newer = asyncio.ensure_future(manager.reload())  # SIGHUP after the second edit
     await asyncio.gather(older, newer)
@@ -486,21 +501,23 @@ async def test_an_admin_change_made_while_a_reload_reads_the_file_is_not_lost(
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     applied: list[int] = []
     manager = PolicyManager(load_settings(), lambda b: applied.append(b.normal.max_batch))
-    real = load_settings
-    reading, release = threading.Event(), threading.Event()
+    real, loop = load_settings, asyncio.get_running_loop()
+    reading, release = asyncio.Event(), threading.Event()
 
     def slow(**overrides: object):  # type: ignore[no-untyped-def]
         settings = real(**overrides)  # the file as edited
-        reading.set()
-        release.wait(10)  # a slow disk, a busy machine
+        loop.call_soon_threadsafe(reading.set)
+        release.wait(10)  # a slow disk, a busy machine: until the test releases it (bounded)
         return settings
 
     monkeypatch.setattr("app.settings.loading.load_settings", slow)
     config.write_text(REVIEWED.format(window=10000.0, batch=4))  # the edit the watcher picks up
     polled = asyncio.ensure_future(manager.reload(forced=False))
-    await asyncio.to_thread(reading.wait, 10)
-    manager.update({"normal": {"max_batch": 2}})  # PUT /admin/policy, after the edit
-    release.set()
+    try:
+        await until_entered(reading, polled)
+        manager.update({"normal": {"max_batch": 2}})  # PUT /admin/policy, after the edit
+    finally:
+        release.set()
     await polled
     assert manager.current.normal.max_batch == 2, f"admin change lost: applied in order {applied}"
 
