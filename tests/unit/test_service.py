@@ -6,7 +6,6 @@ import asyncio
 import os
 import shutil
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,18 +35,17 @@ def repository(tmp_path: Path) -> Path:
 async def test_a_load_past_its_timeout_stops_start_up_naming_the_setting(
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_load = LayeredModel.load
-
-    def slow_load(*args: object, **kwargs: object) -> LayeredModel:
-        time.sleep(1.0)
-        return real_load(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(LayeredModel, "load", slow_load)
+    loads = StuckLoads(monkeypatch)  # a load that ends only when the test lets it
     service = InferenceService(settings_for(repository, load_timeout_s=0.1))
-    with pytest.raises(ModelLoadError, match=r"load_timeout_s=0.1s \(AI_SERVICE_MODEL__LOAD_TIMEOUT_S\)"):
-        await service.start()
-    assert service.state is State.FAILED and not service.ready
-    await service.close(0)
+    try:
+        with pytest.raises(ModelLoadError, match=r"load_timeout_s=0.1s \(AI_SERVICE_MODEL__LOAD_TIMEOUT_S\)"):
+            async with asyncio.timeout(10):  # bounds a start that waits for the load after all
+                await service.start()
+        assert await asyncio.to_thread(loads.started.wait, 30), "the held load was never called"
+        assert service.state is State.FAILED and not service.ready
+    finally:
+        loads.gate.set()
+        await service.close(0)
 
 
 async def test_a_model_named_in_settings_but_absent_stops_start_up(repository: Path) -> None:
