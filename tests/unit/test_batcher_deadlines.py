@@ -10,38 +10,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
-from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
+from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy
 from app.errors import DeadlineExceeded, Draining
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
 MS = 0.001
 POLICY = BatchPolicy(LanePolicy(2 * MS, 2, 8), LanePolicy(25 * MS, 2, 8))
-Harness = tuple[FakeClock, FakeRunner, DualWindowBatcher[int, int]]
+Submit = Callable[[int, Lane, float], "asyncio.Future[Completed[int]]"]
+Harness = tuple[FakeClock, FakeRunner, DualWindowBatcher[int, int], Submit]
 
 
 @contextlib.asynccontextmanager
 async def on_a_fake_clock(policy: BatchPolicy = POLICY) -> AsyncIterator[Harness]:
     """A started batcher on a clock the test moves (its timers run only when the test says), its
-    runner recording each batch; closed at the end."""
+    runner recording each batch, and ``submit``, which sends a request as a task; closed at the end.
+
+    Every task ``submit`` made is awaited at the end, its error taken: a test that fails before
+    it awaits one (a request past its deadline, say) must not leave a task whose error was never
+    retrieved. The garbage collector would finalize it at some later allocation, and asyncio would
+    log its traceback there; on Python 3.11.7 that traceback's formatting parses source (``ast``),
+    and when the allocation is inside another ``ast.parse`` (pytest rewriting a module it imports
+    for its summary, hypothesis) the nested parse makes the outer one fail ("AST constructor
+    recursion depth mismatch"): an INTERNALERROR that hid the test's own failure."""
     clock, runner = FakeClock(), FakeRunner()
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock)
+    submitted: list[asyncio.Future[Completed[int]]] = []
+
+    def submit(payload: int, lane: Lane, timeout_s: float) -> asyncio.Future[Completed[int]]:
+        submitted.append(asyncio.ensure_future(batcher.submit(payload, lane, timeout_s)))
+        return submitted[-1]
+
     batcher.start()
     try:
-        yield clock, runner, batcher
+        yield clock, runner, batcher, submit
     finally:
         await batcher.close(grace_s=0)
+        await asyncio.gather(*submitted, return_exceptions=True)  # each answered by the close
 
 
 async def test_a_request_whose_timer_is_late_is_answered_at_formation_not_batched() -> None:
-    async with on_a_fake_clock() as (clock, runner, batcher):
-        late = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 3 * MS))
+    async with on_a_fake_clock() as (clock, runner, batcher, submit):
+        late = submit(1, Lane.NORMAL, 3 * MS)
         await settle()
         clock.t += 5 * MS  # its deadline passed; the loop has not run its timer yet
-        on_time = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 1.0)) for i in (2, 3)]
+        on_time = [submit(i, Lane.NORMAL, 1.0) for i in (2, 3)]
         await settle()  # two live requests: a full batch
         assert runner.batches == [[2, 3]]
         assert late.done()
@@ -53,11 +69,11 @@ async def test_a_request_whose_timer_is_late_is_answered_at_formation_not_batche
 async def test_a_late_request_does_not_make_its_lane_ready_for_the_others() -> None:
     """The plan counted the late request (the oldest, its window closed): the one behind it must
     still wait its own window, not leave at once in a batch of one."""
-    async with on_a_fake_clock() as (clock, runner, batcher):
-        late = asyncio.ensure_future(batcher.submit(1, Lane.URGENT, 1 * MS))
+    async with on_a_fake_clock() as (clock, runner, batcher, submit):
+        late = submit(1, Lane.URGENT, 1 * MS)
         await settle()
         clock.t += 3 * MS  # its deadline and its window passed; its timer has not run yet
-        behind = asyncio.ensure_future(batcher.submit(2, Lane.URGENT, 1.0))
+        behind = submit(2, Lane.URGENT, 1.0)
         await settle()
         with pytest.raises(DeadlineExceeded):
             await late
@@ -97,11 +113,11 @@ async def test_a_close_answers_a_queued_request_past_its_deadline_as_such_not_dr
     """Its deadline passed while the close waited (its timer not run yet): ``deadline_exceeded`` is
     what it would have got served, and what its client should read; ``draining`` is for the rest."""
     async with on_a_fake_clock(BatchPolicy(LanePolicy(2 * MS, 1, 8), LanePolicy(25 * MS, 1, 8))) as harness:
-        clock, runner, batcher = harness
+        clock, runner, batcher, submit = harness
         runner.gate = asyncio.Event()  # the running batch never ends
-        running = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 1.0))
-        late = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 3 * MS))
-        live = asyncio.ensure_future(batcher.submit(3, Lane.NORMAL, 1.0))
+        running = submit(1, Lane.NORMAL, 1.0)
+        late = submit(2, Lane.NORMAL, 3 * MS)
+        live = submit(3, Lane.NORMAL, 1.0)
         await settle()
         assert runner.batches == [[1]]
         clock.t += 5 * MS  # past the second one's deadline; its timer has not run
