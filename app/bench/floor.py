@@ -125,6 +125,8 @@ async def serve(host: str, port: int) -> None:
     try:
         await service.start()
         server = await loop.create_server(lambda: FloorProtocol(service, tasks), host, port, backlog=2048)
+        bound = server.sockets[0].getsockname()[1]  # port 0 is any free one: this says which
+        print(f"ai-backend floor: listening on http://{host}:{bound}", file=sys.stderr, flush=True)
         try:
             await stop.wait()
         finally:

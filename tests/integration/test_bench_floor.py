@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from app.bench.floor import FloorProtocol
 from app.service import InferenceService
 from tests.conftest import SettingsFactory
-from tests.support import REPO_ROOT, b64, free_port, sample_png, server_environment
+from tests.support import REPO_ROOT, b64, sample_png, server_environment
 
 
 @pytest.fixture
@@ -61,21 +62,18 @@ def test_only_a_loopback_address_is_accepted() -> None:
 
 def test_the_command_serves_on_its_event_loop_and_stops_on_sigterm(tmp_path: Path) -> None:
     env = server_environment({"AI_SERVICE_MODEL__WARMUP": "false"})
-    port = free_port()
-    command = [sys.executable, "-m", "app.cli", "floor", "--port", str(port)]
-    with (tmp_path / "floor.log").open("wb") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "app.cli", "floor", "--port", "0"]  # any free port: it says which
+    log = tmp_path / "floor.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            deadline = time.monotonic() + 90
-            while True:  # the port opens once the service is ready
-                assert process.poll() is None, (tmp_path / "floor.log").read_text()
-                try:
-                    client.get("/readyz")
-                    break
-                except httpx.TransportError:
-                    assert time.monotonic() < deadline, "never listened"
-                    time.sleep(0.05)
+        deadline = time.monotonic() + 90
+        while not (listening := re.search(r"listening on (http://127\.0\.0\.1:[1-9]\d*)\n", log.read_text())):
+            assert process.poll() is None, log.read_text()  # the port opens once the service is ready
+            assert time.monotonic() < deadline, "never listened"
+            time.sleep(0.05)
+        with httpx.Client(base_url=listening[1], timeout=30) as client:
+            assert client.get("/readyz").status_code == 200
             answer = client.post("/predict", json={"image_base64": b64(sample_png(8))})
             assert answer.status_code == 200 and answer.json()["label"] == "8"
         process.send_signal(signal.SIGTERM)
