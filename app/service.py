@@ -76,6 +76,7 @@ class InferenceService:
         self.groups: dict[str, ModelGroup[ServedModel]] = {}
         self.entries: list[ModelEntry] = []
         self._retiring: set[ServedModel] = set()  # unloaded versions whose requests still finish
+        self._drained = False
         self._rng = random.Random()
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
@@ -373,7 +374,9 @@ class InferenceService:
         started = time.perf_counter()
         batchers = [served.batcher for served in (*self.all_served(), *self._retiring)]
         await asyncio.gather(*(batcher.close(grace_s) for batcher in batchers))
-        log.info("drained in %.2fs", time.perf_counter() - started)
+        if not self._drained:  # the close drains again after a SIGTERM's drain: nothing is left then
+            log.info("drained in %.2fs", time.perf_counter() - started)
+        self._drained = True
 
     async def close(self, grace_s: float | None) -> None:
         """Drain (if nobody did yet), then stop the threads and release the device. The process's

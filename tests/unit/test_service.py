@@ -173,3 +173,13 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
         assert sorted(layers_on) == [("backbone", "loader"), ("backbone", "loader")] + [("classifier", "loader")] * 2
     finally:
         await service.close(1.0)
+
+
+async def test_a_close_after_a_drain_says_drained_once(repository: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGTERM drains, then the lifespan's close drains again and finds nothing: the log says it once."""
+    service = InferenceService(settings_for(repository))
+    await service.start()
+    with caplog.at_level("INFO", logger="app.service"):
+        await service.drain(1.0)
+        await service.close(1.0)
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records if "drained" in r.getMessage()] == ["drained"]
