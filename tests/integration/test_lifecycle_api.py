@@ -345,7 +345,7 @@ async def _uploading_to_version_2(running: RunningApp) -> tuple[asyncio.Future[h
     request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
     batcher = running.service.groups["digits"].routing.loaded["2"].batcher
     async with asyncio.timeout(10):
-        while batcher._arriving == 0:  # noqa: ASYNC110 (routed to v2, admitted, its body on the way)
+        while batcher.intake._arriving == 0:  # noqa: ASYNC110 (routed to v2, admitted, its body on the way)
             await asyncio.sleep(0.005)
     return request, body_may_finish, batcher
 
