@@ -6,7 +6,8 @@ urgent batches go first and may take free seats from the head of the normal queu
 The dispatcher sleeps until the next event or window deadline; it never polls.
 Requests whose future is already done (client gone, deadline passed), or whose deadline has
 passed before its timer ran, are skipped when a batch forms and never reach the runner.
-What may enter a lane, and what it is predicted to wait, its ``Intake`` decides.
+What may enter a lane, and what it is predicted to wait, its ``Intake`` decides; its
+``Execution`` runs each batch and answers its requests.
 """
 
 from __future__ import annotations
@@ -15,25 +16,20 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 from app.batching.ceiling import Ceiling
 from app.batching.clock import Clock, MonotonicClock
+from app.batching.execution import Execution, Runner
 from app.batching.intake import Intake
 from app.batching.observer import BatchObserver, NullObserver
 from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, next_wakeup, plan_batch
 from app.batching.queue import Completed, LaneQueue, Pending
-from app.errors import BatchFailed, DeadlineExceeded, Draining, ServiceError
-
-log = logging.getLogger(__name__)
+from app.errors import DeadlineExceeded, Draining
 
 P = TypeVar("P")
 R = TypeVar("R")
-
-Runner = Callable[[Sequence[P]], Awaitable[Sequence[R]]]
-"""Runs one batch: one output per input, in order. Raising fails exactly that batch."""
 
 
 class DualWindowBatcher(Generic[P, R]):
@@ -60,9 +56,6 @@ class DualWindowBatcher(Generic[P, R]):
         batch the replacement loaded in took the load's seconds."""
         if max_in_flight < 1 or urgent_in_flight < 0:
             raise ValueError("max_in_flight must be at least 1, urgent_in_flight at least 0")
-        self._runner = runner
-        self._computed = computed
-        self._model_epoch = model_epoch
         self._max_in_flight = max_in_flight
         self._urgent_in_flight = urgent_in_flight  # more batches in flight, for urgent batches only
         self._observer: BatchObserver = observer or NullObserver()
@@ -84,11 +77,26 @@ class DualWindowBatcher(Generic[P, R]):
         self._urgent_waited = False
         self._ceiling = Ceiling(name)  # lowered under device memory pressure
         self._intake = Intake(self, self._observer, self._clock, self._wakeup, max_in_flight, urgent_in_flight)
-        self.batches = 0
+        self._execution = Execution(
+            runner,
+            clock=self._clock,
+            observer=self._observer,
+            intake=self._intake,
+            ceiling=self._ceiling,
+            policy=lambda: self._policy,
+            name=name,
+            computed=computed,
+            model_epoch=model_epoch,
+        )
 
     @property
     def observer(self) -> BatchObserver:
         return self._observer
+
+    @property
+    def batches(self) -> int:
+        """The batches handed to the runner so far (counted as each starts to run)."""
+        return self._execution.batches
 
     @property
     def intake(self) -> Intake:
@@ -294,7 +302,9 @@ class DualWindowBatcher(Generic[P, R]):
             self._urgent_waited = False
         # the fill it is reported against is that of the policy it formed under, not of one set while it runs
         capacity = self.effective_policy().lane(plan.lane).max_batch
-        task = asyncio.get_running_loop().create_task(self._execute(plan, batch, capacity), name=f"{self._name}-batch")
+        task = asyncio.get_running_loop().create_task(
+            self._execution.run(plan, batch, capacity), name=f"{self._name}-batch"
+        )
         self._in_flight.add(task)
         self._running[plan.lane] += 1
         task.add_done_callback(functools.partial(self._batch_done, plan.lane))
@@ -303,95 +313,6 @@ class DualWindowBatcher(Generic[P, R]):
         self._in_flight.discard(task)
         self._running[lane] -= 1
         self._wakeup.set()
-
-    async def _execute(self, plan: BatchPlan, batch: list[Pending[P, R]], capacity: int) -> None:
-        started = self._clock.now()
-        epoch = self._model_epoch()
-        self.batches += 1
-        try:
-            outputs = await self._runner([item.payload for item in batch])
-            if len(outputs) != len(batch):
-                raise BatchFailed(f"runner returned {len(outputs)} outputs for {len(batch)} inputs")
-        except asyncio.CancelledError:  # closing ran out of grace mid-batch
-            self._cut_off(batch, Draining("the service shut down while this request ran"))
-            return
-        except ServiceError as exc:
-            error: BaseException = exc
-        except Exception as exc:  # a bug in the runner: fail exactly this batch, keep serving
-            error = self._bug(batch, exc)
-        except BaseException as exc:  # an abort through the runner: its requests are answered, then it goes on up
-            self._fail(batch, self._bug(batch, exc))
-            raise
-        else:
-            run_s = self._clock.now() - started
-            for item, output in zip(batch, outputs, strict=True):
-                if not item.future.done():
-                    item.future.set_result(
-                        Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
-                    )
-            try:  # answered first: a failure in what is counted after must not cost them their answers
-                self._after_success(plan, batch, outputs, started, run_s, capacity, epoch)
-            except Exception:
-                log.exception("counting a batch of %d that ran failed in %s", len(batch), self._name)
-            return
-        self._fail(batch, error)
-        try:  # answered first, as a batch that ran is
-            self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
-        except Exception:
-            log.exception("counting a batch of %d that failed failed in %s", len(batch), self._name)
-
-    def _bug(self, batch: Sequence[Pending[P, R]], exc: BaseException) -> BatchFailed:
-        """The error a batch's requests get for what the runner raised that is no service error: a
-        generic one (their 500 shows no internals), the detail logged once for the batch."""
-        log.error("batch of %d failed in %s", len(batch), self._name, exc_info=exc)
-        error = BatchFailed("inference failed")
-        error.__cause__, error.logged = exc, True
-        return error
-
-    def _after_success(
-        self,
-        plan: BatchPlan,
-        batch: Sequence[Pending[P, R]],
-        outputs: Sequence[R],
-        started: float,
-        run_s: float,
-        capacity: int,
-        epoch: object,
-    ) -> None:
-        """A batch ran: its time in the estimates, its report, and the ceiling's recovery."""
-        computed = self._computed(outputs)
-        if self._model_epoch() != epoch:  # another model now: estimates start again, from its batches
-            self._intake.forget_batches()
-            self._ceiling.reset()  # and the old device's memory pressure no longer caps them
-        elif computed:
-            self._intake.observe_batch(plan.lane, run_s)
-        self._report(plan, batch, started, run_s, capacity, ok=True)
-        self._ceiling.calm(computed, self._policy)
-
-    def _report(
-        self, plan: BatchPlan, batch: Sequence[Pending[P, R]], started: float, run_s: float, capacity: int, ok: bool
-    ) -> None:
-        waits = [(item.lane, started - item.enqueued_at) for item in batch]
-        self._observer.on_batch(plan.lane, len(batch), capacity, waits, run_s, ok)
-
-    @staticmethod
-    def _fail(batch: Sequence[Pending[P, R]], error: BaseException) -> None:
-        for item in batch:
-            if not item.future.done():
-                item.future.set_exception(error)
-
-    def _cut_off(self, items: Sequence[Pending[P, R]], error: BaseException) -> None:
-        """Fail the requests the close leaves uncomputed, and count each once: taken from the queue
-        or cut off on the device, nothing else will (``_settled`` skips what was taken, and the
-        device counts only what it ran). One already gone (its client, its deadline) counts so."""
-        for item in items:
-            if not item.future.done():
-                item.future.set_exception(error)
-                self._observer.on_dropped(item.lane, "cancelled")
-            elif item.future.cancelled():
-                self._observer.on_dropped(item.lane, "cancelled")
-            elif isinstance(item.future.exception(), DeadlineExceeded):
-                self._observer.on_dropped(item.lane, "deadline")
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop taking requests, run what is queued for up to ``grace_s`` (``None``: no limit), fail the rest."""
@@ -412,4 +333,4 @@ class DualWindowBatcher(Generic[P, R]):
                 taken, late = queue.take(queue.waiting, now)
                 for item in late:  # past its deadline first: that is its answer, as it would have been served
                     self._expire(item)
-                self._cut_off(taken, Draining("the service shut down before this request ran"))
+                self._execution.cut_off(taken, Draining("the service shut down before this request ran"))
