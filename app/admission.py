@@ -98,7 +98,7 @@ class DecodeBacklog:
         self._decode_s.add(decode_s)
 
     def seat(self, seats: Seats, lane: Lane) -> Seat:
-        """A seat the batcher (``seats``) already holds for an admitted request."""
+        """A seat the batcher's intake (``seats``) already holds for an admitted request."""
         self._waiting[lane] += 1
         if lane is Lane.URGENT:
             self._urgent.add()

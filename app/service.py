@@ -309,14 +309,15 @@ class InferenceService:
     def admit(self, served: ServedModel, lane: Lane, timeout_s: float) -> None:
         """Refuse at once (503) what cannot be answered in time: the batcher's own rules, with the
         wait for a decode thread in front of it. Cheap: the edge asks it before routing."""
-        served.batcher.admit(lane, timeout_s, upstream_s=self._backlog.wait_s(lane))
+        served.batcher.intake.admit(lane, timeout_s, upstream_s=self._backlog.wait_s(lane))
 
     def reserve(self, served: ServedModel, lane: Lane, timeout_s: float, admitted: bool = False) -> Seat:
         """``admit``, and hold the request's ``Seat`` in its lane until it is queued: meanwhile
         (its image decoded) it counts as queued ahead of later requests. ``admitted``: ``admit``
         let it in before its body came, and a close since lets it on while the batcher runs."""
-        served.batcher.admit(lane, timeout_s, reserve=True, upstream_s=self._backlog.wait_s(lane), admitted=admitted)
-        return self._backlog.seat(served.batcher, lane)
+        intake = served.batcher.intake
+        intake.admit(lane, timeout_s, reserve=True, upstream_s=self._backlog.wait_s(lane), admitted=admitted)
+        return self._backlog.seat(intake, lane)
 
     async def predict(
         self,

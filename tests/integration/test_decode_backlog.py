@@ -28,7 +28,7 @@ async def test_requests_waiting_to_be_decoded_fill_the_queue_and_late_ones_are_n
             waiting = [asyncio.ensure_future(running.predict_png(sample_png(d))) for d in (1, 2)]
             batcher = service.models["digits"].batcher
             async with asyncio.timeout(30):
-                while batcher._ahead(Lane.NORMAL) < 2:  # noqa: ASYNC110 (no event says "admitted")
+                while batcher.depth(Lane.NORMAL) < 2:  # noqa: ASYNC110 (no event says "admitted")
                     await asyncio.sleep(0.005)
             refused = await running.predict_png(sample_png(3))
             assert refused.status_code == 503 and refused.json()["code"] == "queue_full"
@@ -45,7 +45,7 @@ async def test_requests_waiting_to_be_decoded_fill_the_queue_and_late_ones_are_n
 
         # a deadline admission accepts on this host: a slow one measures slow batches, and a
         # 50 ms deadline was refused up front (would_miss_deadline) instead of expiring later
-        predicted_ms = 1000 * (batcher.predicted_wait(Lane.NORMAL) or 0.0)
+        predicted_ms = 1000 * (batcher.intake.predicted_wait(Lane.NORMAL) or 0.0)
         timeout_ms = max(50, math.ceil(4 * predicted_ms))
         gate = threading.Event()
         for _ in range(service.threads.decode):

@@ -345,7 +345,7 @@ async def _uploading_to_version_2(running: RunningApp) -> tuple[asyncio.Future[h
     request = asyncio.ensure_future(running.client.post("/predict", content=slow_body(), headers=headers))
     batcher = running.service.groups["digits"].routing.loaded["2"].batcher
     async with asyncio.timeout(10):
-        while batcher._arriving == 0:  # noqa: ASYNC110 (routed to v2, admitted, its body on the way)
+        while batcher.intake._arriving == 0:  # noqa: ASYNC110 (routed to v2, admitted, its body on the way)
             await asyncio.sleep(0.005)
     return request, body_may_finish, batcher
 
@@ -419,13 +419,13 @@ async def test_unloading_during_shutdown_lets_that_versions_requests_finish(repo
     async with running_app(settings_for(repository)) as running:
         service = running.service
         served = service.groups["digits"].routing.loaded["2"]
-        runner = served.batcher._runner
+        runner = served.batcher._execution._runner
 
         async def slow_runner(payloads):  # type: ignore[no-untyped-def]  # v2's queue takes a while
             await asyncio.sleep(0.5)
             return await runner(payloads)
 
-        served.batcher._runner = slow_runner  # type: ignore[assignment]
+        served.batcher._execution._runner = slow_runner  # type: ignore[assignment]
         headers = {"X-Model-Version": "2", "X-Request-Timeout": "20000"}
         requests = [asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(40)]
         async with asyncio.timeout(10):
@@ -669,13 +669,13 @@ async def test_an_unloaded_versions_queue_is_scraped_while_it_drains(repository:
     async with running_app(settings_for(repository)) as running:
         service = running.service
         served = service.groups["digits"].routing.loaded["2"]
-        runner, release = served.batcher._runner, asyncio.Event()
+        runner, release = served.batcher._execution._runner, asyncio.Event()
 
         async def held_runner(payloads):  # type: ignore[no-untyped-def]  # v2's device holds its queue
             await release.wait()
             return await runner(payloads)
 
-        served.batcher._runner = held_runner  # type: ignore[assignment]
+        served.batcher._execution._runner = held_runner  # type: ignore[assignment]
         headers = {"X-Model-Version": "2", "X-Request-Timeout": "20000"}
         requests = [asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(40)]
         async with asyncio.timeout(10):

@@ -136,7 +136,7 @@ async def test_uploads_that_stall_hold_no_seat_in_the_lane(make_settings: Settin
         for connection in stalled:
             connection.body(PNG[:10], more=True)
         async with asyncio.timeout(30):
-            while batcher._arriving != 3:  # noqa: ASYNC110 (admitted, their bodies on the way)
+            while batcher.intake._arriving != 3:  # noqa: ASYNC110 (admitted, their bodies on the way)
                 await asyncio.sleep(0.005)
         assert batcher.depth(Lane.NORMAL) == 0, "a body on its way holds no seat"
         answers = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in (1, 2)))
@@ -147,7 +147,7 @@ async def test_uploads_that_stall_hold_no_seat_in_the_lane(make_settings: Settin
             status, body = await connection.answer()
             assert (status, body["code"]) == (499, "client_closed_request")
             await asyncio.wait_for(connection.task, 30)
-        assert batcher._arriving == 0
+        assert batcher.intake._arriving == 0
         counted = await scrape(running)
         assert value(counted, "ai_backend_cancellations_total", reason="cancelled") == 3
         assert total(counted, "ai_backend_rejections_total", reason="queue_full") == 0
@@ -162,7 +162,7 @@ async def test_a_body_that_comes_during_the_drain_is_served(make_settings: Setti
         connection.body(PNG[:10], more=True)
         batcher = running.service.models[MODEL_NAME].batcher
         async with asyncio.timeout(30):
-            while batcher._arriving != 1:  # noqa: ASYNC110 (admitted, its body on the way)
+            while batcher.intake._arriving != 1:  # noqa: ASYNC110 (admitted, its body on the way)
                 await asyncio.sleep(0.005)
         drained = asyncio.ensure_future(running.service.drain(30))
         async with asyncio.timeout(30):
@@ -285,7 +285,7 @@ async def test_a_request_cut_off_after_the_drain_gets_503_draining_not_a_500(mak
         connection.body(PNG[:10], more=True)  # the rest never comes
         batcher = running.service.models[MODEL_NAME].batcher
         async with asyncio.timeout(30):
-            while batcher._arriving != 1:  # noqa: ASYNC110 (admitted, its body on the way)
+            while batcher.intake._arriving != 1:  # noqa: ASYNC110 (admitted, its body on the way)
                 await asyncio.sleep(0.005)
         await running.service.drain(0.2)  # the grace ends with it still waiting for its body
         assert not connection.answered.is_set()

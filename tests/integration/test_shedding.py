@@ -23,7 +23,7 @@ async def full_queue(running: RunningApp) -> AsyncIterator[None]:
     batcher = service.models["digits"].batcher
     try:
         async with asyncio.timeout(30):
-            while batcher._ahead(Lane.NORMAL) < 2:  # noqa: ASYNC110 (no event says "admitted")
+            while batcher.depth(Lane.NORMAL) < 2:  # noqa: ASYNC110 (no event says "admitted")
                 await asyncio.sleep(0.005)
         yield
     finally:
@@ -88,7 +88,7 @@ async def test_with_an_api_key_credentials_are_checked_before_any_refusal(make_s
         waiting = [asyncio.ensure_future(running.predict_png(sample_png(d), headers=auth)) for d in (1, 2)]
         try:
             async with asyncio.timeout(30):
-                while service.models["digits"].batcher._ahead(Lane.NORMAL) < 2:  # noqa: ASYNC110
+                while service.models["digits"].batcher.depth(Lane.NORMAL) < 2:  # noqa: ASYNC110
                     await asyncio.sleep(0.005)
             anonymous = await running.predict_png(sample_png(3))
             assert anonymous.status_code == 401

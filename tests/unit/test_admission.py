@@ -57,8 +57,8 @@ async def run_one_timed_batch(batcher: DualWindowBatcher[int, int], clock: FakeC
 
 async def test_no_estimate_admits_everything() -> None:
     batcher, _, _, recorder = make()
-    assert batcher.predicted_wait(Lane.NORMAL) is None
-    batcher.admit(Lane.NORMAL, 0.001)
+    assert batcher.intake.predicted_wait(Lane.NORMAL) is None
+    batcher.intake.admit(Lane.NORMAL, 0.001)
     assert recorder.rejected == []
     await batcher.close(0)
 
@@ -66,18 +66,18 @@ async def test_no_estimate_admits_everything() -> None:
 async def test_a_request_that_would_miss_its_deadline_is_refused_at_once() -> None:
     batcher, clock, runner, recorder = make()
     await run_one_timed_batch(batcher, clock, runner)
-    assert batcher.batch_s(Lane.NORMAL) == batcher.batch_s(Lane.URGENT) == pytest.approx(0.1)
+    assert batcher.intake.batch_s(Lane.NORMAL) == batcher.intake.batch_s(Lane.URGENT) == pytest.approx(0.1)
     runner.gate = asyncio.Event()
     queued = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(12)]
     await settle()  # one batch of 4 runs (gated), 8 wait: two more batches, then ours
-    wait = batcher.predicted_wait(Lane.NORMAL)
+    wait = batcher.intake.predicted_wait(Lane.NORMAL)
     assert wait == pytest.approx(0.025 + (8 // 4 + 1 + 1) * 0.1)
     with pytest.raises(WouldMissDeadline) as refused:
         await batcher.submit(99, Lane.NORMAL, 0.3)
     assert refused.value.retry_after_s == 1
     assert recorder.rejected == [(Lane.NORMAL, "would_miss_deadline")]
     accepted = asyncio.ensure_future(batcher.submit(100, Lane.NORMAL, 1.0))
-    urgent_wait = batcher.predicted_wait(Lane.URGENT)
+    urgent_wait = batcher.intake.predicted_wait(Lane.URGENT)
     assert urgent_wait is not None and urgent_wait < wait, "urgent requests only wait for urgent ones"
     runner.gate.set()
     await clock.advance(1.0)
@@ -143,13 +143,13 @@ async def test_reserved_seats_count_against_the_queue_bound_until_released() -> 
 
     batcher, _, _, recorder = make(max_batch=2, max_queue=3)
     for _ in range(3):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # three images decoding
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # three images decoding
     assert batcher.depth(Lane.NORMAL) == 3, "the seats are what the bound counts, and what the depth says"
     with pytest.raises(QueueFull):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
-    batcher.admit(Lane.URGENT, 10.0)  # the other lane has its own bound
-    batcher.release(Lane.NORMAL)
-    batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
+    batcher.intake.admit(Lane.URGENT, 10.0)  # the other lane has its own bound
+    batcher.intake.release(Lane.NORMAL)
+    batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
     assert recorder.rejected == [(Lane.NORMAL, "queue_full")]
     await batcher.close(grace_s=0)
 
@@ -159,14 +159,14 @@ async def test_a_bound_lowered_while_seats_are_held_refuses_new_requests_not_the
 
     batcher, clock, _, recorder = make(max_batch=2, max_queue=4)
     for _ in range(3):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # three images decoding
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # three images decoding
     lower = LanePolicy(25 * MS, 1, 1)
     batcher.set_policy(BatchPolicy(batcher.policy.urgent, lower))
     with pytest.raises(QueueFull):
-        batcher.admit(Lane.NORMAL, 10.0)  # a new request meets the new bound
+        batcher.intake.admit(Lane.NORMAL, 10.0)  # a new request meets the new bound
     queued = []
     for _ in range(3):  # their images decoded: each gives its seat back and is queued
-        batcher.release(Lane.NORMAL)
+        batcher.intake.release(Lane.NORMAL)
         queued.append(asyncio.ensure_future(batcher.submit(0, Lane.NORMAL, 10.0, admitted=True)))
     await settle()
     await clock.advance(25 * MS)
@@ -184,39 +184,39 @@ async def test_a_request_admitted_before_its_body_meets_the_lanes_rules_again_wh
 
     batcher, _, _, recorder = make(max_batch=2, max_queue=2)
     for _ in range(2):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
     with pytest.raises(QueueFull):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
     assert recorder.rejected == [(Lane.NORMAL, "queue_full")]
     with pytest.raises(DeadlineExceeded):
-        batcher.admit(Lane.NORMAL, 0.0, reserve=True, admitted=True)
+        batcher.intake.admit(Lane.NORMAL, 0.0, reserve=True, admitted=True)
     assert recorder.dropped == [(Lane.NORMAL, "deadline")] and len(recorder.rejected) == 1
-    batcher.release(Lane.NORMAL)
+    batcher.intake.release(Lane.NORMAL)
     closing = asyncio.ensure_future(batcher.close(grace_s=10.0))
     await settle()
     assert batcher.running, "a seat is held: the close waits for it"
     with pytest.raises(Draining):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
-    batcher.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
+    batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
     for _ in range(2):
-        batcher.release(Lane.NORMAL)
+        batcher.intake.release(Lane.NORMAL)
     await closing
     with pytest.raises(Draining):  # the batcher has stopped: nothing is taken any more
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True, admitted=True)
     assert len(recorder.dropped) == 1, "not counted here: its caller may route it to another version"
     with pytest.raises(Draining):  # its image decoded: it ends here, and is counted
-        batcher.admit(Lane.NORMAL, 10.0, seated=True)
+        batcher.intake.admit(Lane.NORMAL, 10.0, seated=True)
     assert recorder.dropped[-1] == (Lane.NORMAL, "cancelled")
 
 
 async def test_a_close_waits_for_a_body_on_its_way_without_counting_it_as_queued() -> None:
     batcher, _, _, _ = make(max_batch=2, max_queue=2)
-    with batcher.arriving():
+    with batcher.intake.arriving():
         assert batcher.depth(Lane.NORMAL) == 0
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # the bound counts seats, not bodies
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # the bound counts seats, not bodies
         for _ in range(2):
-            batcher.release(Lane.NORMAL)
+            batcher.intake.release(Lane.NORMAL)
         closing = asyncio.ensure_future(batcher.close(grace_s=10.0))
         await settle()
         assert batcher.running and not closing.done()
@@ -228,23 +228,23 @@ async def test_reserved_seats_count_in_the_predicted_wait() -> None:
     batcher, clock, runner, recorder = make(max_batch=4)
     await run_one_timed_batch(batcher, clock, runner)  # 100 ms a batch
     for _ in range(8):  # two batches' worth decoding ahead
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)
-    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 100 * MS)
-    assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 100 * MS), "urgent goes before them"
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
+    assert batcher.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 100 * MS)
+    assert batcher.intake.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 100 * MS), "urgent goes before them"
     with pytest.raises(WouldMissDeadline):
-        batcher.admit(Lane.NORMAL, 0.2)
+        batcher.intake.admit(Lane.NORMAL, 0.2)
     for _ in range(8):
-        batcher.release(Lane.NORMAL)
-    batcher.admit(Lane.NORMAL, 0.2)
+        batcher.intake.release(Lane.NORMAL)
+    batcher.intake.admit(Lane.NORMAL, 0.2)
     await batcher.close(grace_s=0)
 
 
 async def test_a_wait_upstream_of_the_queue_counts_when_it_is_the_longer_stage() -> None:
     batcher, clock, runner, recorder = make(max_batch=4)
     await run_one_timed_batch(batcher, clock, runner)  # 100 ms a batch, queue empty
-    batcher.admit(Lane.NORMAL, 0.2, upstream_s=0.05)  # 50 + 25 + 100 ms fits in 200
+    batcher.intake.admit(Lane.NORMAL, 0.2, upstream_s=0.05)  # 50 + 25 + 100 ms fits in 200
     with pytest.raises(WouldMissDeadline) as refused:
-        batcher.admit(Lane.NORMAL, 0.2, upstream_s=0.1)  # 100 + 25 + 100 ms does not
+        batcher.intake.admit(Lane.NORMAL, 0.2, upstream_s=0.1)  # 100 + 25 + 100 ms does not
     assert "225 ms" in str(refused.value)
     assert recorder.rejected[-1] == (Lane.NORMAL, "would_miss_deadline")
     await batcher.close(grace_s=0)
@@ -258,10 +258,10 @@ async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
     )
     batcher.start()
     await run_one_timed_batch(batcher, clock, runner)
-    batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # one ahead (decoding): predicted wait now 25 + 100 ms
-    batcher.admit(Lane.NORMAL, 0.25)  # 125 ms is half of 250
+    batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # one ahead (decoding): predicted wait now 25 + 100 ms
+    batcher.intake.admit(Lane.NORMAL, 0.25)  # 125 ms is half of 250
     with pytest.raises(WouldMissDeadline):
-        batcher.admit(Lane.NORMAL, 0.2)  # 125 ms is more than half of 200
+        batcher.intake.admit(Lane.NORMAL, 0.2)  # 125 ms is more than half of 200
     await batcher.close(grace_s=0)
     with pytest.raises(ValueError, match="admission_headroom"):
         BatchPolicy(*lanes, admission_headroom=0.0)
@@ -269,13 +269,13 @@ async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
 
 async def test_each_lane_predicts_with_its_own_batches_run_time() -> None:
     batcher, _, _, _ = make()
-    batcher.observe_batch(Lane.URGENT, 0.01)  # urgent batches run apart, on their own thread
-    batcher.observe_batch(Lane.NORMAL, 0.2)
-    batcher.observe_batch(Lane.NORMAL, 0.1)
-    assert batcher.batch_s(Lane.URGENT) == pytest.approx(0.01)
-    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
-    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(0.025 + 0.18)
-    assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(0.002 + 0.01)
+    batcher.intake.observe_batch(Lane.URGENT, 0.01)  # urgent batches run apart, on their own thread
+    batcher.intake.observe_batch(Lane.NORMAL, 0.2)
+    batcher.intake.observe_batch(Lane.NORMAL, 0.1)
+    assert batcher.intake.batch_s(Lane.URGENT) == pytest.approx(0.01)
+    assert batcher.intake.batch_s(Lane.NORMAL) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
+    assert batcher.intake.predicted_wait(Lane.NORMAL) == pytest.approx(0.025 + 0.18)
+    assert batcher.intake.predicted_wait(Lane.URGENT) == pytest.approx(0.002 + 0.01)
     await batcher.close(0)
 
 
@@ -319,17 +319,17 @@ async def test_urgent_requests_ahead_count_in_urgent_sized_batches() -> None:
     policy = BatchPolicy(LanePolicy(2 * MS, 2, 64), LanePolicy(25 * MS, 8, 64))
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, observer=recorder)
     batcher.start()
-    batcher.observe_batch(Lane.NORMAL, 0.1)
+    batcher.intake.observe_batch(Lane.NORMAL, 0.1)
     for _ in range(4):  # two urgent batches of two, ahead of any normal request
-        batcher.admit(Lane.URGENT, 10.0, reserve=True)
-    assert batcher.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 3 * 0.1)
-    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1), "not half a normal batch"
+        batcher.intake.admit(Lane.URGENT, 10.0, reserve=True)
+    assert batcher.intake.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + 3 * 0.1)
+    assert batcher.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1), "not half a normal batch"
     for _ in range(4):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # half a normal batch more: still three rounds
-    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # half a normal batch more: still three rounds
+    assert batcher.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1)
     for _ in range(4):
-        batcher.admit(Lane.NORMAL, 10.0, reserve=True)  # a whole one
-    assert batcher.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 4 * 0.1)
+        batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # a whole one
+    assert batcher.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 4 * 0.1)
     await batcher.close(grace_s=0)
 
 
@@ -369,7 +369,7 @@ async def test_a_model_replaced_mid_batch_starts_the_estimates_again() -> None:
     # time, and the old model's estimate, would refuse requests the new model can serve
     batcher, clock, runner, epoch = with_model_epoch(max_batch=4)
     await run_one_timed_batch(batcher, clock, runner)
-    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1)
+    assert batcher.intake.batch_s(Lane.NORMAL) == pytest.approx(0.1)
     runner.gate = asyncio.Event()
     replaced = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 60.0)) for i in range(4)]
     await settle()
@@ -378,10 +378,10 @@ async def test_a_model_replaced_mid_batch_starts_the_estimates_again() -> None:
     runner.gate.set()
     await asyncio.gather(*replaced)
     runner.gate = None
-    assert batcher.batch_s(Lane.NORMAL) is None and batcher.batch_s(Lane.URGENT) is None
-    batcher.admit(Lane.NORMAL, 1.0)  # no estimate: not refused on the old model's, nor the load's
+    assert batcher.intake.batch_s(Lane.NORMAL) is None and batcher.intake.batch_s(Lane.URGENT) is None
+    batcher.intake.admit(Lane.NORMAL, 1.0)  # no estimate: not refused on the old model's, nor the load's
     await run_one_timed_batch(batcher, clock, runner)
-    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1), "learnt again from the new model's batches"
+    assert batcher.intake.batch_s(Lane.NORMAL) == pytest.approx(0.1), "learnt again from the new model's batches"
     await batcher.close(0)
 
 
@@ -400,7 +400,7 @@ async def test_a_batch_that_ran_nothing_does_not_teach_the_estimate() -> None:
     tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
     await settle()
     await asyncio.gather(*tasks)
-    assert batcher.batch_s(Lane.NORMAL) == pytest.approx(0.1), "a batch that measured nothing"
+    assert batcher.intake.batch_s(Lane.NORMAL) == pytest.approx(0.1), "a batch that measured nothing"
     await batcher.close(0)
 
 
@@ -421,8 +421,8 @@ async def test_an_admitted_request_past_its_deadline_at_the_queue_is_a_drop_not_
     # admitted, then its deadline passed while its image decoded: cancellations_total{deadline},
     # not rejections_total, which counts what admission refused
     batcher, _clock, _runner, recorder = make()
-    batcher.admit(Lane.NORMAL, 1.0, reserve=True)  # the route's seat
-    batcher.release(Lane.NORMAL)  # given back once decoded, as the service does
+    batcher.intake.admit(Lane.NORMAL, 1.0, reserve=True)  # the route's seat
+    batcher.intake.release(Lane.NORMAL)  # given back once decoded, as the service does
     with pytest.raises(DeadlineExceeded):
         await batcher.submit(1, Lane.NORMAL, -0.001, admitted=True)
     assert recorder.dropped == [(Lane.NORMAL, "deadline")] and recorder.rejected == []

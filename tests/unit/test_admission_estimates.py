@@ -59,7 +59,7 @@ async def test_one_slow_batch_on_an_idle_lane_refuses_tight_deadlines_forever() 
 async def test_urgent_lane_borrowing_the_normal_estimate_never_gets_its_own() -> None:
     batcher, clock, runner = build()
     await one_batch(batcher, clock, runner, Lane.NORMAL, 0.3)  # full normal batches: 300 ms
-    assert batcher.batch_s(Lane.URGENT) == pytest.approx(0.3)  # borrowed from the normal lane
+    assert batcher.intake.batch_s(Lane.URGENT) == pytest.approx(0.3)  # borrowed from the normal lane
     refused = 0
     for _ in range(50):  # urgent clients with a 400 ms deadline, service idle
         await clock.advance(1.0)
@@ -78,16 +78,16 @@ async def test_a_steady_estimate_admits_a_wait_well_inside_the_deadline() -> Non
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(FakeRunner(), policy, clock=FakeClock())
     batcher.start()
     for _ in range(50):  # full batches of about 10 ms, jittered
-        batcher.observe_batch(Lane.NORMAL, 9 * MS)
-        batcher.observe_batch(Lane.NORMAL, 11 * MS)
+        batcher.intake.observe_batch(Lane.NORMAL, 9 * MS)
+        batcher.intake.observe_batch(Lane.NORMAL, 11 * MS)
     for _ in range(32):  # two full batches admitted ahead (decoding)
-        batcher.admit(Lane.NORMAL, 60.0, reserve=True)
+        batcher.intake.admit(Lane.NORMAL, 60.0, reserve=True)
     # really: 25 ms window + 3 batches of <= 11 ms = 58 ms, inside 0.5 * 150 ms = 75 ms
     try:
-        batcher.admit(Lane.NORMAL, 0.150)
+        batcher.intake.admit(Lane.NORMAL, 0.150)
     except WouldMissDeadline as refused:
         pytest.fail(f"refused: {refused} (the true wait is about 58 ms)")
     finally:
         for _ in range(32):
-            batcher.release(Lane.NORMAL)
+            batcher.intake.release(Lane.NORMAL)
         await batcher.close(0)

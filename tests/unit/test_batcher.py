@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
-from app.batching.batcher import REFUSING_S
+from app.batching.intake import REFUSING_S
 from app.batching.observer import NullObserver
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError
 from tests.support import cyclic_garbage
@@ -165,7 +165,7 @@ async def test_while_the_normal_lane_refuses_one_batch_of_backlog_fills_whatever
     await h.clock.advance(2 * MS)
     queued = [h.submit(i) for i in range(3)]
     for _ in range(3):  # and three more admitted, their images still decoding: six ahead in all
-        h.batcher.admit(Lane.NORMAL, 10.0, reserve=True)
+        h.batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
     await settle()
     if refused != "no":
         with pytest.raises(QueueFull):
@@ -182,7 +182,7 @@ async def test_while_the_normal_lane_refuses_one_batch_of_backlog_fills_whatever
     else:
         assert h.runner.batches[1] == [91], "one and a half batches of backlog, and no refusal lately: no riders"
     for _ in range(3):
-        h.batcher.release(Lane.NORMAL)
+        h.batcher.intake.release(Lane.NORMAL)
     await h.clock.advance(5.0)
     await asyncio.gather(busy, urgent, *queued)
 

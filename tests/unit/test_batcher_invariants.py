@@ -200,7 +200,7 @@ class Run:
             assert order == sorted(order), f"{lane} requests leave in arrival order"
         assert self.batcher.ceiling is None or self.batcher.ceiling >= 1
         for lane in Lane:
-            estimate = self.batcher.batch_s(lane)
+            estimate = self.batcher.intake.batch_s(lane)
             assert estimate is None or (math.isfinite(estimate) and estimate >= 0)
 
 
@@ -271,7 +271,7 @@ async def _step(run: Run, step: tuple[object, ...], next_id: int) -> None:
         lane = step[1]
         assert isinstance(lane, Lane)
         try:
-            run.batcher.admit(lane, 5.0, reserve=True, predict=False)
+            run.batcher.intake.admit(lane, 5.0, reserve=True, predict=False)
         except QueueFull:
             return
         run.reserved[lane] += 1
@@ -279,7 +279,7 @@ async def _step(run: Run, step: tuple[object, ...], next_id: int) -> None:
         lane = step[1]
         assert isinstance(lane, Lane)
         if run.reserved[lane]:
-            run.batcher.release(lane)
+            run.batcher.intake.release(lane)
             run.reserved[lane] -= 1
             await settle()
 
@@ -287,7 +287,7 @@ async def _step(run: Run, step: tuple[object, ...], next_id: int) -> None:
 async def _close(run: Run, grace: bool) -> None:
     for lane in Lane:
         for _ in range(run.reserved[lane]):
-            run.batcher.release(lane)
+            run.batcher.intake.release(lane)
         run.reserved[lane] = 0
     run.closing = True
     if not grace:

@@ -48,7 +48,7 @@ async def _run_batches(times: Sequence[float], lane: Lane) -> list[float | None]
             while not task.done():
                 await clock.advance(max(times))
             await task
-            estimates.append(batcher.batch_s(lane))
+            estimates.append(batcher.intake.batch_s(lane))
     finally:
         await batcher.close(grace_s=0)
     return estimates

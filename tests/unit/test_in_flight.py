@@ -60,14 +60,14 @@ async def test_predicted_wait_shares_the_queue_among_the_workers() -> None:
     runner.gate = asyncio.Event()
     one, two = batcher(runner, clock, in_flight=1), batcher(runner, clock, in_flight=2)
     for b in (one, two):
-        b.observe_batch(Lane.NORMAL, 0.1)
+        b.intake.observe_batch(Lane.NORMAL, 0.1)
         for i in range(8):  # full batches of 2 leave at once and hang at the gate
             asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
     await settle()
     # one worker: 1 batch runs, 3 wait: 3 + 1 rounds ahead, then its own = 5
     # two workers: 2 run, 2 wait: (2 + 2) / 2 rounds ahead, then its own = 3
-    assert one.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 5 * 0.1)
-    assert two.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1)
+    assert one.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 5 * 0.1)
+    assert two.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + 3 * 0.1)
     runner.gate.set()
     for b in (one, two):
         await b.close(grace_s=None)
@@ -149,17 +149,17 @@ async def test_backlog_fill_counts_normal_requests_admitted_and_still_decoding()
     b = batcher(runner, clock, in_flight=2, urgent_in_flight=2, rules=policy(4, 2, UrgentFill.BACKLOG))
     tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(5)]  # 2 batches run, 1 waits
     await settle()
-    b.admit(Lane.NORMAL, 10.0, reserve=True)
-    b.admit(Lane.NORMAL, 10.0, reserve=True)  # 1 queued + 2 decoding: under a full batch for each of 2
+    b.intake.admit(Lane.NORMAL, 10.0, reserve=True)
+    b.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # 1 queued + 2 decoding: under a full batch for each of 2
     tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))
     await clock.advance(2 * MS)
     assert runner.batches[2] == [90], "3 admitted ahead are under two full batches"
-    b.admit(Lane.NORMAL, 10.0, reserve=True)  # 4 admitted ahead: two full batches
+    b.intake.admit(Lane.NORMAL, 10.0, reserve=True)  # 4 admitted ahead: two full batches
     tasks.append(asyncio.ensure_future(b.submit(91, Lane.URGENT, 10.0)))
     await clock.advance(2 * MS)
     assert runner.batches[3] == [91, 4], "the service is behind: the urgent batch takes what the queue has"
     for _ in range(3):
-        b.release(Lane.NORMAL)
+        b.intake.release(Lane.NORMAL)
     runner.gate.set()
     await clock.advance(25 * MS)
     await asyncio.gather(*tasks)
@@ -172,20 +172,20 @@ async def test_while_urgent_batches_fill_from_the_normal_queue_they_count_as_dra
     made = []
     for fill in (UrgentFill.BACKLOG, UrgentFill.NEVER):
         b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=policy(1, 2, fill))
-        b.observe_batch(Lane.NORMAL, 0.1)
+        b.intake.observe_batch(Lane.NORMAL, 0.1)
         for i in range(8):  # 2 batches run (gated), 4 requests wait: a full batch for each of the 2
             asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0))
         made.append(b)
     await settle()
     backlog, never = made
     # no urgent traffic: the urgent thread drains nothing, whatever the fill mode
-    assert backlog.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
+    assert backlog.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
     for b in made:
         asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0))  # runs (gated) on the urgent thread
     await clock.advance(2 * MS)
     # (4 waiting // 2 + 2 running) batches, shared by 2 normal threads + the urgent one (filling), then its own
-    assert backlog.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 3 + 1) * 0.1)
-    assert never.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
+    assert backlog.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 3 + 1) * 0.1)
+    assert never.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
     runner.gate.set()
     for b in made:
         await b.close(grace_s=None)
@@ -247,9 +247,9 @@ async def test_urgent_batches_have_their_own_threads_and_count_against_the_cores
     tasks += [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
     await settle()
     assert runner.batches[1:] == [[0, 1]], "the urgent batch running takes one of the two cores' worth"
-    b.observe_batch(Lane.URGENT, 0.05)
+    b.intake.observe_batch(Lane.URGENT, 0.05)
     # urgent: (2 waiting // 2 + 1 running) batches on its 1 thread, then its own; normal batches do not count
-    assert b.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + ((2 // 2 + 1) // 1 + 1) * 0.05)
+    assert b.intake.predicted_wait(Lane.URGENT) == pytest.approx(2 * MS + ((2 // 2 + 1) // 1 + 1) * 0.05)
     runner.gate.set()
     await clock.advance(2 * MS)
     assert [92, 93] in runner.batches and [2, 3] in runner.batches
@@ -285,14 +285,14 @@ async def test_while_the_normal_lane_refuses_the_urgent_thread_counts_as_drainin
         urgent_fill_backlog=3,
     )
     b = batcher(runner, clock, in_flight=2, urgent_in_flight=1, rules=rules)
-    b.observe_batch(Lane.NORMAL, 0.1)
+    b.intake.observe_batch(Lane.NORMAL, 0.1)
     tasks = [asyncio.ensure_future(b.submit(i, Lane.NORMAL, 10.0)) for i in range(8)]
     tasks.append(asyncio.ensure_future(b.submit(90, Lane.URGENT, 10.0)))  # runs (gated) on the urgent thread
     await clock.advance(2 * MS)
-    assert b.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
+    assert b.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 2 + 1) * 0.1)
     with pytest.raises(WouldMissDeadline):
-        b.admit(Lane.NORMAL, 0.05)  # four ahead and two batches running: far past 50 ms
-    assert b.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 3 + 1) * 0.1)
+        b.intake.admit(Lane.NORMAL, 0.05)  # four ahead and two batches running: far past 50 ms
+    assert b.intake.predicted_wait(Lane.NORMAL) == pytest.approx(25 * MS + ((2 + 2) // 3 + 1) * 0.1)
     runner.gate.set()
     await clock.advance(25 * MS)
     await asyncio.gather(*tasks)

@@ -105,7 +105,7 @@ async def _predict(name: str | None, request: Request) -> Response:
     # once the body is whole, and the seat taken then. A close waits for it, as for one queued
     expired = functools.partial(served.batcher.observer.on_dropped, headers.lane, "deadline")
     try:
-        with served.batcher.arriving():
+        with served.batcher.intake.arriving():
             async with within(time.monotonic() + remaining, "while its body was arriving", expired):
                 body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
     except ClientClosed:  # admitted, and gone before its image was whole
