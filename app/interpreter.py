@@ -25,7 +25,9 @@
   its latency. The device and decode threads keep Linux's usual policy. Measured side by side
   on 2 cores (docs/performance.md, twenty-seventh pass): 1.11 of the throughput at saturation
   on plain traffic, 0.90 of the CPU a request. The decode thread as ``SCHED_BATCH`` too gained 3%
-  more, and cost the twice-the-load answered share (0.87 and 0.92 of saturation against 0.93).
+  more, and cost the twice-the-load answered share (0.87 and 0.92 of saturation against 0.93);
+  switched with the loop's while urgent requests are in flight, it gained nothing measurable (1.01
+  plain, 0.97 with 10% urgent: twenty-eighth pass).
 
 ``Tuning`` applies that at start-up and puts back what it found at close. It is process-wide
 state: services sharing a process (tests, embedders) should close in the reverse order of
