@@ -76,7 +76,7 @@ class DualWindowBatcher(Generic[P, R]):
         # depends on its size, the seats fill as the rule says.)
         self._urgent_waited = False
         self._ceiling = Ceiling(name)  # lowered under device memory pressure
-        self._intake = Intake(self, self._observer, self._clock, self._wakeup, max_in_flight, urgent_in_flight)
+        self._intake = Intake(self, self._observer, self._clock, self._wakeup)
         self._execution = Execution(
             runner,
             clock=self._clock,
@@ -144,6 +144,16 @@ class DualWindowBatcher(Generic[P, R]):
         if lane is Lane.URGENT and self._urgent_in_flight:
             return self._running[Lane.URGENT] < self._urgent_in_flight
         return len(self._in_flight) < self._max_in_flight
+
+    @property
+    def max_in_flight(self) -> int:
+        """Batches of either lane that may run at once."""
+        return self._max_in_flight
+
+    @property
+    def urgent_in_flight(self) -> int:
+        """More batches that may run at once, urgent ones only (threads of their own)."""
+        return self._urgent_in_flight
 
     @property
     def accepting(self) -> bool:

@@ -42,6 +42,12 @@ class Dispatcher(Protocol):
 
     def batches_running(self, lane: Lane | None = None) -> int: ...
 
+    @property
+    def max_in_flight(self) -> int: ...
+
+    @property
+    def urgent_in_flight(self) -> int: ...
+
 
 class Intake:
     """Admits requests to the lanes of ``dispatcher`` or refuses them at once, and holds the seats
@@ -53,17 +59,12 @@ class Intake:
         observer: BatchObserver,
         clock: Clock,
         wakeup: asyncio.Event,
-        max_in_flight: int,
-        urgent_in_flight: int,
     ) -> None:
-        """``wakeup`` is the dispatcher's: set when, closing, the last seat held is given back.
-        ``max_in_flight`` and ``urgent_in_flight`` are the batcher's own (see ``DualWindowBatcher``)."""
+        """``wakeup`` is the dispatcher's: set when, closing, the last seat held is given back."""
         self._dispatcher = dispatcher
         self._observer = observer
         self._clock = clock
         self._wakeup = wakeup
-        self._max_in_flight = max_in_flight
-        self._urgent_in_flight = urgent_in_flight
         self._reserved = {Lane.URGENT: 0, Lane.NORMAL: 0}  # admitted, still on their way (decoding)
         self._arriving = 0  # admitted, their bodies still arriving: no seat, but a close waits for them
         # moving estimates of one batch's run time, by the lane that formed it: with a thread
@@ -79,7 +80,7 @@ class Intake:
         or one slow decode, and refusing everyone behind it for good."""
         if self._ahead_of(lane):
             return False
-        if lane is Lane.URGENT and self._urgent_in_flight:
+        if lane is Lane.URGENT and self._dispatcher.urgent_in_flight:
             return self._dispatcher.batches_running(Lane.URGENT) == 0
         return not self._dispatcher.batches_running()
 
@@ -120,13 +121,14 @@ class Intake:
             batches = self.ahead(Lane.URGENT) // urgent
         else:
             batches = (self.ahead(Lane.URGENT) * normal + self.ahead(Lane.NORMAL) * urgent) // (urgent * normal)
-        if lane is Lane.URGENT and self._urgent_in_flight:  # urgent batches have threads of their own
-            running, workers = self._dispatcher.batches_running(Lane.URGENT), self._urgent_in_flight
+        dispatcher = self._dispatcher
+        if lane is Lane.URGENT and dispatcher.urgent_in_flight:  # urgent batches have threads of their own
+            running, workers = dispatcher.batches_running(Lane.URGENT), dispatcher.urgent_in_flight
         else:
-            running, workers = self._dispatcher.batches_running(), self._max_in_flight
-            urgent_traffic = self.ahead(Lane.URGENT) > 0 or self._dispatcher.batches_running(Lane.URGENT) > 0
-            if urgent_traffic and fills(policy, self.ahead(Lane.NORMAL), self._max_in_flight, self.refusing()):
-                workers += self._urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
+            running, workers = dispatcher.batches_running(), dispatcher.max_in_flight
+            urgent_traffic = self.ahead(Lane.URGENT) > 0 or dispatcher.batches_running(Lane.URGENT) > 0
+            if urgent_traffic and fills(policy, self.ahead(Lane.NORMAL), dispatcher.max_in_flight, self.refusing()):
+                workers += dispatcher.urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
         rounds = (batches + running) // workers + 1
         return policy.lane(lane).window_s + rounds * batch_s
 
