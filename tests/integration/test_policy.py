@@ -129,6 +129,17 @@ async def test_an_invalid_change_is_refused_and_the_old_policy_stays(
         assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 8
 
 
+@pytest.mark.parametrize("given", [None, 3, ["always"]])
+async def test_a_fill_mode_of_another_type_is_refused_naming_the_modes(
+    make_settings: SettingsFactory, given: object
+) -> None:
+    async with running_app(admin_settings(make_settings)) as running:
+        refused = await running.client.put("/admin/policy", headers=AUTH, json={"urgent_fill": given})
+        assert refused.status_code == 422, refused.text
+        # not "Input should be an instance of UrgentFill": a class name tells an operator nothing
+        assert "must be always, backlog or never" in refused.json()["message"], refused.text
+
+
 async def test_without_admin_enabled_there_is_no_admin_api(make_settings: SettingsFactory) -> None:
     async with running_app(make_settings()) as running:
         assert (await running.client.get("/admin/policy", headers=AUTH)).status_code == 404
