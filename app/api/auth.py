@@ -11,8 +11,9 @@ from fastapi import Header, Request
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.api.body import JSON_TYPE, media_type
 from app.api.errors import service_error_response
-from app.errors import Forbidden, LengthRequired, PayloadTooLarge, ServiceError, Unauthorized
+from app.errors import Forbidden, LengthRequired, PayloadTooLarge, ServiceError, Unauthorized, UnsupportedMediaType
 
 ADMIN_PREFIX = "/admin"
 MAX_ADMIN_BODY_BYTES = 64 << 10  # a policy or a canary split: a few hundred bytes
@@ -45,8 +46,10 @@ def check_api_key(request: Request) -> None:
 
 def admin_gate(scope: Scope, routes: Sequence[BaseRoute] = ()) -> ASGIApp | None:
     """Before the router: a request for the admin API without the right token, or with a body
-    over ``MAX_ADMIN_BODY_BYTES``, is answered here (None: it goes on). FastAPI would read and
-    parse a route's body before its dependencies run, the token check among them. ``routes``
+    over ``MAX_ADMIN_BODY_BYTES`` or not declared JSON, is answered here (None: it goes on).
+    FastAPI would read and parse a route's body before its dependencies run, the token check
+    among them; and it reads a body of another type (a form's, as ``curl -d`` sends, or none)
+    as no JSON at all, and refused it as no object (422), whatever it held. ``routes``
     (the admin API's) name the refusal's route in the metrics, as the router would have."""
     path = scope["path"]
     if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
@@ -66,12 +69,23 @@ def admin_gate(scope: Scope, routes: Sequence[BaseRoute] = ()) -> ASGIApp | None
             raise PayloadTooLarge(
                 f"an admin request's body is limited to {MAX_ADMIN_BODY_BYTES} bytes", code="body_too_large"
             )
+        content_type = headers.get(b"content-type", b"").decode("latin-1")
+        if int(declared) and not _is_json(content_type):
+            raise UnsupportedMediaType(
+                f"an admin request's body is JSON: Content-Type must be {JSON_TYPE}; got {content_type or 'none'}"
+            )
     except ServiceError as exc:
         template = next((getattr(r, "path", None) for r in routes if r.matches(scope)[0] is not Match.NONE), None)
         if template is not None:
             scope["state"]["route"] = template
         return functools.partial(_refuse, exc)
     return None
+
+
+def _is_json(content_type: str) -> bool:
+    """A media type FastAPI parses as JSON: ``application/json`` or ``application/*+json``."""
+    kind = media_type(content_type)
+    return kind == JSON_TYPE or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 async def _refuse(exc: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:

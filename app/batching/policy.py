@@ -17,6 +17,9 @@ class Lane(enum.StrEnum):
     NORMAL = "normal"
 
 
+_MODES = "must be always, backlog or never (or true / false)"  # what an urgent_fill that is none says
+
+
 class UrgentFill(enum.StrEnum):
     """When an urgent batch takes its free seats from the head of the normal queue.
 
@@ -39,21 +42,21 @@ class UrgentFill(enum.StrEnum):
     NEVER = "never"
 
     @classmethod
-    def parse(cls, value: object) -> object:
+    def parse(cls, value: object) -> UrgentFill:
         """A mode's name (any case), or ``true``/``false`` (booleans or their spellings) as
-        ``always``/``never``; ``ValueError`` for any other string; anything else as given (for
-        the caller's validation to refuse). The mode itself, not its name: a strict validation
-        (the admin API's) takes nothing else."""
+        ``always``/``never``; ``ValueError``, naming the modes, for anything else (a strict
+        validation, the admin API's, said only "an instance of UrgentFill" of a null or a number).
+        The mode itself, not its name: a strict validation takes nothing else."""
         if isinstance(value, bool):
             return cls.ALWAYS if value else cls.NEVER
         if not isinstance(value, str):
-            return value
+            raise ValueError(_MODES)
         spelled = value.strip().lower()
         if spelled in ("true", "false"):
             return cls.ALWAYS if spelled == "true" else cls.NEVER
         if spelled in cls._value2member_map_:
             return cls(spelled)
-        raise ValueError("must be always, backlog or never (or true / false)")
+        raise ValueError(_MODES)
 
 
 @dataclass(frozen=True)

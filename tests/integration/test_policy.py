@@ -129,6 +129,17 @@ async def test_an_invalid_change_is_refused_and_the_old_policy_stays(
         assert running.service.models[MODEL_NAME].batcher.policy.normal.max_batch == 8
 
 
+@pytest.mark.parametrize("given", [None, 3, ["always"]])
+async def test_a_fill_mode_of_another_type_is_refused_naming_the_modes(
+    make_settings: SettingsFactory, given: object
+) -> None:
+    async with running_app(admin_settings(make_settings)) as running:
+        refused = await running.client.put("/admin/policy", headers=AUTH, json={"urgent_fill": given})
+        assert refused.status_code == 422, refused.text
+        # not "Input should be an instance of UrgentFill": a class name tells an operator nothing
+        assert "must be always, backlog or never" in refused.json()["message"], refused.text
+
+
 async def test_without_admin_enabled_there_is_no_admin_api(make_settings: SettingsFactory) -> None:
     async with running_app(make_settings()) as running:
         assert (await running.client.get("/admin/policy", headers=AUTH)).status_code == 404
@@ -467,6 +478,25 @@ async def test_malformed_json_to_the_admin_api_is_a_400_as_to_predict(make_setti
             )
         ]
     assert [(a.status_code, a.json()["code"]) for a in answers] == [(400, "invalid_json")] * 3
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+async def test_an_admin_body_not_sent_as_json_is_a_415_as_to_predict(
+    make_settings: SettingsFactory, content_type: str | None
+) -> None:
+    # what curl -d sends (a form's type), or a client that names none: the JSON is fine, the
+    # type is not, and a 422 "Input should be a valid dictionary" sent the operator to the JSON
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    change = json.dumps({"normal": {"max_batch": 4}}).encode()
+    async with running_app(admin_settings(make_settings)) as running:
+        for path in ("/admin/policy", f"/admin/models/{MODEL_NAME}/canary"):
+            answer = await running.client.put(path, content=change, headers=headers)
+            assert (answer.status_code, answer.json()["code"]) == (415, "unsupported_media_type"), answer.text
+            assert "application/json" in answer.json()["message"]
+        assert (await running.client.get("/admin/policy", headers=AUTH)).json()["normal"]["max_batch"] == 8
+        declared = {**AUTH, "Content-Type": "application/json; charset=utf-8"}
+        assert (await running.client.put("/admin/policy", content=change, headers=declared)).status_code == 200
+        assert (await running.client.post("/admin/policy/reload", headers=AUTH)).status_code == 200  # no body: no type
 
 
 async def test_json_nested_past_the_parsers_depth_is_a_400_invalid_json(make_settings: SettingsFactory) -> None:

@@ -12,7 +12,7 @@ from app.policy import PolicyManager
 from app.settings import BatchingSettings
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
-_ERRORS = error_responses(401, 403, 422)
+_ERRORS = error_responses(401, 403, 415, 422)
 
 
 def _policy(request: Request) -> PolicyManager:

@@ -14,7 +14,7 @@ from app.api.schemas import ModelVersion
 from app.lifecycle.manager import LifecycleManager
 
 router = APIRouter(prefix="/admin/models", tags=["admin"], dependencies=[Depends(require_admin)])
-_ERRORS = error_responses(401, 403, 404, 409, 422, 503)
+_ERRORS = error_responses(401, 403, 404, 409, 415, 422, 503)
 
 
 class CanaryRequest(BaseModel):
