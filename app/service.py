@@ -118,6 +118,7 @@ class InferenceService:
         )
         self.metrics.scrape_time.queue_depths = self._queue_depths
         self.metrics.scrape_time.queue_capacities = self._queue_capacities
+        self.metrics.scrape_time.batch_ceilings = self._batch_ceilings
         if self.device.type == "cuda":
             self.metrics.scrape_time.device_memory = self._cuda_memory
             self.metrics.scrape_time.device_memory_total = self._cuda_memory_total
@@ -150,6 +151,10 @@ class InferenceService:
                     (served.name, served.version, lane.value), served.batcher.policy.lane(lane).max_queue
                 )
         return [(*key, capacity) for key, capacity in capacities.items()]
+
+    def _batch_ceilings(self) -> list[tuple[str, str, int]]:
+        """Each loaded version's batch ceiling (0: none)."""
+        return [(served.name, served.version, served.batcher.ceiling or 0) for served in self.all_served()]
 
     def _cuda_memory_total(self) -> list[int]:
         return [torch.cuda.get_device_properties(self.device).total_memory]

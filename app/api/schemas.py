@@ -94,6 +94,11 @@ class ModelHealth(BaseModel):
         "why; the check fails while any is listed",
     )
     queue_depth: dict[str, int]
+    batch_ceiling: int | None = Field(
+        default=None,
+        description="the cap on batch sizes since the device ran out of memory (it doubles back after "
+        "batches run at it without failing); null: none, the policy's own sizes",
+    )
 
 
 class MemoryHealth(BaseModel):

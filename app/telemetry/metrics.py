@@ -48,11 +48,12 @@ def batch_bucket(size: int) -> str:
 
 
 class _ScrapeTimeGauges(Collector):
-    """Gauges computed when scraped: queue depths and bounds, and device memory on CUDA."""
+    """Gauges computed when scraped: queue depths and bounds, batch ceilings, and device memory on CUDA."""
 
     def __init__(self) -> None:
         self.queue_depths: Callable[[], Iterable[tuple[str, str, str, int]]] = lambda: ()
         self.queue_capacities: Callable[[], Iterable[tuple[str, str, str, int]]] = lambda: ()
+        self.batch_ceilings: Callable[[], Iterable[tuple[str, str, int]]] = lambda: ()
         self.device_memory: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
         self.device_memory_total: Callable[[], Iterable[int]] = lambda: ()
 
@@ -72,6 +73,14 @@ class _ScrapeTimeGauges(Collector):
         for model, version, lane, value in self.queue_capacities():
             capacity.add_metric([model, version, lane], value)
         yield capacity
+        ceiling = GaugeMetricFamily(
+            f"{PREFIX}_batch_ceiling",
+            "The cap on a version's batch sizes since its device ran out of memory; 0: none (the policy's own)",
+            labels=["model", "version"],
+        )
+        for model, version, value in self.batch_ceilings():
+            ceiling.add_metric([model, version], value)
+        yield ceiling
         memory = GaugeMetricFamily(f"{PREFIX}_device_memory_bytes", "CUDA memory held by the process", labels=["kind"])
         for kind, value in _read_device(self.device_memory):
             memory.add_metric([kind], value)

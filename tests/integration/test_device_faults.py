@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.inference.device import Memory
 from app.inference.loader import LayeredModel
@@ -36,6 +37,33 @@ async def test_oom_batches_are_split_and_the_ceiling_drops(make_settings: Settin
         more = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(4)))
         assert [r.json()["batch_size"] for r in more] == [2, 2, 2, 2], "batches stay under the ceiling"
         assert (await running.client.get("/healthz")).json()["status"] == "ok"
+
+
+async def test_the_ceiling_shows_in_healthz_and_metrics_until_it_climbs_back(make_settings: SettingsFactory) -> None:
+    lanes = {"urgent": {"max_batch": 4}, "normal": {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 64}}
+    settings = make_settings(batching={**lanes, "admission_headroom": 1.0})
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        model = served.runner.model
+        assert isinstance(model, LayeredModel)
+
+        async def shown() -> tuple[object, float]:
+            health = (await running.client.get("/healthz")).json()["models"][0]["batch_ceiling"]
+            for family in text_string_to_metric_families((await running.client.get("/metrics")).text):
+                if family.name == "ai_backend_batch_ceiling":
+                    (sample,) = family.samples
+                    assert sample.labels == {"model": MODEL_NAME, "version": served.version}
+                    return health, sample.value
+            raise AssertionError("no ai_backend_batch_ceiling in /metrics")
+
+        assert await shown() == (None, 0.0)
+        served.runner.model = Faulty(model, fail_at=3)  # type: ignore[assignment]
+        await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(4)))
+        assert await shown() == (2, 2.0)
+        served.runner.model = model  # the pressure is gone: one full batch at the cap doubles it
+        served.batcher.recovery_batches = 1
+        await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(2)))
+        assert await shown() == (None, 0.0), "at the policy's own size again, nothing caps it"
 
 
 async def test_a_failing_device_is_503_then_the_cpu_fallback_serves_degraded(make_settings: SettingsFactory) -> None:

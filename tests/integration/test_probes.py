@@ -137,6 +137,7 @@ async def test_health_report_when_ready(make_settings: SettingsFactory) -> None:
                     "failed_heads": {},
                     "unreadable_heads": {},
                     "queue_depth": {"urgent": 0, "normal": 0},
+                    "batch_ceiling": None,
                 }
             ],
             "failure": None,

@@ -60,6 +60,7 @@ async def healthz(service: Service, request: Request) -> JSONResponse:
             failed_heads=s.runner.model.failed_heads,
             unreadable_heads=s.model.unreadable_heads,
             queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
+            batch_ceiling=s.batcher.ceiling,
         )
         for s in service.all_served()
     ]
