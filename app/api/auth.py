@@ -11,8 +11,9 @@ from fastapi import Header, Request
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.api.body import JSON_TYPE, media_type
 from app.api.errors import service_error_response
-from app.errors import Forbidden, LengthRequired, PayloadTooLarge, ServiceError, Unauthorized
+from app.errors import Forbidden, LengthRequired, PayloadTooLarge, ServiceError, Unauthorized, UnsupportedMediaType
 
 ADMIN_PREFIX = "/admin"
 MAX_ADMIN_BODY_BYTES = 64 << 10  # a policy or a canary split: a few hundred bytes
@@ -66,12 +67,28 @@ def admin_gate(scope: Scope, routes: Sequence[BaseRoute] = ()) -> ASGIApp | None
             raise PayloadTooLarge(
                 f"an admin request's body is limited to {MAX_ADMIN_BODY_BYTES} bytes", code="body_too_large"
             )
+        content_type = media_type(headers.get(b"content-type", b"").decode("latin-1"))
+        if int(declared) and not _json(content_type) and getattr(_route(scope, routes), "body_field", None):
+            # FastAPI would take the body for a string, and refuse it 422 as "not a valid dictionary"
+            raise UnsupportedMediaType(f"an admin request's body is {JSON_TYPE}; got {content_type or 'none'}")
     except ServiceError as exc:
-        template = next((getattr(r, "path", None) for r in routes if r.matches(scope)[0] is not Match.NONE), None)
-        if template is not None:
-            scope["state"]["route"] = template
+        if (route := _route(scope, routes)) is not None:
+            scope["state"]["route"] = getattr(route, "path", None)
         return functools.partial(_refuse, exc)
     return None
+
+
+def _route(scope: Scope, routes: Sequence[BaseRoute]) -> BaseRoute | None:
+    """The route of ``routes`` the request is for: by its path and method, else by its path alone
+    (the method is wrong: a 405), if any."""
+    matches = [(route.matches(scope)[0], route) for route in routes]
+    full = next((route for match, route in matches if match is Match.FULL), None)
+    return full or next((route for match, route in matches if match is Match.PARTIAL), None)
+
+
+def _json(content_type: str) -> bool:
+    """A media type FastAPI reads a body of as JSON: application/json, or application/*+json."""
+    return content_type == JSON_TYPE or (content_type.startswith("application/") and content_type.endswith("+json"))
 
 
 async def _refuse(exc: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:

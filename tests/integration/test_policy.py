@@ -469,6 +469,29 @@ async def test_malformed_json_to_the_admin_api_is_a_400_as_to_predict(make_setti
     assert [(a.status_code, a.json()["code"]) for a in answers] == [(400, "invalid_json")] * 3
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+async def test_an_admin_body_that_is_not_json_is_a_415_as_to_predict(
+    make_settings: SettingsFactory, content_type: str | None
+) -> None:
+    # ``curl -d`` without ``-H 'Content-Type: application/json'`` sends a form: FastAPI took the
+    # body for a string and the answer was a 422 saying the JSON object was not a dictionary
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    body = b'{"normal": {"max_batch": 4}}'
+    async with running_app(admin_settings(make_settings)) as running:
+        answers = [
+            await running.client.put(path, content=body, headers=headers)
+            for path in ("/admin/policy", f"/admin/models/{MODEL_NAME}/canary")
+        ]
+        assert [(a.status_code, a.json()["code"]) for a in answers] == [(415, "unsupported_media_type")] * 2
+        assert all(a.json()["request_id"] == a.headers["x-request-id"] for a in answers)
+        assert "application/json" in answers[0].json()["message"]
+        # a route that takes no body is not refused for one; JSON under any of its names is taken
+        assert (await running.client.post("/admin/policy/reload", content=b"x", headers=headers)).status_code == 200
+        for json_type in ("application/json; charset=utf-8", "Application/JSON", "application/merge-patch+json"):
+            taken = await running.client.put("/admin/policy", content=body, headers={**AUTH, "Content-Type": json_type})
+            assert taken.status_code == 200, (json_type, taken.text)
+
+
 async def test_json_nested_past_the_parsers_depth_is_a_400_invalid_json(make_settings: SettingsFactory) -> None:
     # json.loads gives up on deep nesting with a RecursionError, which FastAPI answers with its
     # own 400 "There was an error parsing the body": the envelope names it as any bad JSON
