@@ -7,9 +7,14 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from app.server import DrainingServer
 
 log = logging.getLogger("app.cli")
 
@@ -108,19 +113,41 @@ def _serve_now(args: argparse.Namespace) -> int:
             service.halt()
 
     server = DrainingServer(config, drain, halt)
+    code = _run(server, failure, f"{settings.server.host}:{settings.server.port}")
+    service = getattr(app.state, "service", None)  # None if the lifespan never ran
+    if service is not None and service.unfinished:
+        _exit_now(code, service.unfinished)
+    return code
+
+
+def _run(server: DrainingServer, failure: list[str], address: str) -> int:
+    """Serve until the server stops; the exit code."""
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught once it has shut down (when
         return EXIT_INTERRUPTED  # asyncio's runner turns it into one: not if serving ended first)
     except SystemExit:  # uvicorn's own start-up failure (the port in use, say): logged by it
         if not failure:  # the app's own failure was named already
-            failure.append(f"the server could not start on {settings.server.host}:{settings.server.port}")
+            failure.append(f"the server could not start on {address}")
     if failure:
         print(f"ai-backend: start-up failed: {failure[0]}", file=sys.stderr)
         return EXIT_START_FAILED
     if not server.started:
         return EXIT_START_FAILED
     return EXIT_INTERRUPTED if server.interrupted else 0
+
+
+def _exit_now(code: int, threads: list[str]) -> NoReturn:
+    """End the process with ``code`` without finalizing the interpreter: ``threads`` are still
+    inside a call that outlasted the shutdown's bounded joins (a large model's warm-up that a
+    SIGTERM cut short, say). Torch, torn down at interpreter exit under such a thread, aborts
+    the process ("terminate called without an active exception", exit -6). Everything with a
+    stop has stopped by now; the logs are flushed first."""
+    log.warning("exiting with %s still inside a call that outlasted the shutdown", ", ".join(threads))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # subcommands that parse their own arguments: name -> (module, help)

@@ -70,6 +70,7 @@ class InferenceService:
         self.tracer = tracer or trace.NoOpTracer()
         self.state = State.STARTING
         self.failure: str | None = None
+        self.unfinished: list[str] = []  # its threads a call held past ``close``'s bounded joins
         self.device = resolve_device(settings.model.device)
         self.dtype = resolve_dtype(settings.model.dtype, self.device)
         self.repository = Repository(settings.model.repository)
@@ -390,8 +391,11 @@ class InferenceService:
         try:
             await self.drain(grace_s)
             # joined, bounded: threads left inside torch at interpreter exit can abort the process
-            await asyncio.to_thread(self._pool.close, cancel_waiting=True)
-            await asyncio.gather(asyncio.to_thread(self._device_thread.close), asyncio.to_thread(self.loader.close))
+            decode = await asyncio.to_thread(self._pool.close, cancel_waiting=True)
+            device, loader = await asyncio.gather(
+                asyncio.to_thread(self._device_thread.close), asyncio.to_thread(self.loader.close)
+            )
+            self.unfinished = [*decode, *device, *loader]
             if self.device.type == "cuda":
                 self.groups.clear()  # the models sit in reference cycles: collected, then released
                 await self.release_unloaded()

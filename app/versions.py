@@ -103,9 +103,9 @@ class VersionLoader:
         # not take an urgent batch's core either
         self._loader = WorkerThreads("loader", nice=settings.model.normal_nice if threads.urgent else 0)
 
-    def close(self) -> None:
-        """Stop the loader thread (blocks: call it off the loop)."""
-        self._loader.close()
+    def close(self) -> list[str]:
+        """Stop the loader thread (blocks: call it off the loop); its name if a load outlasted the join."""
+        return self._loader.close()
 
     @property
     def late_loads(self) -> list[str]:

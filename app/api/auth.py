@@ -46,10 +46,8 @@ def check_api_key(request: Request) -> None:
 
 def admin_gate(scope: Scope, routes: Sequence[BaseRoute] = ()) -> ASGIApp | None:
     """Before the router: a request for the admin API without the right token, or with a body
-    over ``MAX_ADMIN_BODY_BYTES`` or not declared JSON, is answered here (None: it goes on).
-    FastAPI would read and parse a route's body before its dependencies run, the token check
-    among them; and it reads a body of another type (a form's, as ``curl -d`` sends, or none)
-    as no JSON at all, and refused it as no object (422), whatever it held. ``routes``
+    over ``MAX_ADMIN_BODY_BYTES``, is answered here (None: it goes on). FastAPI would read and
+    parse a route's body before its dependencies run, the token check among them. ``routes``
     (the admin API's) name the refusal's route in the metrics, as the router would have."""
     path = scope["path"]
     if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
@@ -69,23 +67,28 @@ def admin_gate(scope: Scope, routes: Sequence[BaseRoute] = ()) -> ASGIApp | None
             raise PayloadTooLarge(
                 f"an admin request's body is limited to {MAX_ADMIN_BODY_BYTES} bytes", code="body_too_large"
             )
-        content_type = headers.get(b"content-type", b"").decode("latin-1")
-        if int(declared) and not _is_json(content_type):
-            raise UnsupportedMediaType(
-                f"an admin request's body is JSON: Content-Type must be {JSON_TYPE}; got {content_type or 'none'}"
-            )
+        content_type = media_type(headers.get(b"content-type", b"").decode("latin-1"))
+        if int(declared) and not _json(content_type) and getattr(_route(scope, routes), "body_field", None):
+            # FastAPI would take the body for a string, and refuse it 422 as "not a valid dictionary"
+            raise UnsupportedMediaType(f"an admin request's body is {JSON_TYPE}; got {content_type or 'none'}")
     except ServiceError as exc:
-        template = next((getattr(r, "path", None) for r in routes if r.matches(scope)[0] is not Match.NONE), None)
-        if template is not None:
-            scope["state"]["route"] = template
+        if (route := _route(scope, routes)) is not None:
+            scope["state"]["route"] = getattr(route, "path", None)
         return functools.partial(_refuse, exc)
     return None
 
 
-def _is_json(content_type: str) -> bool:
-    """A media type FastAPI parses as JSON: ``application/json`` or ``application/*+json``."""
-    kind = media_type(content_type)
-    return kind == JSON_TYPE or (kind.startswith("application/") and kind.endswith("+json"))
+def _route(scope: Scope, routes: Sequence[BaseRoute]) -> BaseRoute | None:
+    """The route of ``routes`` the request is for: by its path and method, else by its path alone
+    (the method is wrong: a 405), if any."""
+    matches = [(route.matches(scope)[0], route) for route in routes]
+    full = next((route for match, route in matches if match is Match.FULL), None)
+    return full or next((route for match, route in matches if match is Match.PARTIAL), None)
+
+
+def _json(content_type: str) -> bool:
+    """A media type FastAPI reads a body of as JSON: application/json, or application/*+json."""
+    return content_type == JSON_TYPE or (content_type.startswith("application/") and content_type.endswith("+json"))
 
 
 async def _refuse(exc: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -209,8 +209,9 @@ class WorkerThreads:
                     return
             _run(call)  # its own frame: nothing of the call stays referenced while this thread waits
 
-    def close(self, timeout_s: float = 10.0, cancel_waiting: bool = False) -> None:
+    def close(self, timeout_s: float = 10.0, cancel_waiting: bool = False) -> list[str]:
         """Finish what is queued (or cancel it), then stop, and join the threads (blocking, bounded).
+        Returns the names of those still running: a call outlasted the join.
 
         Joined rather than left to die with the interpreter: a thread still inside torch at
         interpreter exit can abort the process ("terminate called without an active exception").
@@ -227,6 +228,7 @@ class WorkerThreads:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+        return [thread.name for thread in self._threads if thread.is_alive()]
 
 
 def name_os_thread(name: str) -> None:

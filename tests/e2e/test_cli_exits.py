@@ -173,3 +173,73 @@ def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
     assert "Traceback" not in stderr
     # the handler is set before torch's seconds-long import: the signal comes well before uvicorn's
     assert "SIGTERM before the server started" in stderr, stderr[-2000:]
+
+
+# ``serve``, with a warm-up that stays inside torch (the GIL released) until the process ends, as
+# a large model's warm-up at a large batch does on a CPU, and the shutdown's joins of the
+# service's threads giving up at once instead of after their 10 s
+_WARM_UP_IN_TORCH = """
+import sys
+
+import torch
+
+from app.inference import loader, workers
+
+
+@torch.jit.script
+def _spin(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = x + 1
+    return x
+
+
+def warm_up(self, max_batch, rounds=3, sizes=None):
+    print("warm-up began", file=sys.stderr, flush=True)
+    _spin(torch.zeros(1), 10**12)
+
+
+loader.LayeredModel.warm_up = warm_up
+workers.WorkerThreads.close.__defaults__ = (0.2, False)
+from app.cli import main
+
+sys.exit(main(["serve"]))
+"""
+
+
+def test_sigterm_while_a_device_thread_is_inside_torch_still_exits_0(tmp_path: Path) -> None:
+    """A SIGTERM during a long warm-up (or a batch longer than the shutdown waits for): the
+    thread is still inside torch when the process ends. Ending the interpreter then aborted it
+    ("terminate called without an active exception", exit -6) instead of exiting 0."""
+    from tests.support import copy_repository
+
+    env = {
+        "PYTHONPATH": str(REPO_ROOT),
+        "AI_SERVICE_SERVER__PORT": "0",
+        "AI_SERVICE_MODEL__REPOSITORY": str(copy_repository(tmp_path)),
+        "AI_SERVICE_MODEL__DEVICE_WORKERS": "1",  # one thread spins, not one a core
+        "AI_SERVICE_MODEL__URGENT_WORKERS": "0",
+    }
+    script, log = tmp_path / "serve.py", tmp_path / "stderr.log"
+    script.write_text(_WARM_UP_IN_TORCH)  # a file: TorchScript reads the source of what it compiles
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=REPO_ROOT,
+            env=server_environment(env),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while "warm-up began" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=SERVE_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    output = log.read_text()
+    assert returncode == 0, (returncode, output[-2000:])
+    assert "terminate called" not in output

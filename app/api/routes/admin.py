@@ -28,7 +28,7 @@ async def get_policy(request: Request) -> BatchingSettings:
 @router.put(
     "/policy",
     response_model=BatchingSettings,
-    responses=_ERRORS,
+    responses=error_responses(401, 403, 415, 422),
     summary="Change the batching policy (a partial document merges into the live one)",
 )
 async def put_policy(

@@ -74,7 +74,7 @@ async def rollback(name: str, request: Request) -> ModelVersion:
     return describe_model(request.app.state.service, name)
 
 
-@router.put("/{name}/canary", response_model=ModelVersion, responses=_ERRORS)
+@router.put("/{name}/canary", response_model=ModelVersion, responses=error_responses(401, 403, 404, 409, 415, 422, 503))
 async def set_canary(name: str, body: CanaryRequest, request: Request) -> ModelVersion:
     """Send shares of unpinned traffic to loaded non-default versions (`{}` turns the canary off)."""
     await _manager(request).set_canary(name, body.weights)
