@@ -31,6 +31,8 @@ from app.errors import DeadlineExceeded, Draining
 P = TypeVar("P")
 R = TypeVar("R")
 
+TIMER_RESOLUTION_S = 0.001  # uvloop's timers count whole milliseconds
+
 
 class DualWindowBatcher(Generic[P, R]):
     """Groups submitted payloads into batches for ``runner``, urgent lane first."""
@@ -223,8 +225,18 @@ class DualWindowBatcher(Generic[P, R]):
         return future
 
     def _expire(self, item: Pending[P, R]) -> None:
-        if not item.future.done():
-            item.future.set_exception(DeadlineExceeded("the request's deadline passed before it was computed"))
+        if item.future.done():
+            return
+        if (early := item.deadline - self._clock.now()) > 0:
+            # its timer ran early: uvloop's timers count whole milliseconds, and a third of them ran up
+            # to one early. Answered then, a request in a batch waiting for the device was still computed
+            # there (the device checks the deadline itself), for nobody. Armed again for what is left, a
+            # millisecond at least: uvloop runs a shorter delay at once, and the loop would spin
+            item.timer = self._clock.call_at(
+                self._clock.now() + max(early, TIMER_RESOLUTION_S), lambda: self._expire(item)
+            )
+            return
+        item.future.set_exception(DeadlineExceeded("the request's deadline passed before it was computed"))
 
     def _settled(self, item: Pending[P, R]) -> None:
         if item.timer is not None:

@@ -3,7 +3,9 @@
 On a busy event loop timers run late: a step that takes a few milliseconds (a slow callback, a
 burst of submits) lets a request's deadline pass, and the dispatcher, woken in that step, runs
 before the timer that would have answered it. It used to take the request into its batch by the
-state of its future alone, and the runner got a request already past its deadline."""
+state of its future alone, and the runner got a request already past its deadline.
+
+And a request is not answered as past its deadline before it passed: uvloop's timers run early."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -127,3 +130,57 @@ async def test_a_close_answers_a_queued_request_past_its_deadline_as_such_not_dr
     for task in (running, live):
         with pytest.raises(Draining):
             await task
+
+
+class EarlyClock(FakeClock):
+    """Runs each timer early, as uvloop's do (they count whole milliseconds, from a loop clock
+    read in whole milliseconds): by half its delay, a millisecond at most."""
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Any:
+        return super().call_at(when - min(1 * MS, (when - self.t) / 2), callback)
+
+
+async def test_a_timer_that_runs_early_does_not_answer_the_request_before_its_deadline() -> None:
+    """Answered ``deadline_exceeded`` before its deadline, a request in a batch waiting for the
+    device would still be computed there (the device checks the deadline itself): for nobody."""
+    clock, runner = EarlyClock(), FakeRunner()
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
+    batcher.start()
+    try:
+        request = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 10 * MS))
+        await clock.advance(9.5 * MS)  # its timer ran; its deadline is half a millisecond away
+        assert not request.done(), "answered as past its deadline before it passed"
+        await clock.advance(2 * MS)
+        with pytest.raises(DeadlineExceeded):
+            await request
+        assert runner.batches == []
+    finally:
+        await batcher.close(grace_s=0)
+
+
+def test_on_uvloop_no_request_is_answered_before_its_deadline() -> None:
+    """uvloop, the loop ``ai-backend serve`` runs on, ran a third of the deadline timers up to a
+    millisecond early."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def play() -> list[float]:
+        windows = BatchPolicy(LanePolicy(1.0, 64, 64), LanePolicy(1.0, 64, 64))  # that no deadline here meets
+        batcher: DualWindowBatcher[int, int] = DualWindowBatcher(FakeRunner(), windows)  # the real clock
+        batcher.start()
+        early: list[float] = []
+
+        async def one(i: int) -> None:
+            timeout = (3 + i % 7 + i / 31) * MS  # fractions of a millisecond, as real deadlines have
+            deadline = time.monotonic() + timeout
+            with pytest.raises(DeadlineExceeded):
+                await batcher.submit(i, Lane.URGENT if i % 2 else Lane.NORMAL, timeout)
+            early.append(deadline - time.monotonic())
+
+        try:
+            await asyncio.gather(*(one(i) for i in range(30)))
+        finally:
+            await batcher.close(grace_s=0)
+        return early
+
+    early = uvloop.run(play())
+    assert max(early) <= 0, f"{sum(e > 0 for e in early)} of 30 answered up to {max(early) / MS:.2f} ms early"
