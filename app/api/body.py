@@ -98,7 +98,7 @@ def body_limit(content_type: str, max_image_bytes: int, max_json_bytes: int) -> 
 
 def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int) -> None:
     """What a prediction's headers alone say is wrong with its body, before it is admitted or
-    read: a Content-Type not taken (415), a declared Content-Length past its limit (413). No
+    read: a Content-Type or a Content-Encoding not taken (415), a declared Content-Length past its limit (413). No
     retry mends either, so neither may hide behind a 503 with a Retry-After."""
     content_type: str | None = None
     length: str | None = None
@@ -107,6 +107,11 @@ def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int)
             content_type = value.decode("latin-1")
         elif key == b"content-length" and length is None:
             length = value.decode("latin-1")
+        elif key == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            # a gzipped body read as it came would fail as bad JSON or a bad image: say why (RFC 9110, 8.4.1)
+            raise UnsupportedMediaType(
+                f"Content-Encoding {value.decode('latin-1').strip()} is not taken: send the body unencoded"
+            )
     limit, code = body_limit(media_type(content_type or ""), max_image_bytes, max_json_bytes)
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"body is {length} bytes; the limit is {limit}", code=code)

@@ -8,6 +8,7 @@ the device thread shows up here.
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +143,23 @@ CASES = [
     Case("content_type_text", 415, "unsupported_media_type", PNG, "text/plain"),
     Case("content_type_missing", 415, "unsupported_media_type", PNG, None),
     Case("content_type_gif", 415, "unsupported_media_type", reencode(PNG, "GIF"), "image/gif"),
+    # a content coding we do not decode: refused, not misread as bad JSON or a bad image
+    Case(
+        "content_encoding_gzip",
+        415,
+        "unsupported_media_type",
+        gzip.compress(PNG),
+        "image/png",
+        headers={"Content-Encoding": "gzip"},
+    ),
+    Case(
+        "content_encoding_json",
+        415,
+        "unsupported_media_type",
+        gzip.compress(_image_json(PNG)),
+        JSON,
+        headers={"Content-Encoding": "GZIP, br"},
+    ),
     Case("content_type_form", 415, "unsupported_media_type", b"a=1", "application/x-www-form-urlencoded"),
     # 404 / 405
     Case("unknown_model", 404, "model_not_found", PNG, "image/png", path="/v1/models/nope/predict"),
@@ -237,3 +255,10 @@ async def test_the_service_still_batches_after_all_bad_requests(running: Running
         *(running.client.post("/predict", json={"image_base64": b64(sample_png(d))}) for d in range(10))
     )
     assert [top_label(r.json()) for r in responses] == [str(d) for d in range(10)]
+
+
+async def test_an_identity_content_encoding_is_served(running: RunningApp) -> None:
+    # "identity" is no coding at all (RFC 9110, 8.4.1): only the codings we would have to undo are refused
+    headers = {"Content-Type": "image/png", "Content-Encoding": "identity"}
+    response = await running.client.post("/predict", content=PNG, headers=headers)
+    assert response.status_code == 200, response.text
