@@ -45,6 +45,34 @@ def _log_fatal(message: str) -> None:
     log.critical("start-up failed: %s", message)
 
 
+async def _reread_secrets(app: FastAPI, settings: Settings) -> None:
+    """SIGHUP: the admin token and the API key read again from their files (a rotated Kubernetes
+    Secret, say), so a rotation needs no restart. A file that cannot be used keeps the old secret."""
+    try:
+        secrets = await asyncio.to_thread(read_secrets, settings)
+    except SettingsError as exc:
+        log.error("SIGHUP: the secrets stay as they were: %s", exc)
+        return
+    if secrets != (app.state.admin_token, app.state.api_key):
+        app.state.admin_token, app.state.api_key = secrets
+        log.info("SIGHUP: the admin token or the API key changed in its file and is in use from now on")
+
+
+def _reloader(
+    app: FastAPI, settings: Settings, policy: PolicyManager, tasks: set[asyncio.Task[None]]
+) -> Callable[[], None]:
+    """What SIGHUP does: the config file re-read (by the policy's watch) and the secrets' files
+    (a task of ``tasks``, which the lifespan awaits on close)."""
+
+    def on_sighup() -> None:
+        policy.wake()
+        task = asyncio.get_running_loop().create_task(_reread_secrets(app, settings), name="secrets-reread")
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return on_sighup
+
+
 async def _secrets(settings: Settings, fatal: FatalHandler) -> tuple[bytes | None, bytes | None]:
     """The admin token and the API key. ``serve`` checked their files before starting: here
     only a file changed since fails, and start-up with it."""
@@ -122,13 +150,14 @@ def create_app(
         app.state.starting = starting
         watching = asyncio.create_task(policy.watch(settings.admin.config_watch_s), name="config-watch")
         background = [starting, watching]
-        with _on_sighup(policy.wake):
+        rereads: set[asyncio.Task[None]] = set()
+        with _on_sighup(_reloader(app, settings, policy, rereads)):
             try:
                 yield
             finally:
-                for task in background:
+                for task in [*background, *rereads]:
                     task.cancel()
-                await asyncio.gather(*background, return_exceptions=True)  # nothing of theirs stops the close
+                await asyncio.gather(*background, *rereads, return_exceptions=True)  # nothing of theirs stops the close
                 await service.close(settings.server.shutdown_grace_s)
                 await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take
 

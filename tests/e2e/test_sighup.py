@@ -7,11 +7,13 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.server import spawn_digits
 
 pytestmark = pytest.mark.e2e
+DIGIT = (Path(__file__).parents[2] / "models" / "digits" / "samples" / "digit_7.png").read_bytes()
 
 
 def test_a_sighup_while_the_server_starts_or_exits_does_not_kill_it(tmp_path: Path) -> None:
@@ -59,5 +61,44 @@ def test_a_sighup_as_soon_as_serve_starts_is_ignored(tmp_path: Path) -> None:
         server.wait_ready()  # /readyz 200; fails with its log (and exit code) if the SIGHUP ended it
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, server.stderr()[-3000:]
+    finally:
+        server.stop()
+
+
+def test_a_sighup_rereads_the_admin_token_and_the_api_key_from_their_files(tmp_path: Path) -> None:
+    # a rotated Secret (Kubernetes rewrites the mounted file) took a restart: the token was read once
+    token_file, key_file = tmp_path / "admin-token", tmp_path / "api-key"
+    token_file.write_text("old-admin-token-0123456789")
+    key_file.write_text("old-api-key-0123456789")
+    env = {
+        "AI_SERVICE_ADMIN__ENABLED": "true",
+        "AI_SERVICE_ADMIN__TOKEN_FILE": str(token_file),
+        "AI_SERVICE_SERVER__API_KEY_FILE": str(key_file),
+    }
+    server = spawn_digits(tmp_path, env)
+    try:
+        server.wait_ready()
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+
+            def statuses(token: str, key: str) -> tuple[int, int]:
+                admin = client.get("/admin/policy", headers={"Authorization": f"Bearer {token}"})
+                headers = {"Authorization": f"Bearer {key}", "Content-Type": "image/png"}
+                predicted = client.post("/predict", content=DIGIT, headers=headers)
+                return admin.status_code, predicted.status_code
+
+            assert statuses("old-admin-token-0123456789", "old-api-key-0123456789") == (200, 200)
+            token_file.write_text("new-admin-token-0123456789")
+            key_file.write_text("new-api-key-0123456789")
+            server.process.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while statuses("new-admin-token-0123456789", "new-api-key-0123456789") != (200, 200):
+                assert time.monotonic() < deadline, server.stderr()[-3000:]
+                time.sleep(0.05)
+            assert statuses("old-admin-token-0123456789", "old-api-key-0123456789") == (403, 403)
+            token_file.write_text("short")  # unusable: the secret in use stays
+            server.process.send_signal(signal.SIGHUP)
+            time.sleep(0.5)
+            assert statuses("new-admin-token-0123456789", "new-api-key-0123456789") == (200, 200)
+            assert "the secrets stay as they were" in server.stderr()
     finally:
         server.stop()
