@@ -14,7 +14,8 @@ from app.api.schemas import ModelVersion
 from app.lifecycle.manager import LifecycleManager
 
 router = APIRouter(prefix="/admin/models", tags=["admin"], dependencies=[Depends(require_admin)])
-_ERRORS = error_responses(401, 403, 404, 409, 415, 422, 503)
+_ERRORS = error_responses(401, 403, 404, 409, 422, 503)
+_BODY_ERRORS = {**_ERRORS, **error_responses(415)}  # a body not declared JSON (the admin gate)
 
 
 class CanaryRequest(BaseModel):
@@ -74,7 +75,7 @@ async def rollback(name: str, request: Request) -> ModelVersion:
     return describe_model(request.app.state.service, name)
 
 
-@router.put("/{name}/canary", response_model=ModelVersion, responses=error_responses(401, 403, 404, 409, 415, 422, 503))
+@router.put("/{name}/canary", response_model=ModelVersion, responses=_BODY_ERRORS)
 async def set_canary(name: str, body: CanaryRequest, request: Request) -> ModelVersion:
     """Send shares of unpinned traffic to loaded non-default versions (`{}` turns the canary off)."""
     await _manager(request).set_canary(name, body.weights)
