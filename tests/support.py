@@ -276,8 +276,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def server_environment(overrides: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
     """This process's environment for a server subprocess: no ``AI_SERVICE_*`` setting (nor any
     other prefix in ``drop``), unbuffered output, tracebacks of every thread on a crash (an abort
-    at exit leaves them in the log), then ``overrides``."""
+    at exit leaves them in the log), then ``overrides``. A ``PYTHONPATH`` among them goes before
+    this process's own, which stays (packages installed with ``pip --target``, as on a GPU host)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AI_SERVICE_", *drop))}
     env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.update(overrides or {})
+    inherited = os.environ.get("PYTHONPATH")
+    if inherited and overrides and "PYTHONPATH" in overrides:
+        env["PYTHONPATH"] = os.pathsep.join([overrides["PYTHONPATH"], inherited])
     return env
