@@ -41,7 +41,7 @@ PY
 cat "$out/device.txt"
 
 log "(i) tests/gpu"
-timeout 300 "$py" -m pytest tests/gpu -v -s -rA -p no:cacheprovider >"$out/tests.log" 2>&1
+timeout 240 "$py" -m pytest tests/gpu -v -s -rA -p no:cacheprovider >"$out/tests.log" 2>&1
 echo "tests rc=$?" | tee -a "$out/steps.log"
 tail -15 "$out/tests.log"
 
@@ -103,7 +103,7 @@ echo "server exit $?" | tee -a "$out/steps.log"
 
 if [ -n "${E2E:-}" ]; then  # the end-to-end suite on this machine's defaults (cuda:0, fp16)
   log "(v) tests/e2e"
-  timeout 300 "$py" -m pytest tests/e2e -q -rA -p no:cacheprovider >"$out/e2e.log" 2>&1
+  timeout 200 "$py" -m pytest tests/e2e -q -rA -p no:cacheprovider >"$out/e2e.log" 2>&1
   echo "e2e rc=$?" | tee -a "$out/steps.log"
   tail -30 "$out/e2e.log"
 fi
