@@ -132,6 +132,16 @@ class VersionLoader:
         log.error("loading %s: the device failed (%s): %s", label, fault.value, line)
         return DeviceUnavailable(f"loading {label}: the device failed ({fault.value}); try again later")
 
+    def _pads(self, device: torch.device) -> bool:
+        """Whether batches on ``device`` are padded to a few sizes (``model.pad_batches``)."""
+        setting = self.settings.model.pad_batches
+        return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+    def _largest_batch(self) -> int:
+        """The biggest batch the policy in force allows: padded batches go no bigger."""
+        policy = self._policy()
+        return max(policy.urgent.max_batch, policy.normal.max_batch)
+
     async def _warm_up(self, model: LayeredModel, every_thread: bool) -> None:
         """Run the batch sizes serving will see. Before serving, on every device thread: each
         keeps its own allocator arena, grown to the largest batch it has run, and warmed on one
@@ -139,8 +149,7 @@ class VersionLoader:
         MiB resident once ready, 960 once the other two threads had run a batch of 32). A version
         loaded while serving warms one batch size a call (the arenas are grown by then), so the
         batches queued meanwhile run between them, urgent ones first: a GPU has one thread."""
-        policy = self._policy()
-        biggest = max(policy.urgent.max_batch, policy.normal.max_batch)
+        biggest = self._largest_batch()
         if every_thread:
             await self._device_thread.run_on_each(functools.partial(model.warm_up, biggest))
             return
@@ -172,6 +181,8 @@ class VersionLoader:
         def load() -> LayeredModel:
             manifest = self.repository.manifest(name, version)
             model = LayeredModel.load(folder, manifest, self.device, self.dtype)
+            if self._pads(self.device):
+                model.largest_batch = self._largest_batch
             if self.settings.model.eager_heads:
                 model.load_all_heads()
             elif self.settings.model.warmup:  # the warm-up's first use: here, not on a device thread
@@ -239,6 +250,8 @@ class VersionLoader:
 
         def cpu_fallback() -> LayeredModel:  # called on the device thread
             fallback = LayeredModel.load(folder, manifest, torch.device("cpu"), torch.float32)
+            if self._pads(fallback.device):
+                fallback.largest_batch = self._largest_batch
             fallback.load_all_heads()
             fallback.self_check()
             served_from = (str(self.device), dtype_name(self.dtype))

@@ -183,7 +183,8 @@ class ModelRunner:
 
     def _forward(self, model: Model, images: list[torch.Tensor]) -> list[TopK | ServiceError]:
         with torch.inference_mode():
-            probabilities = model.probabilities(model.batch(images))
+            # a padded batch's extra rows are zero images: not answers
+            probabilities = model.probabilities(model.batch(images))[: len(images)]
             values, indices = probabilities.topk(self._k, dim=1)
             finite = torch.isfinite(probabilities).all(dim=1)
             values, indices, finite = values.cpu(), indices.cpu(), finite.cpu()

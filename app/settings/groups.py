@@ -170,6 +170,11 @@ class ModelSettings(_Group):
         default=30.0, description="a model load taking longer stops start-up (409 through the admin API)"
     )
     warmup: bool = Field(default=True, description="run batches up to the max batch size before ready")
+    pad_batches: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="pad each batch to the next power of two (or the max batch), so the device sees few shapes, "
+        "all warmed: auto pads on CUDA, where each new shape costs cuDNN about a second of host CPU, not on the CPU",
+    )
     cpu_fallback: bool = Field(
         default=False, description="serve from the CPU in fp32 when the device keeps failing (health: degraded)"
     )
@@ -193,7 +198,10 @@ class ModelSettings(_Group):
         description="OS priority offset (nice) of the threads running normal batches, where urgent-only ones exist",
     )
     intra_op_threads: int = Field(
-        default=0, ge=0, le=256, description="torch threads per batch; 0: on the CPU, its cores / device_workers"
+        default=0,
+        ge=0,
+        le=256,
+        description="torch threads per batch; 0: on the CPU, its cores / device_workers; on CUDA, 1",
     )
     inter_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
     onednn_primitive_cache: int = Field(

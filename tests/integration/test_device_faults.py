@@ -245,3 +245,30 @@ async def test_each_out_of_memory_is_counted_shown_on_its_batch_span_and_logged_
     assert (line.model, line.version) == (MODEL_NAME, "1")  # type: ignore[attr-defined]
     (lowered,) = [r for r in caplog.records if "ceiling lowered" in r.getMessage()]
     assert lowered.getMessage().startswith(f"{MODEL_NAME}/1: ")
+
+
+async def test_padded_batches_split_on_oom_and_every_image_keeps_its_own_answer(make_settings: SettingsFactory) -> None:
+    # model.pad_batches=on pads on the CPU too (auto pads on CUDA only): batches run at 1, 2, 4 or 6
+    lanes = {"urgent": {"max_batch": 2}, "normal": {"window_ms": 20_000.0, "max_batch": 6, "max_queue": 64}}
+    settings = make_settings(model={"pad_batches": "on"}, batching={**lanes, "admission_headroom": 1.0})
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        model = served.runner.model
+        assert isinstance(model, LayeredModel) and model.largest_batch is not None
+        faulty = Faulty(model, fail_at=5)
+        served.runner.model = faulty  # type: ignore[assignment]
+        digits = [9, 1, 7, 3, 0, 4]
+        responses = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in digits))
+        assert [top_label(r.json()) for r in responses] == [str(d) for d in digits]
+        assert faulty.sizes == [6, 4, 4], "6 fails; each half of 3 runs padded to 4"
+        assert served.batcher.ceiling == 3
+        more = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in (8, 2, 5)))
+        assert [top_label(r.json()) for r in more] == ["8", "2", "5"]
+        assert [r.json()["batch_size"] for r in more] == [3, 3, 3], "the batch as the requests made it"
+        assert faulty.sizes[3:] == [4], "run padded to 4, under the failing size"
+
+
+async def test_batches_are_not_padded_on_the_cpu_by_default(make_settings: SettingsFactory) -> None:
+    async with running_app(make_settings()) as running:
+        model = running.service.models[MODEL_NAME].runner.model
+        assert isinstance(model, LayeredModel) and model.largest_batch is None

@@ -15,8 +15,8 @@ from app.inference.device import CpuLimit, Threads, cpu_cores, cpu_limit, plan_t
 CPU, GPU = torch.device("cpu"), torch.device("cuda:0")
 
 
-def test_a_gpu_gets_one_worker_and_keeps_torch_s_threads() -> None:
-    assert plan_threads(GPU, 0, 0, 0, cores=16) == Threads(1, 0, 8, 0)
+def test_a_gpu_gets_one_worker_and_one_torch_thread() -> None:
+    assert plan_threads(GPU, 0, 0, 0, cores=16) == Threads(1, 1, 8, 0), "one torch thread: the GPU computes"
     assert plan_threads(GPU, 3, 4, 2, cores=16) == Threads(3, 4, 2), "explicit settings win"
 
 
