@@ -45,6 +45,7 @@ from app.inference.repository import ModelEntry, Repository
 from app.inference.workers import WorkerThreads
 from app.interpreter import Tuning
 from app.prediction import Outcome, Predictor
+from app.rewarm import Rewarmer
 from app.routing import ModelGroup, Routing
 from app.settings import BatchingSettings, Settings
 from app.telemetry.metrics import Metrics
@@ -117,6 +118,7 @@ class InferenceService:
             policy=lambda: self._policy,
             release=self.release_unloaded,
         )
+        self.rewarm = Rewarmer(self.loader)  # the sizes a bigger max batch brings, warmed while serving
         self.metrics.scrape_time.queue_depths = self._queue_depths
         self.metrics.scrape_time.queue_capacities = self._queue_capacities
         self.metrics.scrape_time.batch_ceilings = self._batch_ceilings
@@ -295,10 +297,13 @@ class InferenceService:
         await asyncio.to_thread(release_memory, self.device)
 
     def set_policy(self, batching: BatchingSettings) -> None:
-        """Every batcher takes the new policy from its next batch."""
-        self._policy = batch_policy(batching)
+        """Every batcher takes the new policy from its next batch; batch sizes it newly allows are
+        warmed in the background (on the event loop: it starts that task)."""
+        before, self._policy = self._policy, batch_policy(batching)
         for served in self.all_served():
             served.batcher.set_policy(self._policy)
+        if self.state is State.READY and self._policy.largest_batch > before.largest_batch:
+            self.rewarm.start(self.all_served())
 
     def served(self, name: str | None, version: str | None = None) -> ServedModel:
         """The version that answers: pinned, canary, or default; 404 unknown, 503 not ready/loaded."""
@@ -389,6 +394,7 @@ class InferenceService:
         """Drain (if nobody did yet), then stop the threads and release the device. The process's
         tuning is put back however it ends (cut short, the loop's thread would stay batch)."""
         try:
+            await self.rewarm.close()
             await self.drain(grace_s)
             # joined, bounded: threads left inside torch at interpreter exit can abort the process
             decode = await asyncio.to_thread(self._pool.close, cancel_waiting=True)

@@ -139,8 +139,7 @@ class VersionLoader:
 
     def _largest_batch(self) -> int:
         """The biggest batch the policy in force allows: padded batches go no bigger."""
-        policy = self._policy()
-        return max(policy.urgent.max_batch, policy.normal.max_batch)
+        return self._policy().largest_batch
 
     async def _warm_up(self, model: LayeredModel, every_thread: bool) -> None:
         """Run the batch sizes serving will see. Before serving, on every device thread: each
@@ -155,6 +154,19 @@ class VersionLoader:
             return
         for size in model.warm_up_sizes(biggest):
             await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
+
+    async def warm_new_sizes(self, model: LayeredModel) -> list[int]:
+        """The sizes a warm-up would run under the policy now in force that ``model`` has not run
+        (the policy allowed bigger batches), one a device call, so batches run between them; the
+        sizes it ran. Without it the first batch at a new size pays the device's set-up for that
+        shape: about a second of host CPU on CUDA, holding every batch behind it."""
+        if not self.settings.model.warmup:
+            return []
+        biggest = self._largest_batch()
+        sizes = [size for size in model.warm_up_sizes(biggest) if size not in model.warmed]
+        for size in sizes:
+            await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
+        return sizes
 
     async def _warmed(self, model: LayeredModel, every_thread: bool) -> tuple[Fault, str] | None:
         """Warm ``model`` up; the device's failure (its fault and line) if the device failed it."""

@@ -40,15 +40,14 @@ class Ceiling:
         """A batch of ``size`` ran without failing."""
         if self.value is None:
             return
-        largest = max(policy.urgent.max_batch, policy.normal.max_batch)
-        if self.value >= largest:  # the policy's own sizes went under it since: it caps nothing
+        if self.value >= policy.largest_batch:  # the policy's own sizes went under it since: it caps nothing
             self.value, self._calm = None, 0
             return
         if size != self.value:
             return
         self._calm += 1
         if self._calm >= self.recovery_batches:
-            self.value = None if self.value * 2 >= largest else self.value * 2
+            self.value = None if self.value * 2 >= policy.largest_batch else self.value * 2
             self._calm = 0
             log.info("%s: batch ceiling raised to %s", self._name, self.value or "the policy's max")
 

@@ -87,6 +87,11 @@ class BatchPolicy:
     admission_headroom: float = 1.0
     urgent_fill_backlog: int = 1  # under ``backlog``: full normal batches waiting per batch in flight
 
+    @property
+    def largest_batch(self) -> int:
+        """The biggest batch either lane may form."""
+        return max(self.urgent.max_batch, self.normal.max_batch)
+
     def __post_init__(self) -> None:
         if not 0 < self.admission_headroom <= 1:
             raise ValueError("admission_headroom must be in (0, 1]")

@@ -247,6 +247,7 @@ class LayeredModel:
     # set: batches are padded to a few sizes (``padded_size``) up to the largest batch the policy
     # allows now (read at each batch: a policy change moves it)
     largest_batch: Callable[[], int] | None = None
+    warmed: set[int] = field(default_factory=set)  # the batch sizes its warm-ups ran
 
     @classmethod
     def load(cls, folder: Path, manifest: Manifest, device: torch.device, dtype: torch.dtype) -> LayeredModel:
@@ -433,8 +434,9 @@ class LayeredModel:
         pay no compilation and no load: the default head, which every request uses, is loaded
         (and checked) first; the others stay lazy."""
         self.head()
+        sizes = self.warm_up_sizes(max_batch) if sizes is None else sizes
         with torch.inference_mode():
-            for size in self.warm_up_sizes(max_batch) if sizes is None else sizes:
+            for size in sizes:
                 batch = self.dummy_batch(size)
                 for _ in range(rounds):
                     features = self.features(batch)
@@ -442,3 +444,4 @@ class LayeredModel:
                         head(features)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.warmed.update(sizes)

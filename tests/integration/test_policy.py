@@ -22,6 +22,7 @@ from tests.conftest import SettingsFactory
 from tests.support import MODEL_NAME, running_app, sample_png
 
 TOKEN = "s3cret-admin-token-0123456789"
+BIGGER = {"normal": {"max_batch": 64, "max_queue": 64}}  # a bigger max batch than the tests' policy
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -83,6 +84,58 @@ async def test_a_policy_change_applies_from_the_next_batch(make_settings: Settin
         responses = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(4)))
         assert [r.json()["batch_size"] for r in responses] == [2, 2, 2, 2], "full at the new max, not the old 8"
         assert (await running.client.get("/admin/policy", headers=AUTH)).json() == changed.json()
+
+
+# the warm-up at start runs up to the urgent lane's 16: the smallest, the largest and one between, or
+# every padded size; then 64: its own sizes, those not run yet
+@pytest.mark.parametrize(
+    ("pad", "before", "after"), [("off", {1, 8, 16}, {32, 64}), ("on", {1, 2, 4, 8, 16}, {32, 64})]
+)
+async def test_a_bigger_max_batch_is_warmed_while_serving(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture, pad: str, before: set[int], after: set[int]
+) -> None:
+    """A policy raising the max batch brings sizes the device never ran (on CUDA each costs its
+    set-up, about a second, on the first batch at it): they are warmed in the background."""
+    settings = admin_settings(make_settings, model={"warmup": True, "pad_batches": pad})
+    async with running_app(settings) as running:
+        model = running.service.models[MODEL_NAME].runner.model
+        assert model.warmed == before
+        changed = await running.client.put("/admin/policy", headers=AUTH, json=BIGGER)
+        assert changed.status_code == 200, changed.text
+        warming = running.service.rewarm.task
+        assert warming is not None
+        answered = await running.predict_png(sample_png(5), headers={"X-Urgency": "high"})
+        assert answered.status_code == 200, "served while it warms"
+        with caplog.at_level(logging.INFO, logger="app.rewarm"):
+            await asyncio.wait_for(warming, 30)
+        assert model.warmed == before | after
+        assert f"warmed {MODEL_NAME}/1 at batch sizes {sorted(after)} for the new policy" in caplog.text, "only those"
+        lowered = await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 4}})
+        assert lowered.status_code == 200 and running.service.rewarm.task is warming, "nothing new to warm"
+
+
+async def test_a_warm_up_still_running_at_shutdown_is_cancelled(make_settings: SettingsFactory) -> None:
+    settings = admin_settings(make_settings, model={"warmup": True})
+    release = threading.Event()  # the device thread's warm-up call ends once the close cancelled the task
+    async with running_app(settings) as running:
+        model, rewarm = running.service.models[MODEL_NAME].runner.model, running.service.rewarm
+        warm_up, close = model.warm_up, rewarm.close
+
+        def held(*args: object, **kwargs: object) -> None:
+            release.wait(10)
+            warm_up(*args, **kwargs)
+
+        async def close_then_release() -> None:
+            await close()
+            release.set()
+
+        model.warm_up, rewarm.close = held, close_then_release
+        changed = await running.client.put("/admin/policy", headers=AUTH, json=BIGGER)
+        assert changed.status_code == 200, changed.text
+        warming = rewarm.task
+        assert warming is not None
+    assert warming.cancelled(), "the lifespan's close ended it"
+    assert release.is_set()
 
 
 async def test_each_fill_mode_can_be_set_and_what_get_says_can_be_put_back(make_settings: SettingsFactory) -> None:
