@@ -4,7 +4,8 @@ given back at shutdown.
 
 Skipped where torch sees no CUDA device (CI and the 2-core machines have none); elsewhere the
 tests/integration suites cover the same paths with injected faults. ``scripts/gpu_check.sh``
-runs these with the end-to-end server tests and the GPU throughput figures.
+runs these with the end-to-end server tests and the GPU throughput figures. The real
+out-of-memory test comes last: on the first GPU run it crashed the process (see its comment).
 """
 
 from __future__ import annotations
@@ -133,6 +134,24 @@ async def test_memory_goes_back_to_the_driver_at_shutdown(make_settings: Setting
     assert after <= before, "the closed service holds no device memory"
 
 
+def test_the_served_process_runs_on_cuda_0_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    """The README's serve command on a GPU machine: its defaults pick cuda:0 in fp16; SIGTERM drains."""
+    import httpx
+
+    server = spawn_digits(tmp_path, env={"AI_SERVICE_MODEL__WARMUP": "true"})
+    try:
+        server.wait_ready()
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            health = client.get("/healthz").json()
+            assert (health["status"], health["device"], health["dtype"]) == ("ok", "cuda:0", "float16")
+            answer = client.post("/predict", content=sample_png(7), headers={"Content-Type": "image/png"})
+            assert answer.status_code == 200 and top_label(answer.json()) == "7"
+    finally:
+        code = server.stop()
+    assert code == 0, server.stderr()[-4000:]
+    assert "drained in" in server.stderr()
+
+
 def peak_bytes(model: LayeredModel, size: int) -> int:
     """What a batch of ``size`` takes on the device beyond what is allocated already."""
     torch.cuda.synchronize(CUDA)
@@ -204,21 +223,3 @@ async def test_a_real_out_of_memory_splits_the_batch_and_the_ceiling_climbs_back
             more = await asyncio.gather(*(running.predict_png(image) for image in images))
             assert [r.status_code for r in more] == [200] * 256
         assert served.batcher.ceiling is None, "the ceiling climbed back once the memory was there"
-
-
-def test_the_served_process_runs_on_cuda_0_and_exits_0_on_sigterm(tmp_path: Path) -> None:
-    """The README's serve command on a GPU machine: its defaults pick cuda:0 in fp16; SIGTERM drains."""
-    import httpx
-
-    server = spawn_digits(tmp_path, env={"AI_SERVICE_MODEL__WARMUP": "true"})
-    try:
-        server.wait_ready()
-        with httpx.Client(base_url=server.url, timeout=10.0) as client:
-            health = client.get("/healthz").json()
-            assert (health["status"], health["device"], health["dtype"]) == ("ok", "cuda:0", "float16")
-            answer = client.post("/predict", content=sample_png(7), headers={"Content-Type": "image/png"})
-            assert answer.status_code == 200 and top_label(answer.json()) == "7"
-    finally:
-        code = server.stop()
-    assert code == 0, server.stderr()[-4000:]
-    assert "drained in" in server.stderr()
