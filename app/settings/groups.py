@@ -169,7 +169,11 @@ class ModelSettings(_Group):
     load_timeout_s: Seconds = Field(
         default=30.0, description="a model load taking longer stops start-up (409 through the admin API)"
     )
-    warmup: bool = Field(default=True, description="run batches up to the max batch size before ready")
+    warmup: bool = Field(
+        default=True,
+        description="run batches up to the max batch size before ready; without it, on CUDA, the first batch at "
+        "each size holds the device about a second while its shape is set up",
+    )
     pad_batches: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="pad each batch to the next power of two (or the max batch), so the device sees few shapes, "

@@ -180,8 +180,7 @@ async def test_a_real_out_of_memory_splits_the_batch_and_the_ceiling_climbs_back
             "default": "mobilenet_v3_small",
             "device": "cuda:0",
             "dtype": "float16",
-            "warmup": True,
-            "load_timeout_s": 120.0,  # 9 padded sizes, each about 2 s of cuDNN set-up on the first GPU run
+            "warmup": True,  # 9 padded sizes, about 2 s of set-up each on the first GPU run
         },
         batching={"normal": normal, "admission_headroom": 1.0},
     )
