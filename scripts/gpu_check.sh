@@ -14,7 +14,7 @@
 # Writes OUT_DIR/summary.md and every report beside it. PYTHON (default .venv/bin/python) runs each
 # step; each is bounded in time. Knobs: MODEL, CONCURRENCIES ("64 256"), DURATION (8), PORT (8932), SWEEP_MAX (512),
 # DEVICE (cuda; cpu runs the same steps on the CPU, to try the script where there is no GPU), E2E (set: the
-# end-to-end tests too, after the figures).
+# end-to-end tests too, after the figures), CORE_VARIANTS (the in-process run again with other settings).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-out/gpu}
@@ -67,6 +67,16 @@ log "(iv) core, no HTTP (normal max batch $serve_batch)"
 timeout 90 "$py" -m app.cli core --images "$out/images" --concurrency 256 --seconds "$duration" --warmup 3 \
   --out "$out/core.json" >/dev/null 2>"$out/core.log"
 echo "core rc=$?" | tee -a "$out/steps.log"
+# CORE_VARIANTS="label:ENV=V ENV2=V2;label2:ENV=V": the same in-process run with other settings, after the
+# defaults', into core-LABEL.json (the next GPU levers: decode threads, say)
+IFS=';' read -ra variants <<<"${CORE_VARIANTS:-}"
+for variant in "${variants[@]}"; do
+  label=${variant%%:*}
+  read -ra assignments <<<"${variant#*:}"
+  timeout 90 env "${assignments[@]}" "$py" -m app.cli core --images "$out/images" --concurrency 256 --seconds "$duration" \
+    --warmup 3 --out "$out/core-$label.json" >/dev/null 2>"$out/core-$label.log"
+  echo "core $label rc=$?" | tee -a "$out/steps.log"
+done
 
 log "(iv) served"
 "$py" -m app.cli serve --port "$port" >"$out/server.log" 2>&1 &
@@ -139,6 +149,10 @@ if limit:
         lines.append(f"- **GPU limit** min(decode {decode_rate:.0f}, device {device_best:.0f}) = **{gpu_limit:.0f} images/s**")
         if core:
             lines.append(f"- core, no HTTP: {core.get('throughput_rps')} requests/s = {core.get('throughput_rps', 0) / gpu_limit:.2f} of it")
+        for path in sorted(glob.glob(os.path.join(out, "core-*.json"))):
+            variant = json.load(open(path))
+            lines.append(f"- core, no HTTP, {os.path.basename(path)[5:-5]}: {variant['throughput_rps']} requests/s = "
+                         f"{variant['throughput_rps'] / gpu_limit:.2f} of it, cpu {json.dumps(variant.get('cpu'))[:300]}")
         for path in sorted(glob.glob(os.path.join(out, "bench-c*.json"))):
             b = json.load(open(path))
             latency = {lane: (v["p50_ms"], v["p99_ms"]) for lane, v in b["latency"].items() if v["count"]}
