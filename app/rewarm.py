@@ -1,18 +1,25 @@
-"""Warming the batch sizes a policy change newly allows, in the background, while serving.
+"""Warming the batch sizes a policy change brings, in the background, while serving.
 
-A change through the admin API or the config file applies from the next batch; a bigger max
-batch brings batch sizes (on CUDA, padded sizes) the device has never run, and the first batch
-at each would pay the device's set-up for its shape: about a second of host CPU per shape on
-CUDA, holding every batch behind it. The warm-up that start-up runs is run again for the sizes
-missing, one a device call so that batches run between them. One task at a time: a later change
-replaces it (the sizes warmed so far stay warmed); ``close`` cancels it.
+A change through the admin API or the config file applies from the next batch; a new largest
+batch brings batch sizes (on CUDA, padded sizes: a lowered max batch that is no power of two
+is one) the device has never run, and the first batch at each would pay the device's set-up
+for its shape: about a second of host CPU per shape on CUDA, holding every batch behind it.
+The warm-up that start-up runs is run again for the sizes missing, one a device call so that
+batches run between them. One task at a time: a later change replaces it (the sizes warmed so
+far stay warmed); ``close`` cancels it.
+
+Each call looks the version up again, under the policy in force then: a version unloaded
+meanwhile is not warmed, nor a size a later policy no longer allows. No served version is held
+(held by this task, an unloaded one outlived its unload's collection, then was frozen with the
+rest, never freed), only the model of the call in progress, by that call; ``settled`` waits for
+it, so that an unload's release of device memory comes after the model is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from app.inference.device import device_fault, fault_line
 from app.inference.loader import LayeredModel
@@ -20,35 +27,70 @@ from app.versions import ServedModel, VersionLoader
 
 log = logging.getLogger(__name__)
 
+FAILED = -1  # a step's outcome: the device call failed (logged), the version's warm-up ends
+
 
 class Rewarmer:
-    def __init__(self, loader: VersionLoader) -> None:
+    def __init__(self, loader: VersionLoader, served: Callable[[], Sequence[ServedModel]]) -> None:
         self._loader = loader
+        self._served = served  # the versions served now
         self.task: asyncio.Task[None] | None = None  # the warm-up in progress, if any
+        self._step: asyncio.Task[int | None] | None = None  # its device call in progress, if any
 
-    def start(self, served: Sequence[ServedModel]) -> None:
-        """Warm what ``served`` lacks under the policy now in force (on the event loop)."""
+    def start(self) -> None:
+        """Warm what the versions served lack under the policy now in force (on the event loop)."""
         if self.task is not None:
             self.task.cancel()
-        self.task = asyncio.get_running_loop().create_task(self._warm(list(served)), name="rewarm")
+        versions = [(served.name, served.version) for served in self._served()]
+        self.task = asyncio.get_running_loop().create_task(self._warm(versions), name="rewarm")
 
-    async def _warm(self, served: list[ServedModel]) -> None:
-        for version in served:
-            model = version.runner.model
-            if not isinstance(model, LayeredModel):
-                continue
-            try:
-                sizes = await self._loader.warm_new_sizes(model)
-            except Exception as exc:  # the device failed a warm-up batch: serving goes on, the size unwarmed
-                if device_fault(exc) is None:
-                    log.exception("warming %s/%s for the new policy failed", version.name, version.version)
-                else:
-                    log.warning("warming %s/%s for the new policy: %s", version.name, version.version, fault_line(exc))
-                continue
-            if sizes:
-                log.info("warmed %s/%s at batch sizes %s for the new policy", version.name, version.version, sizes)
+    async def _warm(self, versions: list[tuple[str, str]]) -> None:
+        for name, version in versions:
+            warmed: list[int] = []
+            while True:
+                await self.settled()  # a replaced task's call first: one at a time
+                step = self._step = asyncio.get_running_loop().create_task(
+                    self._one(name, version, warmed), name="rewarm-step"
+                )
+                # shielded: cancelled, this task ends, its call runs on (``settled`` waits for it)
+                size = await asyncio.shield(step)
+                if size is None or size == FAILED:
+                    break
+                warmed.append(size)
+            if warmed:
+                log.info("warmed %s/%s at batch sizes %s for the new policy", name, version, warmed)
+
+    def _model(self, name: str, version: str) -> LayeredModel | None:
+        for served in self._served():
+            if (served.name, served.version) == (name, version):
+                model = served.runner.model
+                return model if isinstance(model, LayeredModel) else None
+        return None  # unloaded since
+
+    async def _one(self, name: str, version: str, tried: Sequence[int]) -> int | None:
+        """One size ``name/version`` lacks, warmed: the size, None when none is left (or the
+        version is gone), ``FAILED`` when the device failed it. Its frame alone holds the model."""
+        model = self._model(name, version)
+        size = None if model is None else self._loader.unwarmed_size(model, skip=tried)
+        if model is None or size is None:
+            return None
+        try:
+            await self._loader.warm_size(model, size)
+        except Exception as exc:  # the device failed a warm-up batch: serving goes on, the size unwarmed
+            if device_fault(exc) is None:
+                log.exception("warming %s/%s for the new policy failed", name, version)
+            else:
+                log.warning("warming %s/%s for the new policy: %s", name, version, fault_line(exc))
+            return FAILED
+        return size
+
+    async def settled(self) -> None:
+        """Until the device call a warm-up runs, if any, ended (a cancelled warm-up's too)."""
+        if self._step is not None:
+            await asyncio.wait([self._step])
 
     async def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        for task in (self.task, self._step):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)

@@ -118,7 +118,7 @@ class InferenceService:
             policy=lambda: self._policy,
             release=self.release_unloaded,
         )
-        self.rewarm = Rewarmer(self.loader)  # the sizes a bigger max batch brings, warmed while serving
+        self.rewarm = Rewarmer(self.loader, self.all_served)  # the sizes a new max batch brings, warmed while serving
         self.metrics.scrape_time.queue_depths = self._queue_depths
         self.metrics.scrape_time.queue_capacities = self._queue_capacities
         self.metrics.scrape_time.batch_ceilings = self._batch_ceilings
@@ -292,7 +292,9 @@ class InferenceService:
     async def release_unloaded(self) -> None:
         """Free what unloaded versions held: the collector (frozen once warm) must look at them
         again, and on CUDA the freed blocks go back to the driver (off the loop: it waits for the
-        device, which may be running a batch)."""
+        device, which may be running a batch). A background warm-up's device call ends first: it
+        may hold the version just unloaded, whose blocks would be freed after the release."""
+        await self.rewarm.settled()
         await asyncio.to_thread(self._tuning.collect_unloaded)
         await asyncio.to_thread(release_memory, self.device)
 
@@ -302,8 +304,9 @@ class InferenceService:
         before, self._policy = self._policy, batch_policy(batching)
         for served in self.all_served():
             served.batcher.set_policy(self._policy)
-        if self.state is State.READY and self._policy.largest_batch > before.largest_batch:
-            self.rewarm.start(self.all_served())
+        # lowered, a padded batch may take a new size too (the new largest, no power of two)
+        if self.state is State.READY and self._policy.largest_batch != before.largest_batch:
+            self.rewarm.start()
 
     def served(self, name: str | None, version: str | None = None) -> ServedModel:
         """The version that answers: pinned, canary, or default; 404 unknown, 503 not ready/loaded."""

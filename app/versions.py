@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -155,18 +155,19 @@ class VersionLoader:
         for size in model.warm_up_sizes(biggest):
             await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
 
-    async def warm_new_sizes(self, model: LayeredModel) -> list[int]:
-        """The sizes a warm-up would run under the policy now in force that ``model`` has not run
-        (the policy allowed bigger batches), one a device call, so batches run between them; the
-        sizes it ran. Without it the first batch at a new size pays the device's set-up for that
-        shape: about a second of host CPU on CUDA, holding every batch behind it."""
+    def unwarmed_size(self, model: LayeredModel, skip: Sequence[int] = ()) -> int | None:
+        """The smallest size a warm-up under the policy now in force would run that ``model`` has
+        not run (nor is in ``skip``); None when there is none, or warm-ups are off. Without it
+        the first batch at a new size pays the device's set-up for that shape: about a second of
+        host CPU on CUDA, holding every batch behind it."""
         if not self.settings.model.warmup:
-            return []
-        biggest = self._largest_batch()
-        sizes = [size for size in model.warm_up_sizes(biggest) if size not in model.warmed]
-        for size in sizes:
-            await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
-        return sizes
+            return None
+        sizes = model.warm_up_sizes(self._largest_batch())
+        return next((size for size in sizes if size not in model.warmed and size not in skip), None)
+
+    async def warm_size(self, model: LayeredModel, size: int) -> None:
+        """One warm-up batch size, one device call: batches queued meanwhile run before or after it."""
+        await self._device_thread.run(functools.partial(model.warm_up, self._largest_batch(), sizes=(size,)))
 
     async def _warmed(self, model: LayeredModel, every_thread: bool) -> tuple[Fault, str] | None:
         """Warm ``model`` up; the device's failure (its fault and line) if the device failed it."""

@@ -279,6 +279,37 @@ async def test_an_unloaded_version_is_freed_although_the_collector_was_frozen(re
         assert model() is None, "the version's model (reference cycles and all) was collected"
 
 
+@pytest.mark.parametrize("warming", ["1", "2"])
+async def test_a_version_unloaded_while_a_new_policy_warms_is_collected(
+    repository: Path, monkeypatch: pytest.MonkeyPatch, warming: str
+) -> None:
+    """A bigger max batch warms every version in the background; one unloaded meanwhile, while
+    version 1 warms or while it does itself, is warmed no more and collected by its unload: held
+    by the warm-up then, it would be frozen with the rest, never freed."""
+    release, entered = threading.Event(), threading.Event()
+    warm_up = LayeredModel.warm_up
+
+    def held(model: LayeredModel, *args: Any, **kwargs: Any) -> None:  # holds no model itself
+        if model.folder.name == warming:
+            entered.set()
+            release.wait(10)
+        warm_up(model, *args, **kwargs)
+
+    async with running_app(settings_for(repository, warmup=True)) as running:
+        monkeypatch.setattr(LayeredModel, "warm_up", held)
+        model = weakref.ref(running.app.state.service.groups["digits"].routing.loaded["2"].model)
+        bigger = await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 64}})
+        assert bigger.status_code == 200, bigger.text
+        rewarm = running.app.state.service.rewarm.task
+        assert await asyncio.to_thread(entered.wait, 10), f"version {warming} warms"
+        unloading = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH))
+        await asyncio.sleep(0.2)
+        release.set()
+        assert (await unloading).status_code == 200
+        await asyncio.wait_for(rewarm, 30)
+        assert model() is None, "the unloaded version was collected"
+
+
 async def test_promotion_is_refused_when_accuracy_drops_unless_forced(repository: Path) -> None:
     add_version(repository, "3", accuracy=0.80)
     async with running_app(settings_for(repository)) as running:

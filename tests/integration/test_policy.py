@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,7 @@ async def test_a_bigger_max_batch_is_warmed_while_serving(
     """A policy raising the max batch brings sizes the device never ran (on CUDA each costs its
     set-up, about a second, on the first batch at it): they are warmed in the background."""
     settings = admin_settings(make_settings, model={"warmup": True, "pad_batches": pad})
+    caplog.set_level(logging.INFO, logger="app.rewarm")  # the task may end before the request's answer
     async with running_app(settings) as running:
         model = running.service.models[MODEL_NAME].runner.model
         assert model.warmed == before
@@ -106,12 +108,61 @@ async def test_a_bigger_max_batch_is_warmed_while_serving(
         assert warming is not None
         answered = await running.predict_png(sample_png(5), headers={"X-Urgency": "high"})
         assert answered.status_code == 200, "served while it warms"
-        with caplog.at_level(logging.INFO, logger="app.rewarm"):
-            await asyncio.wait_for(warming, 30)
+        await asyncio.wait_for(warming, 30)
         assert model.warmed == before | after
         assert f"warmed {MODEL_NAME}/1 at batch sizes {sorted(after)} for the new policy" in caplog.text, "only those"
+        caplog.clear()
         lowered = await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 4}})
-        assert lowered.status_code == 200 and running.service.rewarm.task is warming, "nothing new to warm"
+        assert lowered.status_code == 200
+        assert running.service.rewarm.task is not None
+        await asyncio.wait_for(running.service.rewarm.task, 30)
+        assert model.warmed == before | after and "warmed" not in caplog.text, "nothing new to warm"
+
+
+LOWER = {"urgent": {"max_batch": 12}, "normal": {"max_batch": 12}}  # under the tests' 16, no power of two
+
+
+async def test_a_lowered_max_batch_that_brings_a_new_padded_size_warms_it(make_settings: SettingsFactory) -> None:
+    """Padded, batches of 9 to 12 run at 12 once the largest batch is 12: a shape never run."""
+    settings = admin_settings(make_settings, model={"warmup": True, "pad_batches": "on"})
+    async with running_app(settings) as running:
+        model = running.service.models[MODEL_NAME].runner.model
+        assert model.warmed == {1, 2, 4, 8, 16}
+        changed = await running.client.put("/admin/policy", headers=AUTH, json=LOWER)
+        assert changed.status_code == 200, changed.text
+        warming = running.service.rewarm.task
+        assert warming is not None, "a lowered max batch warms what it brings too"
+        await asyncio.wait_for(warming, 30)
+        assert model.warmed == {1, 2, 4, 8, 12, 16}
+
+
+async def test_a_warm_up_runs_no_size_a_later_policy_no_longer_allows(make_settings: SettingsFactory) -> None:
+    """Raised to 64, then lowered to 12 while 32 warms: 64 never runs (its memory is what the
+    operator may have lowered the policy to spare), 12 does."""
+    settings = admin_settings(make_settings, model={"warmup": True, "pad_batches": "on"})
+    entered, release = threading.Event(), threading.Event()
+    async with running_app(settings) as running:
+        model = running.service.models[MODEL_NAME].runner.model
+        warm_up, ran = model.warm_up, []
+
+        def held(max_batch: int, rounds: int = 3, sizes: Sequence[int] = ()) -> None:
+            entered.set()
+            release.wait(10)
+            ran.extend(sizes)
+            warm_up(max_batch, rounds, sizes)
+
+        model.warm_up = held
+        assert (await running.client.put("/admin/policy", headers=AUTH, json=BIGGER)).status_code == 200
+        first = running.service.rewarm.task
+        assert first is not None
+        assert await asyncio.to_thread(entered.wait, 10), "the warm-up of 32 began"
+        assert (await running.client.put("/admin/policy", headers=AUTH, json=LOWER)).status_code == 200
+        release.set()
+        second = running.service.rewarm.task
+        assert second is not None and second is not first
+        await asyncio.wait_for(second, 30)
+        assert first.cancelled()
+        assert ran == [32, 12], "the size begun ends; then only what the policy in force brings"
 
 
 async def test_a_warm_up_still_running_at_shutdown_is_cancelled(make_settings: SettingsFactory) -> None:
