@@ -13,6 +13,7 @@
 #        throughput against that limit.
 # Writes OUT_DIR/summary.md and every report beside it. PYTHON (default .venv/bin/python) runs each
 # step; each is bounded in time. Knobs: MODEL, CONCURRENCIES ("64 256"), DURATION (8), PORT (8932), SWEEP_MAX (512),
+# py-spy on the PATH adds a profile of the served process (py-spy-served.txt, raw folded stacks).
 # DEVICE (cuda; cpu runs the same steps on the CPU, to try the script where there is no GPU), E2E (set: the
 # end-to-end tests too, after the figures), CORE_VARIANTS (the in-process run again with other settings).
 set -uo pipefail
@@ -106,6 +107,17 @@ for c in ${CONCURRENCIES:-64 256}; do
     --concurrency "$c" --duration "$duration" --warmup 3 --server-pid "$server" --out "$out/bench-c$c.json" >/dev/null 2>"$out/bench-c$c.log"
   echo "bench c=$c rc=$?" | tee -a "$out/steps.log"
 done
+if command -v py-spy >/dev/null; then  # where the served process's time goes, at the last concurrency
+  last=${c:-256}
+  timeout 60 "$py" -m app.cli bench --url "http://127.0.0.1:$port" --client raw --images "$out/images" \
+    --concurrency "$last" --duration 9 --warmup 2 --out "$out/bench-profiled.json" >/dev/null 2>&1 &
+  profiled=$!
+  sleep 3
+  timeout 30 py-spy record --pid "$server" --duration 5 --rate 200 --format raw --native \
+    --output "$out/py-spy-served.txt" >"$out/py-spy.log" 2>&1
+  echo "py-spy rc=$?" | tee -a "$out/steps.log"
+  wait "$profiled"
+fi
 get /metrics "$out/metrics.txt"
 kill -TERM "$server"
 wait "$server"
