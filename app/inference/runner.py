@@ -105,10 +105,16 @@ class ModelRunner:
 
         Raises ``DeviceUnavailable`` when the device computed none of them (its ``left_out``: the
         indices not computed because their requests went); otherwise an image it could not
-        compute has the error in its place, as has one whose output is not finite."""
+        compute has the error in its place, as has one whose output is not finite. Any other
+        error of the first attempt (a bug) is raised with the same ``left_out``: those requests
+        are answered for themselves (past their deadline), not with the batch's failure."""
         batch = _Batch(images, deadlines, gone)
         generation = self._generation
-        self._compute(batch, range(len(images)), self.model)
+        try:
+            self._compute(batch, range(len(images)), self.model)
+        except Exception as exc:  # a bug (or a model that cannot serve) fails the batch: not those it left out
+            exc.left_out = tuple(i for i in range(len(images)) if i not in batch.attempted)  # type: ignore[attr-defined]
+            raise
         if not batch.failed:
             if batch.computed:  # a batch whose requests all went never reached the device: it proves nothing
                 self.failures = 0
@@ -140,6 +146,7 @@ class ModelRunner:
         part of it (split off after an out-of-memory error, or retried on the fallback): the rest
         may be answered already, so only this part's images get the error."""
         wanted = batch.now(indices)
+        batch.attempted.update(wanted)
         if not wanted:
             return
         if batch.lost:  # a device error earlier in this batch: the context is gone
@@ -231,6 +238,7 @@ class _Batch:
         self.images, self._deadlines, self._gone = images, deadlines, gone
         self.answers: list[TopK | ServiceError | None] = [None] * len(images)
         self.computed = 0
+        self.attempted: set[int] = set()  # the images sent to the device at least once
         self.failed: list[int] = []
         self.lost = False  # a device error: nothing more runs on this device in this batch
         self.reason = ""

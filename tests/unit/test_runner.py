@@ -137,6 +137,29 @@ async def test_a_request_past_its_deadline_at_the_device_is_not_computed(
     assert faulty.sizes == [2], "a batch with nothing live never reaches the model"
 
 
+class Broken:
+    """A model with a bug: every forward pass raises an error that is not the device's."""
+
+    def __init__(self, inner: LayeredModel) -> None:
+        self.inner, self.manifest, self.device, self.dtype = inner, inner.manifest, inner.device, inner.dtype
+        self.failed_heads, self.unreadable_heads = inner.failed_heads, inner.unreadable_heads
+
+    def batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return self.inner.batch(images)
+
+    def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+        raise ValueError("a bug")
+
+
+def test_a_bug_fails_the_batch_but_says_which_requests_it_left_out(model: LayeredModel, device: DeviceThread) -> None:
+    now = time.monotonic()
+    with pytest.raises(ValueError, match="a bug") as raised:
+        ModelRunner(Broken(model), device, top_k=2).run_sync(
+            images(model, 4), [now + 60, now - 1, now + 60, now + 60], lambda i: i == 3
+        )
+    assert raised.value.left_out == (1, 3), "past its deadline, and gone: never sent to the model"  # type: ignore[attr-defined]
+
+
 def test_several_device_workers_run_calls_at_once() -> None:
     import threading
 
