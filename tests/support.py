@@ -26,6 +26,7 @@ import numpy as np
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.batching import Lane
@@ -135,6 +136,16 @@ def truncate_file(path: Path, keep: float = 0.5) -> None:
     """Cut ``path`` to ``keep`` of its length, as a half-finished copy would leave it."""
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
+
+
+def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Every sample of ``name`` in a /metrics page, by its labels (sorted name, value pairs)."""
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
 
 
 # --- apps under their real lifespan -----------------------------------------------------

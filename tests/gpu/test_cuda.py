@@ -17,13 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.inference.loader import LayeredModel
 from app.inference.repository import Repository
 from tests.conftest import SettingsFactory
 from tests.e2e.server import spawn_digits
-from tests.support import DIGITS_DIR, LABELS, MODEL_NAME, noise_png, running_app, sample_png, top_label
+from tests.support import (
+    DIGITS_DIR,
+    LABELS,
+    MODEL_NAME,
+    metric_samples,
+    noise_png,
+    running_app,
+    sample_png,
+    top_label,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,16 +40,6 @@ pytestmark = [
 
 CUDA = torch.device("cuda:0")
 MIB = 1 << 20
-
-
-def metric(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Every sample of ``name`` in a /metrics page, by its labels."""
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
 
 
 def load(root: Path, name: str, device: torch.device, dtype: torch.dtype) -> LayeredModel:
@@ -109,10 +107,11 @@ async def test_auto_serves_fp16_on_cuda_0_and_shows_its_memory(make_settings: Se
         assert [top_label(r.json()) for r in answers] == list(LABELS), "the bundled digits read right in fp16"
 
         page = (await running.client.get("/metrics")).text
-        held = {dict(labels)["kind"]: value for labels, value in metric(page, "ai_backend_device_memory_bytes").items()}
+        memory = metric_samples(page, "ai_backend_device_memory_bytes")
+        held = {dict(labels)["kind"]: value for labels, value in memory.items()}
         print(f"after warm-up: allocated {held['allocated'] / MIB:.1f} MiB, reserved {held['reserved'] / MIB:.1f} MiB")
         assert 0 < held["allocated"] <= held["reserved"], "the warmed model's memory is reported"
-        assert metric(page, "ai_backend_device_memory_total_bytes") == {(): float(total)}
+        assert metric_samples(page, "ai_backend_device_memory_total_bytes") == {(): float(total)}
 
 
 async def test_memory_goes_back_to_the_driver_at_shutdown(make_settings: SettingsFactory) -> None:
@@ -207,7 +206,7 @@ async def test_a_real_out_of_memory_splits_the_batch_and_the_ceiling_climbs_back
         print(f"answered in batches reported as {sizes}; ceiling now {ceiling}")
         assert ceiling is not None and ceiling <= 128, "the device's out-of-memory lowered the ceiling"
         page = (await running.client.get("/metrics")).text
-        faults = metric(page, "ai_backend_device_faults_total")
+        faults = metric_samples(page, "ai_backend_device_faults_total")
         ooms = sum(value for labels, value in faults.items() if dict(labels)["fault"] == "out_of_memory")
         assert ooms >= 1, faults
         health = (await running.client.get("/healthz")).json()

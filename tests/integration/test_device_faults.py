@@ -9,13 +9,12 @@ import weakref
 import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.inference.device import Memory
 from app.inference.loader import LayeredModel
 from tests.conftest import SettingsFactory
 from tests.faults import DeviceLost, Faulty, Unfit
-from tests.support import MODEL_NAME, running_app, sample_png, top_label
+from tests.support import MODEL_NAME, metric_samples, running_app, sample_png, top_label
 
 
 async def test_oom_batches_are_split_and_the_ceiling_drops(make_settings: SettingsFactory) -> None:
@@ -49,12 +48,10 @@ async def test_the_ceiling_shows_in_healthz_and_metrics_until_it_climbs_back(mak
 
         async def shown() -> tuple[object, float]:
             health = (await running.client.get("/healthz")).json()["models"][0]["batch_ceiling"]
-            for family in text_string_to_metric_families((await running.client.get("/metrics")).text):
-                if family.name == "ai_backend_batch_ceiling":
-                    (sample,) = family.samples
-                    assert sample.labels == {"model": MODEL_NAME, "version": served.version}
-                    return health, sample.value
-            raise AssertionError("no ai_backend_batch_ceiling in /metrics")
+            page = (await running.client.get("/metrics")).text
+            ((labels, value),) = metric_samples(page, "ai_backend_batch_ceiling").items()
+            assert labels == (("model", MODEL_NAME), ("version", served.version))
+            return health, value
 
         assert await shown() == (None, 0.0)
         served.runner.model = Faulty(model, fail_at=3)  # type: ignore[assignment]

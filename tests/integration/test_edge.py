@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
 from app.api.edge import edge_protocol
@@ -32,7 +31,7 @@ from app.settings import Settings
 from app.telemetry.logging import RequestIdFilter
 from app.telemetry.metrics import PREFIX
 from tests.conftest import SettingsFactory
-from tests.support import cyclic_garbage, sample_png
+from tests.support import cyclic_garbage, metric_samples, sample_png
 
 
 @dataclass
@@ -111,15 +110,6 @@ def comparable(head: ResponseHead) -> dict[str, str]:
     return {name: value for name, value in head.headers.items() if name != "date"}
 
 
-def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 SETTINGS: dict[str, Any] = {"logging": {"access_log": True}}
 
 
@@ -155,9 +145,9 @@ async def test_a_refusal_is_answered_by_the_protocol_exactly_as_the_app_answers_
     assert b'"code":"would_miss_deadline"' in at_edge[0][1] and b'"request_id":"edge-late-1"' in at_edge[0][1]
     assert at_edge[0][0].headers["retry-after"] == "1"
     # the same metrics: each refusal counted once per answer, by route, status and lane
-    requests_total = samples(metrics, f"{PREFIX}_requests_total")
+    requests_total = metric_samples(metrics, f"{PREFIX}_requests_total")
     assert requests_total[(("code", "would_miss_deadline"), ("status", "503"))] == 6
-    latency = samples(metrics, f"{PREFIX}_request_duration_seconds_count")
+    latency = metric_samples(metrics, f"{PREFIX}_request_duration_seconds_count")
     assert latency[(("lane", "normal"), ("route", "/predict"), ("status", "503"))] == 2
     assert latency[(("lane", "normal"), ("route", "/v1/models/{name}/predict"), ("status", "503"))] == 2
     assert latency[(("lane", "urgent"), ("route", "/predict"), ("status", "503"))] == 2
@@ -206,7 +196,7 @@ async def test_a_long_pipeline_of_refusals_is_answered_and_counted_whole(make_se
             answers = await running.exchange(predict(), *(predict(X_Request_Timeout="1") for _ in range(refused)))
         assert [head.status for head, _ in answers] == [200] + [503] * refused
         metrics = (await running.exchange(build_request("GET", "127.0.0.1", "/metrics", {})))[0][1].decode()
-    requests_total = samples(metrics, f"{PREFIX}_requests_total")
+    requests_total = metric_samples(metrics, f"{PREFIX}_requests_total")
     # 1 ms from each one's first byte: those far down the pipeline are past it when their turn comes
     missed = requests_total[(("code", "would_miss_deadline"), ("status", "503"))]
     assert missed + requests_total.get((("code", "deadline_exceeded"), ("status", "503")), 0) == refused
@@ -343,7 +333,7 @@ async def test_a_deadline_runs_from_the_requests_first_byte(make_settings: Setti
     assert head.headers["x-request-id"] == "slow-head"
     refused = [
         seconds
-        for labels, seconds in samples(metrics, f"{PREFIX}_request_duration_seconds_sum").items()
+        for labels, seconds in metric_samples(metrics, f"{PREFIX}_request_duration_seconds_sum").items()
         if ("status", "503") in labels
     ]
     assert refused and refused[0] >= 0.5, refused  # timed from the first byte too
