@@ -27,8 +27,6 @@ from app.versions import ServedModel, VersionLoader
 
 log = logging.getLogger(__name__)
 
-FAILED = -1  # a step's outcome: the device call failed (logged), the version's warm-up ends
-
 
 class Rewarmer:
     def __init__(self, loader: VersionLoader, served: Callable[[], Sequence[ServedModel]]) -> None:
@@ -49,12 +47,10 @@ class Rewarmer:
             warmed: list[int] = []
             while True:
                 await self.settled()  # a replaced task's call first: one at a time
-                step = self._step = asyncio.get_running_loop().create_task(
-                    self._one(name, version, warmed), name="rewarm-step"
-                )
+                step = self._step = asyncio.get_running_loop().create_task(self._one(name, version), name="rewarm-step")
                 # shielded: cancelled, this task ends, its call runs on (``settled`` waits for it)
                 size = await asyncio.shield(step)
-                if size is None or size == FAILED:
+                if size is None:
                     break
                 warmed.append(size)
             if warmed:
@@ -67,11 +63,11 @@ class Rewarmer:
                 return model if isinstance(model, LayeredModel) else None
         return None  # unloaded since
 
-    async def _one(self, name: str, version: str, tried: Sequence[int]) -> int | None:
-        """One size ``name/version`` lacks, warmed: the size, None when none is left (or the
-        version is gone), ``FAILED`` when the device failed it. Its frame alone holds the model."""
+    async def _one(self, name: str, version: str) -> int | None:
+        """One size ``name/version`` lacks, warmed: the size; None when none is left, the version
+        is gone, or the device failed it (logged: its warm-up ends). Its frame alone holds the model."""
         model = self._model(name, version)
-        size = None if model is None else self._loader.unwarmed_size(model, skip=tried)
+        size = None if model is None else self._loader.unwarmed_size(model)
         if model is None or size is None:
             return None
         try:
@@ -81,7 +77,7 @@ class Rewarmer:
                 log.exception("warming %s/%s for the new policy failed", name, version)
             else:
                 log.warning("warming %s/%s for the new policy: %s", name, version, fault_line(exc))
-            return FAILED
+            return None
         return size
 
     async def settled(self) -> None:

@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -153,17 +153,17 @@ class VersionLoader:
             await self._device_thread.run_on_each(functools.partial(model.warm_up, biggest))
             return
         for size in model.warm_up_sizes(biggest):
-            await self._device_thread.run(functools.partial(model.warm_up, biggest, sizes=(size,)))
+            await self.warm_size(model, size)
 
-    def unwarmed_size(self, model: LayeredModel, skip: Sequence[int] = ()) -> int | None:
+    def unwarmed_size(self, model: LayeredModel) -> int | None:
         """The smallest size a warm-up under the policy now in force would run that ``model`` has
-        not run (nor is in ``skip``); None when there is none, or warm-ups are off. Without it
-        the first batch at a new size pays the device's set-up for that shape: about a second of
-        host CPU on CUDA, holding every batch behind it."""
+        not run; None when there is none, or warm-ups are off. Without it the first batch at a
+        new size pays the device's set-up for that shape: about a second of host CPU on CUDA,
+        holding every batch behind it."""
         if not self.settings.model.warmup:
             return None
         sizes = model.warm_up_sizes(self._largest_batch())
-        return next((size for size in sizes if size not in model.warmed and size not in skip), None)
+        return next((size for size in sizes if size not in model.warmed), None)
 
     async def warm_size(self, model: LayeredModel, size: int) -> None:
         """One warm-up batch size, one device call: batches queued meanwhile run before or after it."""

@@ -214,13 +214,13 @@ def padded_size(size: int, largest: int) -> int:
     return min(1 << (size - 1).bit_length(), largest)
 
 
-def _stacked(images: Sequence[torch.Tensor], size: int) -> torch.Tensor:
+def _stacked(images: list[torch.Tensor], size: int) -> torch.Tensor:
     """``images`` stacked into a new tensor of ``size`` rows, those past them zero."""
     if size == len(images):
-        return torch.stack(list(images))
+        return torch.stack(images)
     first = images[0]
     stacked = torch.empty((size, *first.shape), dtype=first.dtype)
-    torch.stack(list(images), out=stacked[: len(images)])
+    torch.stack(images, out=stacked[: len(images)])
     stacked[len(images) :].zero_()
     return stacked
 
