@@ -22,8 +22,8 @@ from app.bench.rawhttp import build_request, read_response
 from app.telemetry.logging import RequestIdFilter
 from app.telemetry.metrics import PREFIX
 from tests.conftest import SettingsFactory
-from tests.integration.test_edge import Served, predict, samples, served
-from tests.support import running_app, sample_png
+from tests.integration.test_edge import Served, predict, served
+from tests.support import metric_samples, running_app, sample_png
 
 GARBAGE = b"NOT A REQUEST\r\n\r\n"
 
@@ -156,9 +156,9 @@ async def test_an_invalid_http_answer_is_counted_and_logged_once(
                 writer.close()
             text = await _metrics_text(running)
     assert is_invalid_http(head, body) and is_invalid_http(broken, broken_body)
-    requests_total = samples(text, f"{PREFIX}_requests_total")
+    requests_total = metric_samples(text, f"{PREFIX}_requests_total")
     assert requests_total[(("code", "invalid_http"), ("status", "400"))] == 2
-    latency = samples(text, f"{PREFIX}_request_duration_seconds_count")
+    latency = metric_samples(text, f"{PREFIX}_request_duration_seconds_count")
     assert latency[(("lane", "none"), ("route", "unmatched"), ("status", "400"))] == 1  # not a request at all
     assert sum(v for k, v in latency.items() if ("status", "400") in k) == 2
     assert broken.headers["x-request-id"] == "broken-body", "the client's id, as any answer to its request"  # type: ignore[attr-defined]
@@ -332,7 +332,7 @@ async def test_a_client_gone_while_its_pipelined_request_runs_cancels_it(
                 await asyncio.sleep(0.01)
         text = await _metrics_text(running)
     assert batcher.batches == 0, "computed for nobody"
-    assert samples(text, f"{PREFIX}_cancellations_total")[(("reason", "cancelled"),)] == 1
+    assert metric_samples(text, f"{PREFIX}_cancellations_total")[(("reason", "cancelled"),)] == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
