@@ -3,14 +3,19 @@
 #   scripts/bench_alternate.sh OUT_DIR ROUNDS "label:ENV=V ENV2=V2;label2:ENV=V"
 # The host under these machines drifts by a quarter within minutes, so a variant measured a minute
 # after another is measured on another machine. Here every variant's server starts first (each on
-# its own port; an idle server costs nothing), then each round measures them one after the other
-# at saturation (closed loop, CONCURRENCY clients, 10% urgent, DURATION seconds each), a few
-# seconds apart, and each variant's throughput is divided by the first variant's in the same
-# round: the drift between rounds cancels in that ratio. Prints one line per round and a summary
+# its own port), then each round measures them one after the other at saturation (closed loop,
+# CONCURRENCY clients, 10% urgent, DURATION seconds each), a few seconds apart, and each variant's
+# throughput is divided by the first variant's in the same round: the drift between rounds cancels
+# in that ratio. While one is measured the others are stopped (SIGSTOP to each of their processes,
+# SIGCONT after): an idle server may poll (an idle LitServe takes 0.16 cores), which the measured
+# one would lose. Prints one line per round and a summary
 # (median ratio and its range, and each lane's latency percentiles as medians over the rounds:
 # app.bench.alternate, which also writes OUT_DIR/alternate.json); every other round runs them in
 # reverse order. The bench reports go to OUT_DIR. A variant's SERVER_TREE=/path serves that checkout.
 # Run it with the same variant twice ("a:X=1;b:X=2") to see the spread when nothing differs.
+# A variant's RIVAL=litserve|fastapi serves the same model another way (python -m app.bench.rivals:
+# the same decode and forward pass, another serving layer), RIVAL_ARGS=--workers=2,--fast-queue
+# its options (commas for spaces); the server's CPU then counts its child processes too.
 # Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
 # exported there when missing), IMAGES (default out/images, made by `ai-backend limit`), MAX_BATCH
 # (24, the normal lane's), CONCURRENCY (64), DURATION (6), WARMUP (2), URGENT_FRACTION (0.1), PORT
@@ -29,7 +34,19 @@ BENCH_NAME=alternate
 # shellcheck source=scripts/bench_common.sh
 source "$root/scripts/bench_common.sh"
 pids=()
+tree() {  # tree PID: the process and every process under it
+  local child
+  echo "$1"
+  for child in $(pgrep -P "$1"); do tree "$child"; done
+}
+signal_others() {  # signal_others SIGNAL INDEX: every variant's processes but INDEX's (all with -1)
+  local j
+  for j in "${!pids[@]}"; do
+    if [ "$j" != "$2" ]; then kill "-$1" $(tree "${pids[$j]}") 2>/dev/null || true; fi
+  done
+}
 stop_all() {
+  signal_others CONT -1
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   cleanup
@@ -47,15 +64,28 @@ for i in "${!variants[@]}"; do
   variant=${variants[$i]}
   label=${variant%%:*}
   read -ra assignments <<<"${variant#*:}"
-  tree=$root
+  tree=$root rival="" rival_args=""
   for assignment in "${assignments[@]}"; do
-    case $assignment in SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;; esac
+    case $assignment in
+      SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;;
+      RIVAL=*) rival=${assignment#RIVAL=} ;;
+      RIVAL_ARGS=*) rival_args=${assignment#RIVAL_ARGS=} ;;
+    esac
   done
   port=$((first_port + i))
   refuse_taken_port
-  (cd "$tree" && exec env "${assignments[@]}" "$py" -m app.cli serve --port "$port") >"$out/server-$label.log" 2>&1 &
+  if [ -n "$rival" ]; then  # the same model served another way (app.bench.rivals)
+    read -ra extra <<<"${rival_args//,/ }"
+    command=(-m app.bench.rivals "$rival" --repository "$repo" --model "$model"
+      --max-batch "$AI_SERVICE_BATCHING__NORMAL__MAX_BATCH" --port "$port" "${extra[@]}")
+  else
+    command=(-m app.cli serve --port "$port")
+  fi
+  (cd "$tree" && exec env "${assignments[@]}" "$py" "${command[@]}") >"$out/server-$label.log" 2>&1 &
   server_pid=$!
   pids+=("$server_pid")
+  ready_path=/readyz
+  if [ "$rival" = litserve ]; then ready_path=/health; fi
   wait_ready "$out/server-$label.log"
   labels+=("$label") ports+=("$port")
 done
@@ -75,9 +105,11 @@ for round in $(seq 1 "$rounds"); do
   fi
   for i in "${order[@]}"; do
     report="$out/${labels[$i]}-$round.json"
+    signal_others STOP "$i"  # the others frozen while one is measured: an idle server may poll
     "$py" -m app.cli bench --url "http://127.0.0.1:${ports[$i]}" --client raw --images "$images" \
       --server-pid "${pids[$i]}" --urgent-fraction "${URGENT_FRACTION:-0.1}" "${load[@]}" \
       --duration "${DURATION:-6}" --warmup "${WARMUP:-2}" --out "$report" >/dev/null
+    signal_others CONT "$i"
     reports+=("${labels[$i]}=$report")
   done
   "$py" -m app.bench.alternate round "$round" "$(IFS=,; echo "${labels[*]}")" "${reports[@]}"

@@ -45,10 +45,10 @@ answers() {  # answers: something already answers /readyz on $port
 refuse_taken_port() {  # before a server starts: another one there would be measured instead
   if answers; then echo "port $port already answers (a server left from an earlier run?)" >&2; exit 1; fi
 }
-wait_ready() {  # wait_ready LOG: until $server_pid (alive) answers /readyz on $port with 200 (60 s at most)
+wait_ready() {  # wait_ready LOG: until $server_pid (alive) answers ${ready_path:-/readyz} on $port with 200 (60 s at most)
   for _ in $(seq 1 600); do
     kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $1" >&2; exit 1; }
-    if [ "$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "127.0.0.1:$port/readyz")" = 200 ]; then
+    if [ "$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "127.0.0.1:$port${ready_path:-/readyz}")" = 200 ]; then
       kill -0 "$server_pid" 2>/dev/null || { echo "server exited; see $1" >&2; exit 1; }
       return 0
     fi

@@ -21,6 +21,32 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid``'s child processes, theirs, and so on (Linux ``/proc/PID/task/TID/children``); the
+    ones that end while this reads are left out."""
+    found: list[int] = []
+    waiting = [pid]
+    while waiting:
+        parent = waiting.pop()
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    children = [int(child) for child in (task / "children").read_text().split()]
+                    found.extend(children)
+                    waiting.extend(children)
+    return found
+
+
+def tree_cpu_s(pid: int) -> float:
+    """``process_cpu_s`` of ``pid`` and of every process under it: a server that works in child
+    processes (LitServe's workers) is charged for them. ``OSError`` when ``pid`` itself is gone."""
+    total = process_cpu_s(pid)
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            total += process_cpu_s(child)
+    return total
+
+
 def memory_summary(samples_mb: Sequence[float]) -> dict[str, float]:
     """The server's resident memory over the window (samples once a second): first, last and
     max, and how much it grew over the window's second half (from the middle sample to the last):
@@ -53,12 +79,12 @@ def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float]:
 
 
 def cpu_snapshot(server_pid: int | None) -> dict[str, float]:
-    """CPU seconds so far: this process, the server (if given) and the machine."""
+    """CPU seconds so far: this process, the server (if given; with its child processes) and the machine."""
     busy, steal = machine_cpu_s() if Path("/proc/stat").exists() else (0.0, 0.0)
     snapshot = {"client": time.process_time(), "machine": busy, "steal": steal, "wall": time.perf_counter()}
     if server_pid is not None:
         with contextlib.suppress(OSError):  # the server is gone: no server figures
-            snapshot["server"] = process_cpu_s(server_pid)
+            snapshot["server"] = tree_cpu_s(server_pid)
     return snapshot
 
 
