@@ -8,7 +8,10 @@ import contextlib
 import json
 import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -316,6 +319,32 @@ def test_cpu_report_splits_the_machine_into_server_client_and_the_rest() -> None
     report = usage.cpu_report(before, after, ok=1000)
     assert report["server_cores"] == 0.8 and report["client_cores"] == 0.05 and report["other_cores"] == 1.05
     assert report["server_ms_per_request"] == 8.0 and report["client_ms_per_request"] == 0.5
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
+def test_a_server_is_charged_for_the_cpu_of_the_processes_under_it() -> None:
+    """LitServe decodes and runs the model in worker processes: counting the server's own pid
+    only would make it look nearly free. A child that spins for 0.3 s of CPU, then sleeps, and
+    its own child, are both found and counted."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(60)"
+    nested = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {spin!r}])\n{spin}"
+    child = subprocess.Popen([sys.executable, "-c", nested])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            spun = [usage.process_cpu_s(pid) >= 0.3 for pid in [child.pid, *usage.descendants(child.pid)]]
+            if len(spun) == 2 and all(spun):
+                break
+            time.sleep(0.05)
+        assert {child.pid, *usage.descendants(child.pid)} <= set(usage.descendants(os.getpid()))
+        assert usage.tree_cpu_s(os.getpid()) - usage.process_cpu_s(os.getpid()) >= 0.6
+        assert usage.tree_cpu_s(child.pid) >= 0.6 and usage.process_cpu_s(child.pid) < 0.6
+    finally:
+        for pid in usage.descendants(child.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        child.kill()
+        child.wait(timeout=10)
 
 
 def test_machine_cpu_reads_busy_and_stolen_ticks(tmp_path: Path) -> None:
