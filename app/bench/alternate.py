@@ -39,6 +39,16 @@ def _latency(report: Report, lane: str, percentile: str) -> float | None:
     return float(stats[percentile]) if stats.get("count") else None
 
 
+def _in_time(report: Report) -> tuple[float, float] | None:
+    """Open loop with deadlines: the answers within their deadline by the client's clock, a second
+    and as a share of the requests sent in the window; None in closed loop. A server that ignores
+    deadlines (the rivals) and one that refuses what it cannot answer in time compare here."""
+    if report.get("deadline_ms") is None or not report.get("sent_in_window"):
+        return None
+    in_time = report["ok"] - report["ok_past_deadline"]
+    return in_time / report["measured_s"], in_time / report["sent_in_window"]
+
+
 def round_line(round_: int, runs: Sequence[tuple[str, Report]]) -> str:
     """One round: each variant's throughput, its share of the first's, its CPU a request, and
     its urgent p99 where the round had urgent answers."""
@@ -68,6 +78,7 @@ def summarize(reports: dict[str, list[Report]]) -> tuple[dict[str, Any], list[st
             values = [v for r in runs if (v := _latency(r, lane, percentile)) is not None]
             if values:
                 latency.setdefault(lane, {})[percentile] = round(statistics.median(values), 1)
+        in_time = [found for r in runs if (found := _in_time(r)) is not None]
         summary[label] = {
             "requests_per_s": rps[label],
             "median_rps": statistics.median(rps[label]),
@@ -77,11 +88,19 @@ def summarize(reports: dict[str, list[Report]]) -> tuple[dict[str, Any], list[st
             "median_cpu_ratio": round(statistics.median(cpu_ratios), 3),
             "median_latency_ms": latency,
         }
+        if in_time:
+            summary[label]["in_time_per_s"] = [round(rate, 2) for rate, _ in in_time]
+            summary[label]["in_time_share"] = [round(share, 4) for _, share in in_time]
         lines.append(
             f"{label}: median {statistics.median(rps[label]):.1f} requests/s; against {base} in the same round: "
             f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
             f"CPU a request median {statistics.median(cpu_ratios):.3f} of {base}'s"
         )
+        if in_time:
+            lines.append(
+                f"  {label} answered within the deadline: median {statistics.median(r for r, _ in in_time):.1f}/s, "
+                f"{statistics.median(s for _, s in in_time):.3f} of the requests sent"
+            )
         if latency:
             said = "; ".join(
                 f"{lane} "

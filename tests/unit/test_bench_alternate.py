@@ -70,3 +70,25 @@ def test_the_summary_reads_every_round_and_writes_its_json(tmp_path: Path, capsy
     assert written["b"]["ratio_to_first"] == [1.2, 0.8]
     assert written["b"]["median_latency_ms"]["urgent"]["p99_ms"] == 60.0
     assert "b: median 100.0 requests/s" in capsys.readouterr().out
+
+
+def test_open_loop_counts_the_answers_within_their_deadline_a_second_and_of_what_was_sent() -> None:
+    """A server that refuses what it cannot answer in time and one that answers everything late
+    compare by what came back in time, not by what came back."""
+
+    def open_loop(rps: float, ok: int, late: int, sent: int) -> dict[str, Any]:
+        extra = {"deadline_ms": 1000.0, "ok": ok, "ok_past_deadline": late, "sent_in_window": sent, "measured_s": 10.0}
+        return {**report(rps, 4.0), **extra}
+
+    summary, lines = summarize(
+        {
+            "refuses": [open_loop(400, 4000, 0, 8000), open_loop(380, 3800, 10, 8000)],
+            "queues": [open_loop(450, 4500, 4200, 8000), open_loop(460, 4600, 4400, 8000)],
+        }
+    )
+    assert summary["refuses"]["in_time_per_s"] == [400.0, 379.0]
+    assert summary["refuses"]["in_time_share"] == [0.5, 0.4738]
+    assert summary["queues"]["in_time_per_s"] == [30.0, 20.0]
+    assert "  queues answered within the deadline: median 25.0/s, 0.031 of the requests sent" in lines
+    closed, closed_lines = summarize({"closed": [report(100, 4.0)]})
+    assert "in_time_per_s" not in closed["closed"] and not any("deadline" in line for line in closed_lines)

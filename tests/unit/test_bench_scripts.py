@@ -80,3 +80,125 @@ def test_wait_ready_does_not_take_another_process_on_the_port_for_a_server_that_
         stale.server_close()
     assert done.returncode != 0, "wait_ready returned ready for a server that had exited"
     assert "server exited" in done.stderr
+
+
+FAKE_SERVER = """
+import http.server, os, subprocess, sys
+with open(os.environ["FAKE_PIDS"], "a") as pids:
+    print(os.getpid(), file=pids)
+litserve = sys.argv[1:3] == ["app.bench.rivals", "litserve"]
+ready = "/health" if litserve else "/readyz"
+port = int(sys.argv[sys.argv.index("--port") + 1])
+child = subprocess.Popen(["sleep", "300"])  # a worker process, as LitServe's
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == ready else 404)
+        self.end_headers()
+    def log_message(self, *_):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", port), Handler)
+import signal
+def stop(*_):
+    child.kill()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+server.serve_forever()
+"""
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+log="$FAKE_LOG"
+case "$1 $2" in
+  "-m app.cli")
+    if [ "$3" = serve ]; then echo "serve $*" >>"$log"; exec "$REAL_PY" -c "$FAKE_SERVER" app.cli "${@:3}"; fi
+    if [ "$3" = bench ]; then
+      out="" pid=""
+      while [ $# -gt 0 ]; do case $1 in --out) out=$2 ;; --server-pid) pid=$2 ;; esac; shift; done
+      for server in $(cat "$FAKE_PIDS"); do  # each server's processes' states: T is stopped
+        for p in $server $(pgrep -P "$server"); do
+          echo "bench $pid sees $server $p $(ps -o stat= -p "$p")" >>"$log"
+        done
+      done
+      echo '{"throughput_rps": 10.0, "cpu": {"server_ms_per_request": 1.0}, "latency": {}}' >"$out"
+      exit 0
+    fi ;;
+  "-m app.bench.rivals") echo "rival $*" >>"$log"; exec "$REAL_PY" -c "$FAKE_SERVER" app.bench.rivals "${@:3}" ;;
+  "-m app.bench.alternate") exec "$REAL_PY" "$@" ;;
+esac
+echo "unexpected: $*" >>"$log"; exit 1
+"""
+
+
+def test_bench_alternate_serves_a_rival_and_stops_the_other_servers_while_one_is_measured(tmp_path: Path) -> None:
+    """Every other variant's processes (its children too) are stopped while one is measured, then
+    continued; a rival is started with its options and waited for on its own ready path; nothing
+    is left running after."""
+    import shutil
+    import stat
+    import sys
+
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    for name in ("bench_alternate.sh", "bench_common.sh"):
+        shutil.copy(SCRIPTS / name, tree / "scripts" / name)
+    python = tree / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "repo" / "mobilenet_v3_small").mkdir(parents=True)
+    (tmp_path / "images").mkdir()
+    log, pids = tmp_path / "calls.log", tmp_path / "pids"
+    env = {
+        **os.environ,
+        "REAL_PY": sys.executable,
+        "PYTHONPATH": str(SCRIPTS.parent),
+        "FAKE_SERVER": FAKE_SERVER,
+        "FAKE_LOG": str(log),
+        "FAKE_PIDS": str(pids),
+        "REPOSITORY": str(tmp_path / "repo"),
+        "IMAGES": str(tmp_path / "images"),
+    }
+    done = subprocess.run(
+        [
+            "bash",
+            str(tree / "scripts" / "bench_alternate.sh"),
+            str(tmp_path / "out"),
+            "2",
+            "ours:X=1;lit:RIVAL=litserve RIVAL_ARGS=--workers=2,--fast-queue",
+        ],
+        env={**env, "PORT": str(_free_port_pair())},
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    calls = log.read_text()
+    assert done.returncode == 0, done.stderr + calls
+    servers = pids.read_text().split()
+    assert len(servers) == 2, calls
+    rival = next(line for line in calls.splitlines() if line.startswith("rival "))
+    assert "litserve --repository" in rival and rival.endswith("--workers=2 --fast-queue") and "--max-batch 24" in rival
+    seen = [line.split() for line in calls.splitlines() if line.startswith("bench ")]
+    assert len(seen) == 2 * 2 * 2 * 2  # 2 rounds x 2 measured x 2 servers x (server + child)
+    for _, measured, _, server, process, state in seen:
+        assert state.startswith("T") == (server != measured), calls
+    for process in (int(p) for _, _, _, _, p, _ in seen):
+        assert (
+            not Path(f"/proc/{process}").exists() or "Z" in Path(f"/proc/{process}/stat").read_text().split(")")[1][:3]
+        )
+
+
+def _free_port_pair() -> int:
+    """A loopback port with the one above it free too (the script numbers its servers up from PORT)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return int(port)
+    raise RuntimeError("no two adjacent free ports")
