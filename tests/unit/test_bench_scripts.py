@@ -9,14 +9,16 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
-def _fake_tree(tmp_path: Path, python_body: str) -> Path:
-    """A copy of the bench scripts beside a stand-in ``.venv/bin/python`` (a shell script)."""
+def _fake_tree(
+    tmp_path: Path, python_body: str, scripts: tuple[str, ...] = ("bench_ratio.sh", "bench_common.sh")
+) -> Path:
+    """A copy of the bench ``scripts`` beside a stand-in ``.venv/bin/python`` (a shell script)."""
     import shutil
     import stat
 
     tree = tmp_path / "tree"
     (tree / "scripts").mkdir(parents=True)
-    for name in ("bench_ratio.sh", "bench_common.sh"):
+    for name in scripts:
         shutil.copy(SCRIPTS / name, tree / "scripts" / name)
     python = tree / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -105,8 +107,7 @@ signal.signal(signal.SIGTERM, stop)
 server.serve_forever()
 """
 
-FAKE_PYTHON = """#!/usr/bin/env bash
-log="$FAKE_LOG"
+FAKE_PYTHON = """log="$FAKE_LOG"
 case "$1 $2" in
   "-m app.cli")
     if [ "$3" = serve ]; then echo "serve $*" >>"$log"; exec "$REAL_PY" -c "$FAKE_SERVER" app.cli "${@:3}"; fi
@@ -132,18 +133,9 @@ def test_bench_alternate_serves_a_rival_and_stops_the_other_servers_while_one_is
     """Every other variant's processes (its children too) are stopped while one is measured, then
     continued; a rival is started with its options and waited for on its own ready path; nothing
     is left running after."""
-    import shutil
-    import stat
     import sys
 
-    tree = tmp_path / "tree"
-    (tree / "scripts").mkdir(parents=True)
-    for name in ("bench_alternate.sh", "bench_common.sh"):
-        shutil.copy(SCRIPTS / name, tree / "scripts" / name)
-    python = tree / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(FAKE_PYTHON)
-    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    tree = _fake_tree(tmp_path, FAKE_PYTHON, ("bench_alternate.sh", "bench_common.sh"))
     (tmp_path / "repo" / "mobilenet_v3_small").mkdir(parents=True)
     (tmp_path / "images").mkdir()
     log, pids = tmp_path / "calls.log", tmp_path / "pids"
