@@ -8,7 +8,9 @@ how requests reach the model, how they are batched, how many processes and threa
 
 - ``litserve``: LitServe (Lightning AI), its batching loop in worker processes;
 - ``fastapi``: plain FastAPI under uvicorn, one image a forward pass, no batching: what a first
-  version of a model server usually is.
+  version of a model server usually is;
+- ``ray``: Ray Serve, a deployment with a FastAPI ingress and a ``@serve.batch`` method, its
+  replicas actor processes behind Serve's HTTP proxy, on a local Ray this process starts.
 
 ``scripts/bench_rivals.sh`` measures them against ``ai-backend serve`` in alternation. Benchmark
 references, loopback only, not servers to deploy.

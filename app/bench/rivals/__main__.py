@@ -1,10 +1,10 @@
-"""``python -m app.bench.rivals {litserve,fastapi} ...``: serve the model the way a rival does."""
+"""``python -m app.bench.rivals {litserve,fastapi,ray} ...``: serve the model the way a rival does."""
 
 from __future__ import annotations
 
 import sys
 
-RIVALS = ("litserve", "fastapi")
+RIVALS = ("litserve", "fastapi", "ray")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if argv[0] == "litserve":
         from app.bench.rivals.litserve_rival import main as serve
+    elif argv[0] == "ray":
+        from app.bench.rivals.ray_rival import main as serve
     else:
         from app.bench.rivals.fastapi_rival import main as serve
     return serve(argv[1:])
