@@ -13,7 +13,7 @@
 # app.bench.alternate, which also writes OUT_DIR/alternate.json); every other round runs them in
 # reverse order. The bench reports go to OUT_DIR. A variant's SERVER_TREE=/path serves that checkout.
 # Run it with the same variant twice ("a:X=1;b:X=2") to see the spread when nothing differs.
-# A variant's RIVAL=litserve|fastapi serves the same model another way (python -m app.bench.rivals:
+# A variant's RIVAL=litserve|ray|fastapi serves the same model another way (python -m app.bench.rivals:
 # the same decode and forward pass, another serving layer), RIVAL_ARGS=--workers=2,--fast-queue
 # its options (commas for spaces); the server's CPU then counts its child processes too.
 # Knobs (environment): REPOSITORY (a model repository holding MODEL, default mobilenet_v3_small:
