@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="inference worker processes")
     parser.add_argument("--batch-timeout", type=float, default=0.025, help="seconds a batch waits to fill")
     parser.add_argument("--fast-queue", action="store_true", help="LitServe's ZeroMQ queues")
+    parser.add_argument("--api-servers", type=int, default=0, help="HTTP server processes (0: one a worker)")
     options, args = rival_options(parser, argv)
-    if args.workers < 1 or args.batch_timeout < 0:
-        parser.error("--workers must be 1 or more and --batch-timeout 0 or more")
+    if args.workers < 1 or args.batch_timeout < 0 or args.api_servers < 0:
+        parser.error("--workers must be 1 or more, --batch-timeout and --api-servers 0 or more")
     if not options.threads:
         options = RivalOptions(**{**vars(options), "threads": max(1, cpu_cores() // args.workers)})
     server = litserve.LitServer(
@@ -86,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     # LitServe 0.2.19 shuts its workers and API servers down on KeyboardInterrupt only: on SIGTERM
     # its main process dies and leaves them running (still bound to the port)
     signal.signal(signal.SIGTERM, _on_sigterm(os.getpid()))
-    server.run(host=options.host, port=options.port, log_level="warning", generate_client_file=False)
+    server.run(
+        host=options.host,
+        port=options.port,
+        num_api_servers=args.api_servers or None,
+        log_level="warning",
+        generate_client_file=False,
+    )
     return 0
 
 
