@@ -137,6 +137,19 @@ class VersionLoader:
         setting = self.settings.model.pad_batches
         return setting == "on" or (setting == "auto" and device.type == "cuda")
 
+    def unwarmed_shapes_warning(self, device: torch.device) -> str | None:
+        """What serving with ``model.warmup`` off costs on ``device``, when it costs more than a slow
+        first batch: on CUDA each batch size is first set up while serving, the batches behind it
+        held; and on an H200 a real out-of-memory during such a set-up crashed the process when that
+        size ran again (the warm-up sets every size up before serving, while memory is there)."""
+        if self.settings.model.warmup or device.type != "cuda":
+            return None
+        return (
+            f"model.warmup is off on {device}: each batch size is set up by its first batch while serving "
+            "(about a second of host CPU, every batch behind it held), and a size first set up under "
+            "memory pressure has crashed the process when it ran again; set AI_SERVICE_MODEL__WARMUP=true"
+        )
+
     def _largest_batch(self) -> int:
         """The biggest batch the policy in force allows: padded batches go no bigger."""
         return self._policy().largest_batch
@@ -204,6 +217,8 @@ class VersionLoader:
             return model
 
         label = f"{name}/{version}"
+        if (warning := self.unwarmed_shapes_warning(self.device)) is not None:
+            log.warning("%s: %s", label, warning)
         bounded = BoundedCall(
             load,
             release=functools.partial(release_memory, self.device),

@@ -269,3 +269,17 @@ async def test_batches_are_not_padded_on_the_cpu_by_default(make_settings: Setti
     async with running_app(make_settings()) as running:
         model = running.service.models[MODEL_NAME].runner.model
         assert isinstance(model, LayeredModel) and model.largest_batch is None
+
+
+async def test_warmup_off_on_cuda_is_warned_of_and_on_the_cpu_it_is_not(make_settings: SettingsFactory) -> None:
+    """Served with the warm-up off, a CUDA device sets each batch size up while serving (and a size
+    first set up under memory pressure crashed the process on an H200): said at each load, on CUDA
+    only; the CPU's cost is a slower first batch, nothing to warn of."""
+    async with running_app(make_settings(model={"warmup": False})) as running:
+        loader = running.service.loader
+        warning = loader.unwarmed_shapes_warning(torch.device("cuda", 0))
+        assert warning is not None and "model.warmup is off on cuda:0" in warning
+        assert "AI_SERVICE_MODEL__WARMUP=true" in warning
+        assert loader.unwarmed_shapes_warning(torch.device("cpu")) is None
+    async with running_app(make_settings(model={"warmup": True})) as running:
+        assert running.service.loader.unwarmed_shapes_warning(torch.device("cuda", 0)) is None
