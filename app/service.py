@@ -47,6 +47,7 @@ from app.interpreter import Tuning
 from app.prediction import Outcome, Predictor
 from app.rewarm import Rewarmer
 from app.routing import ModelGroup, Routing
+from app.served_gauges import ServedGauges
 from app.settings import BatchingSettings, Settings
 from app.telemetry.metrics import Metrics
 from app.versions import ServedModel, VersionLoader, batch_policy
@@ -119,12 +120,7 @@ class InferenceService:
             release=self.release_unloaded,
         )
         self.rewarm = Rewarmer(self.loader, self.all_served)  # the sizes a new max batch brings, warmed while serving
-        self.metrics.scrape_time.queue_depths = self._queue_depths
-        self.metrics.scrape_time.queue_capacities = self._queue_capacities
-        self.metrics.scrape_time.batch_ceilings = self._batch_ceilings
-        if self.device.type == "cuda":
-            self.metrics.scrape_time.device_memory = self._cuda_memory
-            self.metrics.scrape_time.device_memory_total = self._cuda_memory_total
+        ServedGauges(self.all_served, self._retiring, self.device).install(self.metrics)
 
     @property
     def models(self) -> dict[str, ServedModel]:
@@ -134,39 +130,6 @@ class InferenceService:
     def all_served(self) -> list[ServedModel]:
         """Every loaded version of every model."""
         return [served for group in self.groups.values() for served in group.routing.loaded.values()]
-
-    def _queue_depths(self) -> list[tuple[str, str, str, int]]:
-        """Each version's queues, an unloaded one's too while they drain (its requests still wait
-        there); a version loaded again meanwhile has both copies' requests in one series."""
-        depths: dict[tuple[str, str, str], int] = {}
-        for served in (*self.all_served(), *self._retiring):
-            for lane in Lane:
-                key = (served.name, served.version, lane.value)
-                depths[key] = depths.get(key, 0) + served.batcher.depth(lane)
-        return [(*key, depth) for key, depth in depths.items()]
-
-    def _queue_capacities(self) -> list[tuple[str, str, str, int]]:
-        """Each version's queue bounds, an unloaded one's while it drains (a loaded copy's first)."""
-        capacities: dict[tuple[str, str, str], int] = {}
-        for served in (*self.all_served(), *self._retiring):
-            for lane in Lane:
-                capacities.setdefault(
-                    (served.name, served.version, lane.value), served.batcher.policy.lane(lane).max_queue
-                )
-        return [(*key, capacity) for key, capacity in capacities.items()]
-
-    def _batch_ceilings(self) -> list[tuple[str, str, int]]:
-        """Each loaded version's batch ceiling (0: none)."""
-        return [(served.name, served.version, served.batcher.ceiling or 0) for served in self.all_served()]
-
-    def _cuda_memory_total(self) -> list[int]:
-        return [torch.cuda.get_device_properties(self.device).total_memory]
-
-    def _cuda_memory(self) -> list[tuple[str, int]]:
-        return [
-            ("allocated", torch.cuda.memory_allocated(self.device)),
-            ("reserved", torch.cuda.memory_reserved(self.device)),
-        ]
 
     @property
     def ready(self) -> bool:
