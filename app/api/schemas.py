@@ -13,8 +13,13 @@ class PredictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     image_base64: str = Field(min_length=1, description="JPEG, PNG or WebP bytes, base64-encoded")
+    # no upper bound here: it is min(server.max_top_k, the model's classes), known once the model is,
+    # and one bound said once ("at most 10 for this model") beats a schema's 1000 followed by it
     top_k: int | None = Field(
-        default=None, ge=1, le=1000, strict=True, description="how many classes to return (default 5)"
+        default=None,
+        ge=1,
+        strict=True,
+        description="how many classes to return: 1 to min(server.max_top_k, the model's classes); default 5",
     )
 
 

@@ -235,6 +235,19 @@ async def test_validation_errors_carry_details(running: RunningApp) -> None:
     assert any(detail["loc"] == ["query", "top_k"] for detail in details), details
 
 
+async def test_a_top_k_past_the_model_gets_the_same_bound_whatever_its_size_and_wherever_it_came(
+    running: RunningApp,
+) -> None:
+    """The bound is min(server.max_top_k, the model's classes): a client told "at most 1000" for a
+    ten-class model would only be refused again with 1000."""
+    for top_k in (11, 1001, 10**30):
+        body = await running.client.post("/predict", json={"image_base64": b64(PNG), "top_k": top_k})
+        query = await running.predict_png(PNG, params={"top_k": top_k})
+        for response in (body, query):
+            assert response.status_code == 422 and response.json()["code"] == "validation_error"
+            assert response.json()["message"] == "top_k must be at most 10 for this model", top_k
+
+
 async def test_a_body_of_many_unknown_fields_gets_a_short_answer(running: RunningApp) -> None:
     # thousands of errors, one per field: the answer says how many, it does not list them all
     fields = ",".join(f'"k{i}":0' for i in range(5_000))
