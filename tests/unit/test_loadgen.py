@@ -347,6 +347,43 @@ def test_a_server_is_charged_for_the_cpu_of_the_processes_under_it() -> None:
         child.wait(timeout=10)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
+def test_a_child_process_that_ends_mid_window_keeps_its_cpu_in_the_server_s_count() -> None:
+    """A server's worker that spins, then exits and is collected by the server while a window
+    runs: the server's CPU, read at the window's start and end, must not go down (the worker's
+    CPU is then in the server's count of its collected children, ``cutime``/``cstime``)."""
+    spin = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nsys.stdin.readline()"
+    server_code = (
+        "import subprocess, sys, time\n"
+        f"worker = subprocess.Popen([sys.executable, '-c', {spin!r}], stdin=subprocess.PIPE)\n"
+        "print(worker.pid, flush=True)\n"
+        "sys.stdin.readline()\n"
+        "worker.stdin.close()\n"
+        "worker.wait()\n"
+        "print('collected', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", server_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdin is not None and server.stdout is not None
+    try:
+        worker = int(server.stdout.readline())
+        deadline = time.monotonic() + 60
+        while usage.process_cpu_s(worker) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = usage.tree_cpu_s(server.pid)
+        assert before - usage.process_cpu_s(server.pid) >= 0.3
+        server.stdin.write("end the worker\n")
+        server.stdin.flush()
+        assert server.stdout.readline().strip() == "collected"
+        assert not Path(f"/proc/{worker}").exists()
+        assert usage.tree_cpu_s(server.pid) >= before
+    finally:
+        server.kill()
+        server.communicate(timeout=10)
+
+
 def test_machine_cpu_reads_busy_and_stolen_ticks(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     ticks = usage.CLOCK_TICKS
