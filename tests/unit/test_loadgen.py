@@ -368,7 +368,7 @@ def test_a_child_process_that_ends_mid_window_keeps_its_cpu_in_the_server_s_coun
     )
     assert server.stdin is not None and server.stdout is not None
     try:
-        worker = int(server.stdout.readline())
+        worker = int(_line_within(server.stdout, 60))
         deadline = time.monotonic() + 60
         while usage.process_cpu_s(worker) < 0.3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -376,12 +376,21 @@ def test_a_child_process_that_ends_mid_window_keeps_its_cpu_in_the_server_s_coun
         assert before - usage.process_cpu_s(server.pid) >= 0.3
         server.stdin.write("end the worker\n")
         server.stdin.flush()
-        assert server.stdout.readline().strip() == "collected"
+        assert _line_within(server.stdout, 60) == "collected"
         assert not Path(f"/proc/{worker}").exists()
         assert usage.tree_cpu_s(server.pid) >= before
     finally:
         server.kill()
         server.communicate(timeout=10)
+
+
+def _line_within(stream: Any, timeout_s: float) -> str:
+    """The next line a child process writes, or the test fails after ``timeout_s``."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    assert ready, f"no line within {timeout_s} s"
+    return str(stream.readline()).strip()
 
 
 def test_machine_cpu_reads_busy_and_stolen_ticks(tmp_path: Path) -> None:
