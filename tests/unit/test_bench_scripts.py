@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
@@ -119,6 +121,10 @@ case "$1 $2" in
           echo "bench $pid sees $server $p $(ps -o stat= -p "$p")" >>"$log"
         done
       done
+      if [ -n "${FAKE_BENCH_END:-}" ] && [ -e "$log.measured" ]; then  # the second measurement
+        case $FAKE_BENCH_END in fail) exit 3 ;; hang) touch "$log.hanging"; sleep 60 ;; esac
+      fi
+      touch "$log.measured"
       echo '{"throughput_rps": 10.0, "cpu": {"server_ms_per_request": 1.0}, "latency": {}}' >"$out"
       exit 0
     fi ;;
@@ -194,3 +200,74 @@ def _free_port_pair() -> int:
                 continue
             return int(port)
     raise RuntimeError("no two adjacent free ports")
+
+
+@pytest.mark.parametrize("end", ["fail", "hang"])
+def test_bench_alternate_leaves_no_server_stopped_or_running_when_a_measurement_fails_or_is_interrupted(
+    tmp_path: Path, end: str
+) -> None:
+    """The second measurement (the rival's, the first server stopped meanwhile) fails, or hangs
+    and the run is interrupted (Ctrl+C: SIGINT to the whole process group): the script must end
+    at once, every stopped server continued and ended, not one left stopped (a stopped server
+    never acts on SIGTERM: waiting for it would hang) nor running."""
+    import signal
+    import sys
+    import time
+
+    tree = _fake_tree(tmp_path, FAKE_PYTHON, ("bench_alternate.sh", "bench_common.sh"))
+    (tmp_path / "repo" / "mobilenet_v3_small").mkdir(parents=True)
+    (tmp_path / "images").mkdir()
+    log, pids = tmp_path / "calls.log", tmp_path / "pids"
+    env = {
+        **os.environ,
+        "REAL_PY": sys.executable,
+        "PYTHONPATH": str(SCRIPTS.parent),
+        "FAKE_SERVER": FAKE_SERVER,
+        "FAKE_LOG": str(log),
+        "FAKE_PIDS": str(pids),
+        "FAKE_BENCH_END": end,
+        "REPOSITORY": str(tmp_path / "repo"),
+        "IMAGES": str(tmp_path / "images"),
+        "PORT": str(_free_port_pair()),
+    }
+    # as from a terminal: SIGINT acted on (this process may have been started ignoring it)
+    as_from_a_terminal = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execvp('bash', ['bash', *sys.argv[1:]])"
+    )
+    command = [sys.executable, "-c", as_from_a_terminal, str(tree / "scripts" / "bench_alternate.sh")]
+    command += [str(tmp_path / "out"), "1", "ours:X=1;lit:RIVAL=litserve"]
+    script = subprocess.Popen(
+        command, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    seen: set[int] = set()
+    try:
+        if end == "hang":
+            deadline = time.monotonic() + 60
+            while not Path(f"{log}.hanging").exists() and script.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert Path(f"{log}.hanging").exists(), log.read_text() if log.exists() else "no calls"
+            os.killpg(script.pid, signal.SIGINT)
+        _, stderr = script.communicate(timeout=30)
+        seen = {int(line.split()[4]) for line in log.read_text().splitlines() if line.startswith("bench ")}
+        assert script.returncode != 0
+        assert len(seen) == 4, log.read_text()  # two servers, each with its child
+        deadline = time.monotonic() + 10
+        while (left := [pid for pid in seen if _state(pid) not in (None, "Z")]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, [(pid, _state(pid)) for pid in left]
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+            script.communicate(timeout=10)
+        for pid in seen | {int(p) for p in (pids.read_text().split() if pids.exists() else [])}:
+            if _state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``T`` stopped, ``Z`` ended), None once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return None

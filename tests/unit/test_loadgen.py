@@ -324,9 +324,10 @@ def test_cpu_report_splits_the_machine_into_server_client_and_the_rest() -> None
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
 def test_a_server_is_charged_for_the_cpu_of_the_processes_under_it() -> None:
     """LitServe decodes and runs the model in worker processes: counting the server's own pid
-    only would make it look nearly free. A child that spins for 0.3 s of CPU, then sleeps, and
-    its own child, are both found and counted."""
-    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(60)"
+    only would make it look nearly free. A child that spins for 0.35 s of CPU, then sleeps, and
+    its own child, are both found and counted (0.3 s each at least: /proc's ticks, truncated,
+    can read a spin of exactly 0.3 s as 0.29)."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.35: pass\ntime.sleep(60)"
     nested = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {spin!r}])\n{spin}"
     child = subprocess.Popen([sys.executable, "-c", nested])
     try:
@@ -336,15 +337,65 @@ def test_a_server_is_charged_for_the_cpu_of_the_processes_under_it() -> None:
             if len(spun) == 2 and all(spun):
                 break
             time.sleep(0.05)
+        assert len(spun) == 2 and all(spun), "the child and its child did not spin within 60 s"
         assert {child.pid, *usage.descendants(child.pid)} <= set(usage.descendants(os.getpid()))
-        assert usage.tree_cpu_s(os.getpid()) - usage.process_cpu_s(os.getpid()) >= 0.6
-        assert usage.tree_cpu_s(child.pid) >= 0.6 and usage.process_cpu_s(child.pid) < 0.6
+        own = usage.process_cpu_s(os.getpid())  # first: its growth while the tree is read is not the children's
+        assert usage.tree_cpu_s(os.getpid()) - own >= 0.6 - 1e-9
+        assert usage.tree_cpu_s(child.pid) >= 0.6 - 1e-9 and usage.process_cpu_s(child.pid) < 0.6
     finally:
         for pid in usage.descendants(child.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         child.kill()
         child.wait(timeout=10)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
+def test_a_child_process_that_ends_mid_window_keeps_its_cpu_in_the_server_s_count() -> None:
+    """A server's worker that spins, then exits and is collected by the server while a window
+    runs: the server's CPU, read at the window's start and end, must not go down (the worker's
+    CPU is then in the server's count of its collected children, ``cutime``/``cstime``)."""
+    spin = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.35: pass\nsys.stdin.readline()"
+    server_code = (
+        "import subprocess, sys, time\n"
+        f"worker = subprocess.Popen([sys.executable, '-c', {spin!r}], stdin=subprocess.PIPE)\n"
+        "print(worker.pid, flush=True)\n"
+        "sys.stdin.readline()\n"
+        "worker.stdin.close()\n"
+        "worker.wait()\n"
+        "print('collected', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", server_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdin is not None and server.stdout is not None
+    try:
+        worker = int(_line_within(server.stdout, 60))
+        deadline = time.monotonic() + 60
+        while usage.process_cpu_s(worker) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert usage.process_cpu_s(worker) >= 0.3, "the worker did not spin within 60 s"
+        own = usage.process_cpu_s(server.pid)
+        before = usage.tree_cpu_s(server.pid)
+        assert before - own >= 0.3 - 1e-9
+        server.stdin.write("end the worker\n")
+        server.stdin.flush()
+        assert _line_within(server.stdout, 60) == "collected"
+        assert not Path(f"/proc/{worker}").exists()
+        assert usage.tree_cpu_s(server.pid) >= before - 1e-9  # without cutime: 0.3 s less
+    finally:
+        server.kill()
+        server.communicate(timeout=10)
+
+
+def _line_within(stream: Any, timeout_s: float) -> str:
+    """The next line a child process writes, or the test fails after ``timeout_s``."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    assert ready, f"no line within {timeout_s} s"
+    return str(stream.readline()).strip()
 
 
 def test_machine_cpu_reads_busy_and_stolen_ticks(tmp_path: Path) -> None:

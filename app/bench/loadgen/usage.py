@@ -37,14 +37,26 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _with_collected_children_ticks(pid: int) -> int:
+    """``pid``'s CPU in clock ticks plus that of the children it has collected (``wait``ed for:
+    ``cutime`` and ``cstime``, which hold their own collected children's in turn)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()
+    return sum(int(field) for field in fields[11:15])
+
+
 def tree_cpu_s(pid: int) -> float:
-    """``process_cpu_s`` of ``pid`` and of every process under it: a server that works in child
-    processes (LitServe's workers) is charged for them. ``OSError`` when ``pid`` itself is gone."""
-    total = process_cpu_s(pid)
+    """The CPU seconds of ``pid`` and of every process under it, those that ended and were
+    collected included: a server that works in child processes (LitServe's workers) is charged
+    for them, and one that ends mid-window keeps its CPU in its parent's count (read alone, it
+    would drop out, and the server's CPU over the window would shrink by all it ever used).
+    A child left to init (orphaned, or under a parent that ignores SIGCHLD) is lost with its
+    CPU. ``OSError`` when ``pid`` itself is gone."""
+    ticks = _with_collected_children_ticks(pid)
     for child in descendants(pid):
         with contextlib.suppress(OSError):
-            total += process_cpu_s(child)
-    return total
+            ticks += _with_collected_children_ticks(child)
+    return ticks / CLOCK_TICKS  # summed in ticks: no float error piling up over the processes
 
 
 def memory_summary(samples_mb: Sequence[float]) -> dict[str, float]:

@@ -31,14 +31,11 @@ under way finish first (``ray.init``, ``serve.start`` or ``serve.run``: tens of 
 # string annotations; FastAPI in the replica could not resolve ``PredictBody`` and would take the
 # body for a required query parameter (every request 422)
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-import time
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -47,6 +44,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from app.bench.rivals.classifier import Classifier, PredictBody, RivalOptions, rival_options, rival_parser
+from app.bench.rivals.processes import Process, descendants, end_processes
 from app.inference.device import cpu_cores
 
 APPLICATION = "default"
@@ -97,67 +95,6 @@ def cpus_per_replica(cores: int, replicas: int) -> float:
     where each gets one or more, else an equal share (Ray takes up to 4 decimals)."""
     share = cores / replicas
     return float(int(share)) if share >= 1 else int(share * 10_000) / 10_000
-
-
-Process = tuple[int, str]  # a pid and its start time, so that a pid reused later is not taken for it
-
-
-def _stat(pid: int) -> list[str] | None:
-    """``/proc/PID/stat``'s fields after the command name (the state first), None once gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def descendants(pid: int) -> dict[Process, int]:
-    """``pid``'s descendant processes, each with its depth under ``pid`` (1: a child)."""
-    children: dict[int, list[Process]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
-            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
-    found: dict[Process, int] = {}
-    pending = [(pid, 0)]
-    while pending:
-        parent, depth = pending.pop()
-        for child in children.get(parent, []):
-            found[child] = depth + 1
-            pending.append((child[0], depth + 1))
-    return found
-
-
-def _running(process: Process) -> bool:
-    fields = _stat(process[0])
-    return fields is not None and fields[19] == process[1] and fields[0] != "Z"
-
-
-def _reap() -> None:
-    """Collect exited children (Ray's GCS and raylet are this process's), so that none stays a zombie."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-
-
-def end_processes(processes: dict[Process, int], grace_s: float) -> list[int]:
-    """SIGKILL those of ``processes`` (with their depths) still running after ``grace_s``
-    seconds, the deepest first, so that a parent still there collects its children; the pids
-    killed."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        _reap()
-        if not any(_running(p) for p in processes):
-            return []
-        time.sleep(0.1)
-    killed: list[int] = []
-    for depth in sorted(set(processes.values()), reverse=True):
-        level = [p for p, d in processes.items() if d == depth and _running(p)]
-        for pid, _ in level:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        killed += [pid for pid, _ in level]
-        time.sleep(0.2 if level else 0)
-        _reap()
-    return killed
 
 
 STOP = threading.Event()  # set by SIGTERM or SIGINT
