@@ -33,6 +33,9 @@ images=${IMAGES:-out/images}
 BENCH_NAME=alternate
 # shellcheck source=scripts/bench_common.sh
 source "$root/scripts/bench_common.sh"
+# without pgrep, tree would name only each server's main process, and LitServe's or Ray's workers
+# would go on running (and polling) while another server is measured
+command -v pgrep >/dev/null || { echo "pgrep (procps) is needed to stop the idle servers' processes" >&2; exit 1; }
 pids=()
 tree() {  # tree PID: the process and every process under it
   local child
