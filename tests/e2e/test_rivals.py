@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.bench.loadgen.usage import descendants
+from app.bench.processes import descendants
 from tests.support import LABELS, MODELS_DIR, REPO_ROOT, b64, free_port, sample_png, server_environment
 
 pytestmark = pytest.mark.e2e
@@ -115,7 +115,7 @@ def test_a_rival_reads_the_digits_and_leaves_nothing_running_after_sigterm(
             assert max(sizes) > 1, sizes
         else:
             assert set(sizes) == {1}
-        started = descendants(rival.process.pid)
+        started = [pid for pid, _ in descendants(rival.process.pid)]
         rival.process.send_signal(signal.SIGTERM)
         # uvicorn, once it has shut down, ends by the signal it caught (-15); LitServe's rival exits 0
         assert rival.process.wait(timeout=EXIT_TIMEOUT_S) in (0, -signal.SIGTERM), rival.output()

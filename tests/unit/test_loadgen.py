@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from app.bench import rawhttp
+from app.bench import processes, rawhttp
 from app.bench.loadgen import cli, drive, loops, senders, summary, target, usage
 from app.bench.rawhttp import HttpProtocolError, build_request, parse_head, read_response
 
@@ -322,6 +322,11 @@ def test_cpu_report_splits_the_machine_into_server_client_and_the_rest() -> None
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
+def under(pid: int) -> list[int]:
+    """The pids of ``pid``'s descendants."""
+    return [child for child, _ in processes.descendants(pid)]
+
+
 def test_a_server_is_charged_for_the_cpu_of_the_processes_under_it() -> None:
     """LitServe decodes and runs the model in worker processes: counting the server's own pid
     only would make it look nearly free. A child that spins for 0.35 s of CPU, then sleeps, and
@@ -333,17 +338,17 @@ def test_a_server_is_charged_for_the_cpu_of_the_processes_under_it() -> None:
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            spun = [usage.process_cpu_s(pid) >= 0.3 for pid in [child.pid, *usage.descendants(child.pid)]]
+            spun = [usage.process_cpu_s(pid) >= 0.3 for pid in [child.pid, *under(child.pid)]]
             if len(spun) == 2 and all(spun):
                 break
             time.sleep(0.05)
         assert len(spun) == 2 and all(spun), "the child and its child did not spin within 60 s"
-        assert {child.pid, *usage.descendants(child.pid)} <= set(usage.descendants(os.getpid()))
+        assert {child.pid, *under(child.pid)} <= set(under(os.getpid()))
         own = usage.process_cpu_s(os.getpid())  # first: its growth while the tree is read is not the children's
         assert usage.tree_cpu_s(os.getpid()) - own >= 0.6 - 1e-9
         assert usage.tree_cpu_s(child.pid) >= 0.6 - 1e-9 and usage.process_cpu_s(child.pid) < 0.6
     finally:
-        for pid in usage.descendants(child.pid):
+        for pid in under(child.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         child.kill()

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from app.bench.processes import descendants
 from app.bench.threads import Scheduled, thread_sched
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -19,22 +20,6 @@ def process_cpu_s(pid: int) -> float:
     text = Path(f"/proc/{pid}/stat").read_text()
     fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and brackets
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s child processes, theirs, and so on (Linux ``/proc/PID/task/TID/children``); the
-    ones that end while this reads are left out."""
-    found: list[int] = []
-    waiting = [pid]
-    while waiting:
-        parent = waiting.pop()
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{parent}/task").iterdir():
-                with contextlib.suppress(OSError):
-                    children = [int(child) for child in (task / "children").read_text().split()]
-                    found.extend(children)
-                    waiting.extend(children)
-    return found
 
 
 def _with_collected_children_ticks(pid: int) -> int:
@@ -53,7 +38,7 @@ def tree_cpu_s(pid: int) -> float:
     A child left to init (orphaned, or under a parent that ignores SIGCHLD) is lost with its
     CPU. ``OSError`` when ``pid`` itself is gone."""
     ticks = _with_collected_children_ticks(pid)
-    for child in descendants(pid):
+    for child, _ in descendants(pid):
         with contextlib.suppress(OSError):
             ticks += _with_collected_children_ticks(child)
     return ticks / CLOCK_TICKS  # summed in ticks: no float error piling up over the processes

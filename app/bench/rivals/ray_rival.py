@@ -43,8 +43,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from app.bench.processes import Process, descendants, end_processes
 from app.bench.rivals.classifier import Classifier, PredictBody, RivalOptions, rival_options, rival_parser
-from app.bench.rivals.processes import Process, descendants, end_processes
 from app.inference.device import cpu_cores
 
 APPLICATION = "default"

@@ -1,8 +1,8 @@
-"""A server's process tree, for ending it: its descendants (each with its start time, so that a
-pid reused later is not taken for one of them, and its depth) and their end, the deepest first.
-
-The Ray rival ends what Ray's shutdown leaves behind with them: Ray's workers and agents are the
-raylet's children, orphaned once it is gone.
+"""A server's process tree: its descendants (each with its start time, so that a pid reused later
+is not taken for one of them, and its depth), for charging a server for their CPU
+(``loadgen.usage.tree_cpu_s``) and for ending them, the deepest first (the Ray rival ends what
+Ray's shutdown leaves behind: Ray's workers and agents are the raylet's children, orphaned once
+it is gone). Linux ``/proc``.
 """
 
 from __future__ import annotations
@@ -24,19 +24,28 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def children(pid: int) -> list[int]:
+    """``pid``'s child processes (``/proc/PID/task/TID/children``: each thread lists those it
+    started); none once it is gone."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
 def descendants(pid: int) -> dict[Process, int]:
-    """``pid``'s descendant processes, each with its depth under ``pid`` (1: a child)."""
-    children: dict[int, list[Process]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
-            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+    """``pid``'s child processes, theirs, and so on, each with its depth under ``pid`` (1: a
+    child); those that end while this reads are left out."""
     found: dict[Process, int] = {}
     pending = [(pid, 0)]
     while pending:
         parent, depth = pending.pop()
-        for child in children.get(parent, []):
-            found[child] = depth + 1
-            pending.append((child[0], depth + 1))
+        for child in children(parent):
+            if (fields := _stat(child)) is not None:
+                found[(child, fields[19])] = depth + 1
+                pending.append((child, depth + 1))
     return found
 
 
