@@ -78,9 +78,8 @@ class Classifier:
             torch.set_num_threads(options.threads)
         tune_runtime(MALLOC_RETAIN_MB)
         classifier = cls(load_model(options.repository, options.model, None), options.max_batch)
-        with torch.inference_mode():
-            for size in range(1, options.max_batch + 1):
-                classifier.model.probabilities(classifier.model.batch([classifier.model.dummy_batch(1)[0]] * size))
+        # the service's own warm-up (LayeredModel.warm_up), at every size a batching rival can send
+        classifier.model.warm_up(options.max_batch, sizes=range(1, options.max_batch + 1))
         return classifier
 
     def decode(self, image_base64: str) -> torch.Tensor:
