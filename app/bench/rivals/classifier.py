@@ -86,18 +86,18 @@ class Classifier:
         """The service's decode of a JSON body's image (``preprocess.decode_payload``)."""
         return preprocess.decode_payload(image_base64, self.model.manifest.input, LIMITS)
 
-    def classify(self, images: Sequence[torch.Tensor], top_k: int) -> list[dict[str, Any]]:
-        """One answer per image, in order: its ``top_k`` classes and the batch it ran in."""
-        k = max(1, min(top_k, len(self.labels)))
+    def classify(self, images: Sequence[torch.Tensor], top_ks: Sequence[int]) -> list[dict[str, Any]]:
+        """One answer per image, in order: its own ``top_ks[i]`` classes and the batch it ran in."""
+        k = max(1, min(max(top_ks), len(self.labels)))
         with torch.inference_mode():
             probabilities, indices = self.model.probabilities(self.model.batch(images)).topk(k, dim=1)
         return [
             {
                 "predictions": [
                     {"label": self.labels[i], "class_index": i, "probability": round(p, 6)}
-                    for p, i in zip(row_p, row_i, strict=True)
+                    for p, i in zip(row_p[:top_k], row_i[:top_k], strict=True)
                 ],
                 "batch_size": len(images),
             }
-            for row_p, row_i in zip(probabilities.tolist(), indices.tolist(), strict=True)
+            for row_p, row_i, top_k in zip(probabilities.tolist(), indices.tolist(), top_ks, strict=True)
         ]

@@ -32,7 +32,7 @@ def build_app(options: RivalOptions) -> Any:
 
     def classify(body: PredictBody) -> dict[str, Any]:
         classifier = loaded[0]
-        return classifier.classify([classifier.decode(body.image_base64)], body.top_k)[0]
+        return classifier.classify([classifier.decode(body.image_base64)], [body.top_k])[0]
 
     @app.post("/predict")
     async def predict(body: PredictBody) -> dict[str, Any]:

@@ -43,10 +43,7 @@ class ImageClassifierAPI(litserve.LitAPI):  # type: ignore[misc]  # LitServe is 
         return inputs  # ``predict`` stacks the images as the model lays them out
 
     def predict(self, inputs: list[tuple[torch.Tensor, int]]) -> list[dict[str, Any]]:
-        answers = self.classifier.classify([image for image, _ in inputs], max(k for _, k in inputs))
-        for answer, (_, k) in zip(answers, inputs, strict=True):
-            answer["predictions"] = answer["predictions"][:k]
-        return answers
+        return self.classifier.classify([image for image, _ in inputs], [k for _, k in inputs])
 
     def unbatch(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return output

@@ -84,10 +84,7 @@ class ImageClassifier:
     @serve.batch(max_batch_size=24, batch_wait_timeout_s=0.025)  # type: ignore[untyped-decorator]  # Ray is untyped
     async def classify_batch(self, inputs: list[tuple[str, int]]) -> list[dict[str, Any]]:
         images = [self.classifier.decode(image_base64) for image_base64, _ in inputs]
-        answers = self.classifier.classify(images, max(k for _, k in inputs))
-        for answer, (_, k) in zip(answers, inputs, strict=True):
-            answer["predictions"] = answer["predictions"][:k]
-        return answers
+        return self.classifier.classify(images, [k for _, k in inputs])
 
 
 def cpus_per_replica(cores: int, replicas: int) -> float:
