@@ -7,6 +7,9 @@ import io
 import json
 import os
 import pathlib
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from PIL import Image
 
 from app.bench.limit import cli, measure, photos
 from app.bench.limit.cost import Cost, cpu_cost
-from app.bench.limit.every_core import measure_every_core
+from app.bench.limit.every_core import measure_every_core, measure_every_thread
 from app.bench.limit.measure import DecodeCost, ForwardCost
 from app.bench.limit.model import model_repository
 from app.bench.limit.photos import synthetic_photo
@@ -95,9 +98,9 @@ def test_a_whole_run_on_the_digits_model_writes_the_report(tmp_path: Path, capsy
     argv = ["--repository", str(MODELS_DIR), "--model", "digits", "--count", "2", "--images-out", str(tmp_path)]
     argv += ["--batch-sizes", "1,4", "--seconds", "0.05", "--pipeline-seconds", "0.2"]
     argv += ["--every-core-seconds", "0.3", "--out", str(out)]
-    threads = torch.get_num_threads()
+    torch_threads, switch = torch.get_num_threads(), sys.getswitchinterval()
     assert cli.main(argv) == 0
-    assert torch.get_num_threads() == threads, "the thread count is put back"
+    assert torch.get_num_threads() == torch_threads, "the thread count is put back"
     report = json.loads(out.read_text())
     result = report["limit"]
     assert report["images"]["count"] == 2 and (report["images"]["width"], report["images"]["height"]) == (640, 480)
@@ -110,7 +113,13 @@ def test_a_whole_run_on_the_digits_model_writes_the_report(tmp_path: Path, capsy
     # whole processes, the CPUs rounded up (a quota of 1.5 runs two)
     assert every["processes"] == cpu_cores() == len(every["per_process"]) and every["images"] > 0
     assert every["batch_size"] == result["best_batch"] and result["every_core_images_per_s"] == every["images_per_s"]
-    assert "**limit:" in capsys.readouterr().out
+    threads = report["every_thread"]  # the same in this process, a thread per core
+    assert threads["threads"] == cpu_cores() == len(threads["per_thread"]) and threads["images"] > 0
+    assert threads["batch_size"] == result["best_batch"] and threads["switch_interval_ms"] == 0.2
+    assert result["every_thread_images_per_s"] == threads["images_per_s"]
+    assert sys.getswitchinterval() == switch, "the switch interval is put back"
+    text = capsys.readouterr().out
+    assert "**limit:" in text and f"in one process ({cpu_cores()} threads sharing the GIL at a 0.2 ms" in text
 
 
 def test_given_images_are_used_and_a_folder_without_jpegs_is_an_error(tmp_path: Path) -> None:
@@ -241,6 +250,77 @@ def test_every_core_fails_promptly_when_one_of_its_processes_dies(tmp_path: Path
     worker.join(timeout=90)
     assert outcome, f"still waiting {time.monotonic() - started:.0f} s after its processes failed"
     assert isinstance(outcome[0], (LookupError, RuntimeError)), outcome[0]
+
+
+class _ThreadedModel:
+    """Stands in for a LayeredModel in ``measure_every_thread``: notes which thread ran each batch,
+    the switch interval and torch's thread count it ran at, and how many ran at once; a batch of
+    ``fail_on`` raises."""
+
+    def __init__(self, spec: object, fail_on: int | None = None) -> None:
+        self.manifest = type("Manifest", (), {"input": spec, "labels": ["a", "b", "c"]})()
+        self.fail_on, self.lock, self.inside, self.most_inside = fail_on, threading.Lock(), 0, 0
+        self.seen: list[tuple[str, float, int]] = []
+
+    def batch(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(images)
+
+    def probabilities(self, batch: torch.Tensor) -> torch.Tensor:
+        name = threading.current_thread().name
+        with self.lock:
+            timed = any(seen == name for seen, _, _ in self.seen)  # past this thread's warm-up
+            self.inside += timed
+            self.most_inside = max(self.most_inside, self.inside)
+            self.seen.append((name, sys.getswitchinterval(), torch.get_num_threads()))
+        try:
+            time.sleep(0.01)  # as the forward pass, without the GIL: the others run meanwhile
+            if batch.shape[0] == self.fail_on:
+                raise MemoryError("injected")
+            return torch.softmax(torch.ones(batch.shape[0], 3), dim=1)
+        finally:
+            with self.lock:
+                self.inside -= timed
+
+
+def _digits_spec_and_image() -> tuple[object, list[str]]:
+    from app.inference.manifest import Manifest
+
+    manifest = Manifest.model_validate_json((MODELS_DIR / "digits" / "1" / "manifest.json").read_text())
+    buffer = io.BytesIO()
+    Image.new("RGB", (640, 480), (200, 30, 90)).save(buffer, format="JPEG")
+    return manifest.input, [base64.b64encode(buffer.getvalue()).decode()]
+
+
+def test_every_core_in_one_process_runs_a_thread_per_core_at_the_services_switch_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("app.bench.limit.every_core.cpu_cores", lambda: 3)
+    spec, encoded = _digits_spec_and_image()
+    model = _ThreadedModel(spec)
+    switch, torch_threads = sys.getswitchinterval(), torch.get_num_threads()
+    result = measure_every_thread(model, encoded, 2, 0.3, switch_interval_ms=0.2)  # type: ignore[arg-type]
+    assert result.threads == 3 == len(result.per_thread) and all(rate > 0 for rate in result.per_thread)
+    assert result.images == 2 * (len(model.seen) - 3), "every batch after each thread's warm-up is counted"
+    assert result.images_per_s == pytest.approx(result.images / result.seconds, rel=0.01)
+    assert 0.3 <= result.seconds < 5
+    names = {name for name, _, _ in model.seen}
+    assert len(names) == 3 and threading.current_thread().name not in names
+    assert model.most_inside == 3, "the threads run their timed batches at once"
+    assert {(round(interval * 1000, 6), threads) for _, interval, threads in model.seen} == {(0.2, 1)}
+    assert (sys.getswitchinterval(), torch.get_num_threads()) == (switch, torch_threads), "both are put back"
+
+
+def test_every_core_in_one_process_says_why_a_thread_failed_and_leaves_no_thread_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("app.bench.limit.every_core.cpu_cores", lambda: 2)
+    spec, encoded = _digits_spec_and_image()
+    before, switch = threading.active_count(), sys.getswitchinterval()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="a thread of the every-core run failed: MemoryError: injected"):
+        measure_every_thread(_ThreadedModel(spec, fail_on=4), encoded, 4, 0.2, switch_interval_ms=0.2)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 30, "not the start line's 300 s"
+    assert threading.active_count() == before and sys.getswitchinterval() == switch
 
 
 def canned_limit_report() -> dict[str, object]:

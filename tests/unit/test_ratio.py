@@ -152,6 +152,26 @@ def test_the_every_core_ceiling_gives_a_second_ratio_when_the_limit_measured_it(
     assert "every_core_ratio" not in build_report(LIMIT, [bench(64, 306.0)], None, {})["saturation"]
 
 
+def test_every_core_in_one_process_gives_a_third_ratio_and_what_the_services_core_keeps_of_it() -> None:
+    def limit(processes: float, threads: float) -> dict[str, Any]:
+        return {"limit": {**LIMIT["limit"], "every_core_images_per_s": processes, "every_thread_images_per_s": threads}}
+
+    core = {"concurrency": 64, "throughput_rps": 270.0, "mean_batch_size": 16.0, "errors": {}}
+    core["cpu"] = {"cores": 1.9, "ms_per_request": 5.1, "threads_ms_per_request": {"device": 2.6}}
+    report = build_report(limit(350.0, 330.0), [bench(64, 255.0)], None, {}, core=core, limit_after=limit(350.0, 350.0))
+    assert report["every_thread_images_per_s"] == 340.0 and report["every_thread_runs_images_per_s"] == [330.0, 350.0]
+    assert report["saturation"]["every_thread_ratio"] == 0.75 and report["saturation"]["every_core_ratio"] == 0.7286
+    text = markdown(report)
+    assert "a thread per core sharing the GIL: 340.0 images/s (0.85 of the limit, 0.97 of the processes')" in text
+    assert "**service / every core in one process: 0.75**, its core with no HTTP 0.79" in text
+    order = [text.index(part) for part in ("service / every core:", "every core in one process", "no HTTP in front")]
+    assert order == sorted(order)
+    threads_only = {"limit": {**LIMIT["limit"], "every_thread_images_per_s": 300.0}}
+    alone = build_report(threads_only, [bench(64, 255.0)], None, {})
+    assert "(0.75 of the limit); **service / every core in one process: 0.85**" in markdown(alone)
+    assert "every_thread_ratio" not in build_report(LIMIT, [bench(64, 255.0)], None, {})["saturation"]
+
+
 def test_the_service_with_no_http_gives_what_the_http_layer_keeps(tmp_path: Path) -> None:
     core = {
         "concurrency": 64,

@@ -37,7 +37,7 @@ import PIL
 import torch
 from PIL import Image
 
-from app.bench.limit.every_core import measure_every_core
+from app.bench.limit.every_core import measure_every_core, measure_every_thread
 from app.bench.limit.measure import LIMITS, ForwardCost, measure_decode, measure_forward, measure_pipeline
 from app.bench.limit.model import load_model, model_repository, tune_runtime
 from app.bench.limit.photos import image_files, write_images
@@ -134,14 +134,23 @@ def _measure(
         for threads in sorted({1, max(1, whole - 1), whole}):
             result = measure_pipeline(model, encoded, spec, limit["best_batch"], threads, args.pipeline_seconds)
             pipeline.append(asdict(result))
-    every_core = None
+    every_core = every_thread = None
     if args.every_core_seconds > 0:
         print(f"every core at once ({cpu_cores()} processes)", file=sys.stderr, flush=True)
         every_core = measure_every_core(
             root, args.model, args.version, encoded, limit["best_batch"], args.every_core_seconds, args.malloc_retain_mb
         )
         limit["every_core_images_per_s"] = every_core.images_per_s
-    return {"limit": limit, "pipeline": pipeline, "every_core": asdict(every_core) if every_core else None}
+        print(f"every core at once in one process ({cpu_cores()} threads)", file=sys.stderr, flush=True)
+        switch_ms = ServerSettings.model_fields["switch_interval_ms"].default
+        every_thread = measure_every_thread(model, encoded, limit["best_batch"], args.every_core_seconds, switch_ms)
+        limit["every_thread_images_per_s"] = every_thread.images_per_s
+    return {
+        "limit": limit,
+        "pipeline": pipeline,
+        "every_core": asdict(every_core) if every_core else None,
+        "every_thread": asdict(every_thread) if every_thread else None,
+    }
 
 
 def _cpu_model() -> str:
@@ -182,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         "--every-core-seconds",
         type=float,
         default=6.0,
-        help="seconds of the run with one process per core, all at once; 0 skips it",
+        help="seconds of the run with one process per core, all at once, and of the same with one thread "
+        "per core in this process; 0 skips both",
     )
     parser.add_argument(
         "--malloc-retain-mb",

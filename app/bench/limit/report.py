@@ -78,6 +78,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"batches of {every['batch_size']}): {every['images_per_s']:.1f} images/s = "
             f"{every['images_per_s'] / limit['images_per_s']:.2f} of the limit"
         )
+    if threads := report.get("every_thread"):
+        lines.append(
+            f"\nevery core at once in one process ({threads['threads']} threads sharing the GIL at a "
+            f"{threads['switch_interval_ms']:g} ms switch interval, each decoding and running batches of "
+            f"{threads['batch_size']}): {threads['images_per_s']:.1f} images/s = "
+            f"{threads['images_per_s'] / limit['images_per_s']:.2f} of the limit"
+        )
     for run in report.get("pipeline", []):
         lines.append(
             f"\npipelined in process ({run['decode_threads']} decode threads + 1 forward thread, batch "

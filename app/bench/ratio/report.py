@@ -69,14 +69,14 @@ def build_report(
             for b in benches
         ],
     }
-    every = [
-        float(end["limit"]["every_core_images_per_s"]) for end in ends if "every_core_images_per_s" in end["limit"]
-    ]
-    if every:
-        # every core at once with no serving layer: the machine's own ceiling (see ``limit.every_core``)
-        report["every_core_images_per_s"] = round(statistics.mean(every), 1)
-        report["every_core_runs_images_per_s"] = every
-        report["saturation"]["every_core_ratio"] = round(float(best["throughput_rps"]) / statistics.mean(every), 4)
+    # every core at once with no serving layer: the machine's own ceiling, one process per core
+    # (``every_core``), and in one process, a thread per core sharing the GIL (``every_thread``)
+    for name in ("every_core", "every_thread"):
+        runs = [float(end["limit"][f"{name}_images_per_s"]) for end in ends if f"{name}_images_per_s" in end["limit"]]
+        if runs:
+            report[f"{name}_images_per_s"] = round(statistics.mean(runs), 1)
+            report[f"{name}_runs_images_per_s"] = runs
+            report["saturation"][f"{name}_ratio"] = round(float(best["throughput_rps"]) / statistics.mean(runs), 4)
     if core is not None:
         report["core"] = core
         report["core_ratio"] = round(float(core["throughput_rps"]) / images_per_s, 4)
@@ -110,12 +110,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{sat['throughput_rps']:.1f} requests/s, "
         f"mean batch {sat['mean_batch_size']:.1f}",
     ]
-    if "every_core_ratio" in sat:
-        lines.append(
-            f"- every core at once with no serving layer: {report['every_core_images_per_s']:.1f} images/s "
-            f"({report['every_core_images_per_s'] / report['limit_images_per_s']:.2f} of the limit); "
-            f"**service / every core: {sat['every_core_ratio']:.2f}**"
-        )
+    lines += _ceilings(report)
     if "core" in report:
         core = report["core"]
         lines.append(
@@ -183,3 +178,26 @@ def markdown(report: dict[str, Any]) -> str:
     if report["config"]:
         lines += ["", "config: " + ", ".join(f"`{k}={v}`" for k, v in sorted(report["config"].items()))]
     return "\n".join(lines)
+
+
+def _ceilings(report: dict[str, Any]) -> list[str]:
+    """The lines of every core at once: in processes, and in one process with a thread per core."""
+    sat, limit, lines = report["saturation"], report["limit_images_per_s"], []
+    if "every_core_ratio" in sat:
+        lines.append(
+            f"- every core at once with no serving layer: {report['every_core_images_per_s']:.1f} images/s "
+            f"({report['every_core_images_per_s'] / limit:.2f} of the limit); "
+            f"**service / every core: {sat['every_core_ratio']:.2f}**"
+        )
+    if "every_thread_ratio" in sat:
+        threads = report["every_thread_images_per_s"]
+        processes = report.get("every_core_images_per_s")
+        core = report.get("core")
+        lines.append(
+            f"- the same in one process, a thread per core sharing the GIL: {threads:.1f} images/s "
+            f"({threads / limit:.2f} of the limit"
+            + (f", {threads / processes:.2f} of the processes'" if processes else "")
+            + f"); **service / every core in one process: {sat['every_thread_ratio']:.2f}**"
+            + (f", its core with no HTTP {float(core['throughput_rps']) / threads:.2f}" if core else "")
+        )
+    return lines
