@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 from app.batching.ceiling import Ceiling
 from app.batching.clock import Clock, MonotonicClock
-from app.batching.execution import Execution, Runner
+from app.batching.execution import BATCH_RAN_PAST, Execution, Runner
 from app.batching.intake import Intake
 from app.batching.observer import BatchObserver, NullObserver
 from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, next_wakeup, plan_batch
@@ -236,7 +236,8 @@ class DualWindowBatcher(Generic[P, R]):
                 self._clock.now() + max(early, TIMER_RESOLUTION_S), lambda: self._expire(item)
             )
             return
-        item.future.set_exception(DeadlineExceeded("the request's deadline passed before it was computed"))
+        why = BATCH_RAN_PAST if item.batched else "the request's deadline passed before it was computed"
+        item.future.set_exception(DeadlineExceeded(why))
 
     def _settled(self, item: Pending[P, R]) -> None:
         if item.timer is not None:

@@ -2,7 +2,8 @@
 
 The runner's outputs answer the batch's requests in order; what it raises fails each of them
 with the same error (a bug in the runner: a generic ``BatchFailed``, logged once for the batch);
-a close that runs out of grace cuts it off. Answers come first: counting the batch (the
+a close that runs out of grace cuts it off. A request whose deadline passed while its batch ran
+is answered ``DeadlineExceeded``, never late with the result. Answers come first: counting the batch (the
 observer's report, the intake's run-time estimates, the memory ceiling) comes after, and a
 failure there costs no request its answer.
 """
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 P = TypeVar("P")
 R = TypeVar("R")
+
+BATCH_RAN_PAST = "the request's deadline passed while its batch ran"
 
 Runner = Callable[[Sequence[P]], Awaitable[Sequence[R]]]
 """Runs one batch: one output per input, in order. Raising fails exactly that batch."""
@@ -81,12 +84,20 @@ class Execution(Generic[P, R]):
             self._fail(batch, self._bug(batch, exc))
             raise
         else:
-            run_s = self._clock.now() - started
+            now = self._clock.now()
+            run_s = now - started
             for item, output in zip(batch, outputs, strict=True):
-                if not item.future.done():
-                    item.future.set_result(
-                        Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
-                    )
+                if item.future.done():
+                    continue
+                if item.deadline <= now:
+                    # its deadline passed while the batch ran, and its timer has not run yet (a busy loop
+                    # runs timers late, after the batch's result that came in before it): it is answered
+                    # as its timer would have answered it, not late with the result
+                    item.future.set_exception(DeadlineExceeded(BATCH_RAN_PAST))
+                    continue
+                item.future.set_result(
+                    Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
+                )
             try:  # answered first: a failure in what is counted after must not cost them their answers
                 self._after_success(plan, batch, outputs, started, run_s, capacity, epoch)
             except Exception:
