@@ -106,6 +106,12 @@ class Predictor:
             )
             self._inference_span(ids, ran, error).end(end_time=ended_ns)
             raise error
+        if time.monotonic() >= deadline:
+            # computed, and its task resumed past its deadline (a loop behind runs two dozen answers
+            # of a batch one after another): answered as a request past its deadline, not 200 late
+            late = DeadlineExceeded("the request's deadline passed before its answer could be sent")
+            self._inference_span(ids, ran, late).end(end_time=ended_ns)
+            raise late
         self._inference_span(ids, ran, None).end(end_time=ended_ns)
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(top, served.labels, top_k)

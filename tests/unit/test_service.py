@@ -183,3 +183,37 @@ async def test_a_close_after_a_drain_says_drained_once(repository: Path, caplog:
         await service.drain(1.0)
         await service.close(1.0)
     assert [r.getMessage().split(" in ")[0] for r in caplog.records if "drained" in r.getMessage()] == ["drained"]
+
+
+@pytest.mark.parametrize("resumed_late", [False, True])
+async def test_an_answer_whose_task_resumes_past_the_deadline_is_deadline_exceeded_not_200_late(
+    repository: Path, monkeypatch: pytest.MonkeyPatch, resumed_late: bool
+) -> None:
+    """At twice the load on a slow host, 69 answers of one minute left the server 1-15 ms after
+    their deadline: their batch finished in time, and the loop, behind, resumed their tasks later."""
+    from app.batching import Lane
+    from app.errors import DeadlineExceeded
+    from app.inference import preprocess
+
+    service = InferenceService(settings_for(repository))
+    await service.start()
+    try:
+        served = service.served("digits", None)
+        submit = served.batcher.submit
+
+        async def behind(*args: Any, **kwargs: Any) -> Any:
+            done = await submit(*args, **kwargs)
+            if resumed_late:
+                await asyncio.sleep(0.6)  # the batch ran in time; the task resumes after the deadline
+            return done
+
+        monkeypatch.setattr(served.batcher, "submit", behind)
+        image = preprocess.blank_png(8, 8)
+        if resumed_late:
+            with pytest.raises(DeadlineExceeded, match="before its answer could be sent"):
+                await service.predict(served, image, 3, Lane.NORMAL, 0.5)
+        else:
+            outcome = await service.predict(served, image, 3, Lane.NORMAL, 0.5)
+            assert len(outcome.predictions) == 3
+    finally:
+        await service.close(0)
