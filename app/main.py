@@ -29,6 +29,7 @@ from app.lifecycle.manager import LifecycleManager
 from app.policy import PolicyManager
 from app.service import InferenceService
 from app.settings import FileStamp, Settings, SettingsError, load_settings, read_secrets, read_settings
+from app.telemetry.loop_lag import watch_loop
 from app.telemetry.metrics import Metrics
 from app.telemetry.tracing import build_tracer_provider
 
@@ -149,7 +150,8 @@ def create_app(
         starting = asyncio.create_task(start(), name="model-start")
         app.state.starting = starting
         watching = asyncio.create_task(policy.watch(settings.admin.config_watch_s), name="config-watch")
-        background = [starting, watching]
+        lag = watch_loop(metrics.loop_lag, settings.telemetry.loop_lag_interval_ms, settings.telemetry.loop_lag_warn_ms)
+        background = [starting, watching, *lag]
         rereads: set[asyncio.Task[None]] = set()
         with _on_sighup(_reloader(app, settings, policy, rereads)):
             try:

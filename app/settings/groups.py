@@ -328,7 +328,8 @@ class AdminSettings(_Group):
 
 
 class TelemetrySettings(_Group):
-    """Tracing. The OTLP exporters also read the standard ``OTEL_EXPORTER_OTLP_*`` variables."""
+    """Tracing, and the event loop's lag. The OTLP exporters also read the standard
+    ``OTEL_EXPORTER_OTLP_*`` variables."""
 
     service_name: str = Field(default="ai-backend", description="service.name on every span")
     exporter: Literal["none", "console", "otlp_grpc", "otlp_http"] = Field(
@@ -351,6 +352,15 @@ class TelemetrySettings(_Group):
     batch_size: int = Field(default=256, ge=1, le=65536, description="spans per export call")
     schedule_delay_ms: float = Field(default=1000.0, gt=0, le=3_600_000, description="longest wait before an export")
     export_timeout_s: float = Field(default=5.0, gt=0, le=3600, description="one export call's timeout")
+    loop_lag_interval_ms: float = Field(
+        default=250.0,
+        ge=0,
+        le=60_000,
+        description="how often the event loop's lag is sampled into event_loop_lag_seconds; 0: not sampled",
+    )
+    loop_lag_warn_ms: float = Field(
+        default=250.0, gt=0, le=3_600_000, description="a lag this long or longer is logged as a warning"
+    )
 
 
 class LoggingSettings(_Group):

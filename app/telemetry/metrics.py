@@ -29,6 +29,7 @@ PREFIX = "ai_backend"
 # 5 ms to 1 s, where windows, batches and deadlines fall, each bound at most 1.5 times the one
 # before, so a quantile read off them (histogram_quantile) is within that of the truth: with
 # 25 ms then 50 ms, every normal request's queue wait (just over the 25 ms window) read 37-50 ms
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (
     *(0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075),
     *(0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
@@ -154,6 +155,12 @@ class Metrics:
             f"{PREFIX}_cancellations", "Requests admitted, then dropped uncomputed", ["reason"], registry=r
         )
         self.dropped_spans = Counter(f"{PREFIX}_dropped_spans", "Spans the exporter queue dropped", registry=r)
+        self.loop_lag = Histogram(
+            f"{PREFIX}_event_loop_lag_seconds",
+            "How much later than due the event loop ran a timer (sampled every telemetry.loop_lag_interval_ms)",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
         self.model_load = Gauge(
             f"{PREFIX}_model_load_seconds", "Time to load, check and warm a model", ["model", "version"], registry=r
         )

@@ -122,3 +122,15 @@ async def test_a_device_that_cannot_say_its_memory_leaves_the_rest_of_the_scrape
         samples = await scrape(running)  # 200, and parses
     assert value(samples, "ai_backend_model_info", model="digits", version="1", device="cpu", dtype="float32") == 1
     assert not [name for name, _ in samples if name.startswith("ai_backend_device_memory")]
+
+
+async def test_the_event_loops_lag_is_sampled_while_serving_and_its_task_ends_with_the_app(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(telemetry={"loop_lag_interval_ms": 5.0})
+    async with running_app(settings) as running:
+        await asyncio.sleep(0.1)
+        samples = await scrape(running)
+        assert value(samples, "ai_backend_event_loop_lag_seconds_count") >= 3
+        assert [t for t in asyncio.all_tasks() if t.get_name() == "loop-lag"]
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "loop-lag"], "closed with the app"
