@@ -189,7 +189,7 @@ async def test_a_close_after_a_drain_says_drained_once(repository: Path, caplog:
 async def test_an_answer_whose_task_resumes_past_the_deadline_is_deadline_exceeded_not_200_late(
     repository: Path, monkeypatch: pytest.MonkeyPatch, resumed_late: bool
 ) -> None:
-    """At twice the load on a slow host, 69 answers of one minute left the server 1-15 ms after
+    """At twice the load on a slow host, 9 answers of one minute left the server 1-15 ms after
     their deadline: their batch finished in time, and the loop, behind, resumed their tasks later."""
     from app.batching import Lane
     from app.errors import DeadlineExceeded
