@@ -359,7 +359,10 @@ class TelemetrySettings(_Group):
         description="how often the event loop's lag is sampled into event_loop_lag_seconds; 0: not sampled",
     )
     loop_lag_warn_ms: float = Field(
-        default=250.0, gt=0, le=3_600_000, description="a lag this long or longer is logged as a warning"
+        default=250.0,
+        gt=0,
+        le=3_600_000,
+        description="a lag this long or longer is logged as a warning (one a minute at most)",
     )
 
 
