@@ -16,10 +16,16 @@ from pathlib import Path
 Process = tuple[int, str]  # a pid and its start time, so that a pid reused later is not taken for it
 
 
+def stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (which may hold spaces and brackets),
+    the state first; ``OSError`` once the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def _stat(pid: int) -> list[str] | None:
-    """``/proc/PID/stat``'s fields after the command name (the state first), None once gone."""
+    """``stat_fields``, None once the process is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return stat_fields(pid)
     except OSError:
         return None
 

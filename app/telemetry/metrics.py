@@ -29,11 +29,12 @@ PREFIX = "ai_backend"
 # 5 ms to 1 s, where windows, batches and deadlines fall, each bound at most 1.5 times the one
 # before, so a quantile read off them (histogram_quantile) is within that of the truth: with
 # 25 ms then 50 ms, every normal request's queue wait (just over the 25 ms window) read 37-50 ms
-LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (
     *(0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075),
     *(0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
 )
+# the event loop's lag: a millisecond (uvloop's timer resolution) to the seconds of a stalled loop
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = tuple(2**i for i in range(MAX_BATCH.bit_length()))  # 1, 2, 4, ... the largest max_batch
 FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 

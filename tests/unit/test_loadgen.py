@@ -321,12 +321,12 @@ def test_cpu_report_splits_the_machine_into_server_client_and_the_rest() -> None
     assert report["server_ms_per_request"] == 8.0 and report["client_ms_per_request"] == 0.5
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
 def under(pid: int) -> list[int]:
     """The pids of ``pid``'s descendants."""
     return [child for child, _ in processes.descendants(pid)]
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
 def test_a_server_is_charged_for_the_cpu_of_the_processes_under_it() -> None:
     """LitServe decodes and runs the model in worker processes: counting the server's own pid
     only would make it look nearly free. A child that spins for 0.35 s of CPU, then sleeps, and

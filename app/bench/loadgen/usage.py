@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from app.bench.processes import descendants
+from app.bench.processes import descendants, stat_fields
 from app.bench.threads import Scheduled, thread_sched
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -17,17 +17,14 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (every thread), from ``/proc/PID/stat``."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and brackets
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def _with_collected_children_ticks(pid: int) -> int:
     """``pid``'s CPU in clock ticks plus that of the children it has collected (``wait``ed for:
     ``cutime`` and ``cstime``, which hold their own collected children's in turn)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rindex(")") + 2 :].split()
-    return sum(int(field) for field in fields[11:15])
+    return sum(int(field) for field in stat_fields(pid)[11:15])
 
 
 def tree_cpu_s(pid: int) -> float:
