@@ -11,7 +11,9 @@
 #        every request with a deadline of DEADLINE_MS (1000), for OVERLOAD_SECONDS (60);
 #  (vi)  saturation again: the answered share in (v) is taken against the mean of the saturation
 #        just before and just after it, since the host's speed drifts while the run goes on;
-#  (vii) writes OUT_DIR/load.md (and the bench reports beside it).
+#  (vii) writes OUT_DIR/load.md (and the bench reports beside it), with the server's own samples
+#        of its event loop's lag in each measured window (`bench --server-metrics`): a stall of the
+#        loop shows there, starved decode or device threads do not.
 #
 # Only loopback traffic, bounded in count and time. Knobs (environment): PORT (8932), MODEL,
 # REPOSITORY, IMAGES (a folder of images: skips making them), and any AI_SERVICE_* setting.
@@ -45,7 +47,7 @@ bench() {  # bench OUT_JSON ARGS...
   local report=$1
   shift
   "$py" -m app.cli bench --url "http://127.0.0.1:$port" --client raw --images "$images" --server-pid "$server_pid" \
-    --urgent-fraction 0.1 --out "$report" "$@" >/dev/null
+    --server-metrics --urgent-fraction 0.1 --out "$report" "$@" >/dev/null
 }
 
 # (iii) - (v)
@@ -106,6 +108,22 @@ def lanes(report: dict) -> str:
     return "\n".join(["| lane | answered | p50 ms | p90 ms | p99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: | ---: |", *rows])
 
 
+def loop_lag(report: dict) -> str:
+    """The server's own samples of its event loop's lag in the window (``--server-metrics``)."""
+    lag = report.get("server_loop_lag")
+    if not lag or not lag.get("samples"):
+        return "- event loop lag: no samples (telemetry.loop_lag_interval_ms=0?)"
+
+    def bound(ms: float | None) -> str:
+        return f"<= {ms:g} ms" if ms is not None else "over 5 s"
+
+    return (
+        f"- event loop lag, the server's {lag['samples']} samples: mean {lag['mean_ms']:.1f} ms, "
+        f"p99 {bound(lag['p99_at_most_ms'])}, max {bound(lag['max_at_most_ms'])}, "
+        f"**{lag['over_250ms']}** over 250 ms (a stalled loop, not starved threads)"
+    )
+
+
 urgent, normal = steady["latency"]["urgent"], steady["latency"]["normal"]
 answered = over["throughput_rps"]
 rss = over.get("server_rss_mb", {})
@@ -115,6 +133,7 @@ lines = [
     "",
     f"- saturation (closed loop, {sat['concurrency']} clients): **{sat['throughput_rps']} requests/s**, "
     f"mean batch {sat['mean_batch_size']}",
+    loop_lag(sat),
     f"- one max batch ({best}) takes {batch_ms:.1f} ms in process (one torch thread); the urgent bound is "
     f"2 ms + that = {bound:.1f} ms plus overhead",
     "",
@@ -146,6 +165,7 @@ lines = [
     f"normal p50 {normal['p50_ms']:.1f} ms",
     f"- urgent p99 {urgent['p99_ms']:.1f} ms against the bound {bound:.1f} ms: overhead "
     f"{urgent['p99_ms'] - bound:+.1f} ms",
+    loop_lag(steady),
     "",
     f"### twice saturation: {over['rate_rps']} requests/s offered for {over['measured_s']:.0f} s, "
     f"deadline {over['deadline_ms']:.0f} ms, 10% urgent",
@@ -157,6 +177,7 @@ lines = [
     f"- refused: {errors}",
     f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
     f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB",
+    loop_lag(over),
     "",
     lanes(over),
 ]

@@ -264,6 +264,7 @@ def bench_args(**overrides: object) -> argparse.Namespace:
         "timeout": 5.0,
         "seed": 0,
         "server_pid": os.getpid(),
+        "server_metrics": False,
         "deadline_ms": None,
     }
     args = argparse.Namespace(**(defaults | overrides))

@@ -13,6 +13,8 @@ through several images; ``--server-pid`` adds where the CPU went in the measured
 the server's, the client's and everything else's, per request and in cores; and, per group of
 the server's threads (event loop, decode, device), the cores each used and the cores' worth of
 time it was runnable but kept waiting for one (``server_threads``, Linux schedstat).
+``--server-metrics`` adds the server's own account of its event loop over the window
+(``server_loop_lag``: the lag it sampled, from its ``/metrics``; ``app.bench.loadgen.scrape``).
 
 Exit status: 0; 1 when nothing answers at the URL, when no request sent in the measured window
 succeeded (a run of errors is not a measurement), or when ``--out`` could not be written (the
@@ -76,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         "--client", choices=("raw", "httpx"), default="raw", help="raw: precomputed HTTP/1.1 bytes (default); httpx"
     )
     parser.add_argument("--server-pid", type=int, help="also report this process's CPU use (Linux /proc)")
+    parser.add_argument(
+        "--server-metrics",
+        action="store_true",
+        help="also scrape the service's /metrics at the window's ends and report its event loop's lag",
+    )
     loop = parser.add_mutually_exclusive_group()
     loop.add_argument("--concurrency", type=int, default=32, help="closed loop: clients in flight (default 32)")
     loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")

@@ -1,5 +1,5 @@
 """One run from start to end: the client set up, the load driven through the warm-up and the
-measured window while the server's CPU and memory are watched, and the report."""
+measured window while the server's CPU, memory and event-loop lag are watched, and the report."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import httpx
 
 from app.bench.loadgen.loops import Run, Send, closed_loop, open_loop
+from app.bench.loadgen.scrape import scrape_lag
 from app.bench.loadgen.senders import httpx_sender, json_bodies, raw_sender
 from app.bench.loadgen.summary import summarise
 from app.bench.loadgen.target import Target
@@ -29,6 +30,8 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
         await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
         run.cpu_before = cpu_snapshot(args.server_pid)
         run.threads_before = thread_snapshot(args.server_pid)
+        if args.server_metrics:
+            run.lag_before = await scrape_lag(args.target)
 
     async def watch_memory(pid: int) -> None:
         await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
@@ -48,6 +51,8 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
     if watcher.done():  # from the window's start to the last answer, in-flight requests included
         run.cpu_after = cpu_snapshot(args.server_pid)
         run.threads_after = thread_snapshot(args.server_pid)
+        if run.lag_before is not None:
+            run.lag_after = await scrape_lag(args.target)
     else:  # the load stopped before the window began (request cap): no CPU figures
         watcher.cancel()
     if memory is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from app.bench import rawhttp
+from app.bench.loadgen.scrape import LagHistogram
 from app.bench.threads import Scheduled
 
 Send = Callable[[int, bool], Awaitable[tuple[int, bytes]]]
@@ -59,6 +60,8 @@ class Run:
     threads_before: dict[int, Scheduled] | None = None  # the server's threads, by the scheduler's account
     threads_after: dict[int, Scheduled] | None = None
     rss_mb: list[float] = field(default_factory=list)  # the server's resident memory, once a second
+    lag_before: LagHistogram | None = None  # the server's event-loop lag histogram at the window's ends
+    lag_after: LagHistogram | None = None
 
 
 def _outcome(status: int, body: bytes) -> tuple[str | None, dict[str, Any]]:

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from app.bench.loadgen.loops import Run, Sample
+from app.bench.loadgen.scrape import lag_report
 from app.bench.loadgen.usage import cpu_report, memory_summary
 from app.bench.threads import sched_report
 
@@ -111,6 +112,8 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
         extra["ok_past_deadline"] = sum(1 for s in ok if s.latency_s * 1000 > deadline_ms)
     if run.rss_mb:
         extra["server_rss_mb"] = memory_summary(run.rss_mb)
+    if run.lag_before is not None and run.lag_after is not None:
+        extra["server_loop_lag"] = lag_report(run.lag_before, run.lag_after)
     if any(s.lag_s is not None for s in run.samples):
         extra.update(schedule_report(run))
     return {

@@ -1,0 +1,99 @@
+"""The server's own account of its event loop over a run: the histogram
+``ai_backend_event_loop_lag_seconds`` (``app.telemetry.loop_lag``), scraped from ``/metrics`` at the
+measured window's two ends and read as the difference.
+
+A stall on the server's event loop (a three-second one spoiled a latency run in the thirty-second
+pass) shows here as samples late by hundreds of milliseconds; starved decode or device threads do
+not (their stages are long, the loop's lag short). A server without that metric (another server, or
+ours with ``telemetry.loop_lag_interval_ms=0``) leaves it out of the report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.bench.loadgen.target import Target
+
+LAG_METRIC = "ai_backend_event_loop_lag_seconds"
+LATE_S = 0.25  # telemetry.loop_lag_warn_ms by default: a lag the server logs as a warning
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class LagHistogram:
+    """One scrape of the histogram: cumulative counts by upper bound (seconds, ascending, the
+    last one infinite), the count and the sum of the lags."""
+
+    buckets: tuple[tuple[float, float], ...]
+    count: float
+    sum_s: float
+
+
+def parse_lag(text: str) -> LagHistogram | None:
+    """The lag histogram in a Prometheus text exposition, None where there is none."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:  # not an exposition (a 200 from something else at /metrics)
+        return None
+    for family in families:
+        if family.name != LAG_METRIC or family.type != "histogram":
+            continue
+        buckets: list[tuple[float, float]] = []
+        count = sum_s = None
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_count"):
+                count = sample.value
+            elif sample.name.endswith("_sum"):
+                sum_s = sample.value
+        if buckets and count is not None and sum_s is not None:
+            return LagHistogram(tuple(sorted(buckets)), count, sum_s)
+    return None
+
+
+async def scrape_lag(target: Target) -> LagHistogram | None:
+    """GET ``/metrics`` on the target (loopback, a short timeout) and read the lag histogram;
+    None when it cannot be had: no such route, no such metric, no answer in time."""
+    try:
+        async with httpx.AsyncClient(
+            base_url=target.base_url, headers={"Host": target.authority}, timeout=SCRAPE_TIMEOUT_S, trust_env=False
+        ) as client:
+            response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_lag(response.text) if response.status_code == 200 else None
+
+
+def _bound_ms(bound_s: float) -> float | None:
+    return None if math.isinf(bound_s) else round(bound_s * 1000, 3)
+
+
+def lag_report(before: LagHistogram, after: LagHistogram) -> dict[str, Any] | None:
+    """What the loop's samples taken between the two scrapes say: how many, their mean, the
+    bucket bounds their 99th percentile and their maximum fall under (None: over the last finite
+    bound), and how many were late by more than ``LATE_S``. None when the two do not line up (other
+    buckets, or counts that went back: the server restarted between them)."""
+    if [b for b, _ in before.buckets] != [b for b, _ in after.buckets] or after.count < before.count:
+        return None
+    samples = after.count - before.count
+    if samples == 0:
+        return {"samples": 0}
+    within = [(bound, a - b) for (bound, a), (_, b) in zip(after.buckets, before.buckets, strict=True)]
+
+    def bound_of(rank: float) -> float | None:
+        return _bound_ms(next(bound for bound, n in within if n >= rank))
+
+    at_late = next((n for bound, n in within if bound >= LATE_S), samples)
+    return {
+        "samples": int(samples),
+        "mean_ms": round((after.sum_s - before.sum_s) / samples * 1000, 3),
+        "p99_at_most_ms": bound_of(math.ceil(round(0.99 * samples, 9))),  # the nearest rank, as summary.percentile
+        "max_at_most_ms": bound_of(samples),
+        f"over_{int(LATE_S * 1000)}ms": int(samples - at_late),
+    }

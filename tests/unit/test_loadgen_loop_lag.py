@@ -1,0 +1,98 @@
+"""``ai-backend bench --server-metrics``: the server's event-loop lag over the measured window, read
+from two scrapes of the real metrics registry (``app.telemetry.metrics``, the real Prometheus client)."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+
+from app.bench.loadgen.scrape import LagHistogram, lag_report, parse_lag
+from app.bench.loadgen.summary import percentile
+from app.telemetry.metrics import LOOP_LAG_BUCKETS, Metrics
+
+
+def scraped(metrics: Metrics) -> LagHistogram:
+    histogram = parse_lag(generate_latest(metrics.registry).decode())
+    assert histogram is not None
+    return histogram
+
+
+def test_only_the_samples_between_the_scrapes_count() -> None:
+    metrics = Metrics()
+    for lag in (0.0004, 0.0004, 2.0):  # before the window: a stall the report must not show
+        metrics.loop_lag.observe(lag)
+    before = scraped(metrics)
+    for lag in (0.0003, 0.002, 0.3, 3.0):
+        metrics.loop_lag.observe(lag)
+    report = lag_report(before, scraped(metrics))
+    assert report == {
+        "samples": 4,
+        "mean_ms": round((0.0003 + 0.002 + 0.3 + 3.0) / 4 * 1000, 3),
+        "p99_at_most_ms": 5000.0,
+        "max_at_most_ms": 5000.0,
+        "over_250ms": 2,
+    }
+
+
+def test_a_quiet_window_reads_its_samples_under_the_first_bounds() -> None:
+    metrics = Metrics()
+    before = scraped(metrics)
+    for _ in range(99):
+        metrics.loop_lag.observe(0.0005)
+    metrics.loop_lag.observe(0.02)
+    report = lag_report(before, scraped(metrics))
+    assert report is not None
+    assert report["samples"] == 100 and report["over_250ms"] == 0
+    assert report["p99_at_most_ms"] == 1.0 and report["max_at_most_ms"] == 25.0
+
+
+def test_a_lag_past_the_last_bound_has_no_upper_figure() -> None:
+    metrics = Metrics()
+    before = scraped(metrics)
+    metrics.loop_lag.observe(7.0)
+    report = lag_report(before, scraped(metrics))
+    assert report is not None and report["max_at_most_ms"] is None and report["over_250ms"] == 1
+
+
+def test_no_samples_and_no_match_are_told_apart() -> None:
+    metrics = Metrics()
+    same = scraped(metrics)
+    assert lag_report(same, same) == {"samples": 0}
+    metrics.loop_lag.observe(0.1)
+    later = scraped(metrics)
+    assert lag_report(later, scraped(Metrics())) is None  # counts went back: the server restarted
+    other = LagHistogram(((0.5, 1.0), (math.inf, 1.0)), 1.0, 0.1)
+    assert lag_report(other, later) is None  # other buckets
+
+
+def test_what_is_not_the_histogram_reads_as_none() -> None:
+    assert parse_lag('{"code": "not_found"}') is None
+    assert parse_lag("<html><body>metrics</body></html>") is None
+    assert parse_lag("# TYPE other_seconds histogram\nother_seconds_count 1.0\n") is None
+    assert parse_lag("") is None
+
+
+@given(
+    before=st.lists(st.floats(0, 10), max_size=20),
+    window=st.lists(st.floats(0, 10), min_size=1, max_size=200),
+)
+def test_the_report_bounds_what_the_window_held(before: list[float], window: list[float]) -> None:
+    metrics = Metrics()
+    for lag in before:
+        metrics.loop_lag.observe(lag)
+    first = scraped(metrics)
+    for lag in window:
+        metrics.loop_lag.observe(lag)
+    report = lag_report(first, scraped(metrics))
+    assert report is not None and report["samples"] == len(window)
+    assert math.isclose(report["mean_ms"], sum(window) / len(window) * 1000, abs_tol=1e-3)
+    assert report["over_250ms"] == sum(1 for lag in window if lag > 0.25)
+
+    def tightest(value: float) -> float | None:  # the smallest bucket bound at or over value, in ms
+        return next((round(b * 1000, 3) for b in LOOP_LAG_BUCKETS if value <= b), None)
+
+    assert report["max_at_most_ms"] == tightest(max(window))
+    assert report["p99_at_most_ms"] == tightest(percentile(window, 99))
