@@ -77,6 +77,7 @@ import os
 import sys
 from pathlib import Path
 
+from app.bench.loadgen.scrape import lag_line
 from app.settings import BatchingSettings
 
 out = Path(sys.argv[1])
@@ -108,22 +109,6 @@ def lanes(report: dict) -> str:
     return "\n".join(["| lane | answered | p50 ms | p90 ms | p99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: | ---: |", *rows])
 
 
-def loop_lag(report: dict) -> str:
-    """The server's own samples of its event loop's lag in the window (``--server-metrics``)."""
-    lag = report.get("server_loop_lag")
-    if not lag or not lag.get("samples"):
-        return "- event loop lag: no samples (telemetry.loop_lag_interval_ms=0?)"
-
-    def bound(ms: float | None) -> str:
-        return f"<= {ms:g} ms" if ms is not None else "over 5 s"
-
-    return (
-        f"- event loop lag, the server's {lag['samples']} samples: mean {lag['mean_ms']:.1f} ms, "
-        f"p99 {bound(lag['p99_at_most_ms'])}, max {bound(lag['max_at_most_ms'])}, "
-        f"**{lag['over_250ms']}** over 250 ms (a stalled loop, not starved threads)"
-    )
-
-
 urgent, normal = steady["latency"]["urgent"], steady["latency"]["normal"]
 answered = over["throughput_rps"]
 rss = over.get("server_rss_mb", {})
@@ -133,7 +118,7 @@ lines = [
     "",
     f"- saturation (closed loop, {sat['concurrency']} clients): **{sat['throughput_rps']} requests/s**, "
     f"mean batch {sat['mean_batch_size']}",
-    loop_lag(sat),
+    lag_line(sat.get("server_loop_lag")),
     f"- one max batch ({best}) takes {batch_ms:.1f} ms in process (one torch thread); the urgent bound is "
     f"2 ms + that = {bound:.1f} ms plus overhead",
     "",
@@ -165,7 +150,7 @@ lines = [
     f"normal p50 {normal['p50_ms']:.1f} ms",
     f"- urgent p99 {urgent['p99_ms']:.1f} ms against the bound {bound:.1f} ms: overhead "
     f"{urgent['p99_ms'] - bound:+.1f} ms",
-    loop_lag(steady),
+    lag_line(steady.get("server_loop_lag")),
     "",
     f"### twice saturation: {over['rate_rps']} requests/s offered for {over['measured_s']:.0f} s, "
     f"deadline {over['deadline_ms']:.0f} ms, 10% urgent",
@@ -177,7 +162,7 @@ lines = [
     f"- refused: {errors}",
     f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
     f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB",
-    loop_lag(over),
+    lag_line(over.get("server_loop_lag")),
     "",
     lanes(over),
 ]

@@ -5,7 +5,8 @@
 #  (ii)  measures the in-process limit on 640x480 JPEGs (ai-backend limit);
 #  (iii) serves that repository (ai-backend serve) with the settings below;
 #  (iv)  finds saturation with closed-loop concurrency (ai-backend bench --client raw, JSON base64 bodies):
-#        throughput / limit, mean batch size, per-lane latency, and the CPU of server, client and others;
+#        throughput / limit, mean batch size, per-lane latency, the CPU of server, client and others, and
+#        the server's own samples of its event loop's lag (bench --server-metrics);
 #  (v)   profiles the server at the saturation point (py-spy + per-thread CPU from /proc);
 #  (vi)  drives the same service in process with no HTTP in front (ai-backend core) at that concurrency,
 #  (vii) and serves it behind the least HTTP possible (ai-backend floor: httptools, json.loads, no ids,
@@ -98,7 +99,7 @@ bench() {  # bench CONCURRENCY OUT_JSON [DURATION [nowait]]
   if [ "${4:-}" != nowait ]; then wait_quiet; fi
   "$py" -m app.cli bench --url "http://127.0.0.1:$port" --client raw --images "$out/images" \
     --concurrency "$1" --duration "${3:-$duration}" --warmup "$warmup" --urgent-fraction "${URGENT_FRACTION:-0}" \
-    --server-pid "$server_pid" --out "$2" >/dev/null
+    --server-pid "$server_pid" --server-metrics --out "$2" >/dev/null
 }
 
 if [ -n "${VARIANTS_ONLY:-}" ]; then  # only the side-by-side part, at VARIANT_CONCURRENCY

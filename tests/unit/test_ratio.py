@@ -95,6 +95,15 @@ def test_the_report_takes_the_best_throughput_as_saturation() -> None:
     assert "service / limit: 0.85" in text and "`a=1`" in text
 
 
+def test_the_server_s_own_loop_lag_in_the_saturation_window_is_reported() -> None:
+    lag = {"samples": 40, "mean_ms": 2.5, "p99_at_most_ms": 25.0, "max_at_most_ms": None, "over_250ms": 1}
+    saturated = bench(64, 340.0) | {"server_loop_lag": lag}
+    text = markdown(build_report(LIMIT, [bench(16, 300.0), saturated], None, {}))
+    assert "event loop, 40 lag samples: mean 2.5 ms, p99 <= 25 ms, max past the last bucket, **1** over 250 ms" in text
+    slower = saturated | {"throughput_rps": 100.0}  # saturation is another run, which scraped nothing
+    assert "lag samples" not in markdown(build_report(LIMIT, [slower, bench(8, 300.0)], None, {}))
+
+
 def test_variants_are_compared_by_the_median_of_their_rounds() -> None:
     runs: list[Run] = [
         ("a", bench(64, 300.0), None),

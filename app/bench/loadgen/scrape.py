@@ -97,3 +97,19 @@ def lag_report(before: LagHistogram, after: LagHistogram) -> dict[str, Any] | No
         "max_at_most_ms": bound_of(samples),
         f"over_{int(LATE_S * 1000)}ms": int(samples - at_late),
     }
+
+
+def lag_line(lag: dict[str, Any] | None) -> str:
+    """One markdown line for a report's ``server_loop_lag`` (the benchmark scripts' summaries)."""
+    if not lag or not lag.get("samples"):
+        return "- the server's event loop: no lag samples in the window (telemetry.loop_lag_interval_ms=0?)"
+
+    def bound(ms: float | None) -> str:
+        return f"<= {ms:g} ms" if ms is not None else "past the last bucket"
+
+    over = int(LATE_S * 1000)
+    return (
+        f"- the server's event loop, {lag['samples']} lag samples: mean {lag['mean_ms']:.1f} ms, "
+        f"p99 {bound(lag['p99_at_most_ms'])}, max {bound(lag['max_at_most_ms'])}, "
+        f"**{lag[f'over_{over}ms']}** over {over} ms (a stalled loop shows here, starved threads do not)"
+    )

@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from app.bench.loadgen.scrape import lag_line
 from app.bench.threads import threads_text
 
 
@@ -54,6 +55,7 @@ def build_report(
             "latency": best["latency"],
             "errors": best["errors"],
             "cpu": cpu,
+            **({"server_loop_lag": best["server_loop_lag"]} if "server_loop_lag" in best else {}),
         },
         "sweep": [
             {
@@ -139,6 +141,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"- cores in the window: server {cpu.get('server_cores', 0):.2f}, client {cpu.get('client_cores', 0):.2f}, "
             f"other processes {cpu.get('other_cores', 0):.2f}, stolen {cpu.get('steal_cores', 0):.2f}"
         )
+    if "server_loop_lag" in sat:
+        lines.append(lag_line(sat["server_loop_lag"]))
     lines += ["", "| lane | requests | p50 ms | p90 ms | p99 ms |", "| --- | ---: | ---: | ---: | ---: |"]
     for lane in ("all", "normal", "urgent"):
         lat = sat["latency"][lane]
