@@ -158,7 +158,9 @@ lines = [
     f"- answered: {answered} requests/s = **{answered / reference:.3f} of saturation** (the mean of "
     f"{before['throughput_rps']} just before and {after['throughput_rps']} just after; "
     f"{answered / sat['throughput_rps']:.3f} of the first, {sat['throughput_rps']}), mean batch {over['mean_batch_size']}",
-    f"- answered later than their deadline (client clock): **{over['ok_past_deadline']}** of {over['ok']}",
+    f"- answered later than their deadline (client clock): **{over['ok_past_deadline']}** of {over['ok']}; "
+    f"by the server's own clock (its total from the request's first byte): "
+    f"**{over.get('ok_past_deadline_server', 'not reported')}**",
     f"- refused: {errors}",
     f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
     f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB",

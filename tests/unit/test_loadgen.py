@@ -436,6 +436,19 @@ def test_a_deadline_is_sent_and_answers_later_than_it_are_counted() -> None:
     assert report["ok_past_deadline"] == 1 and report["deadline_ms"] == 250
     assert report["latency"]["refused"]["count"] == 2 and report["latency"]["refused"]["max_ms"] == 4.0
     assert "ok_past_deadline" not in summary.summarise(run, {})
+    assert "ok_past_deadline_server" not in report  # the answers carried no timings
+
+
+def test_answers_past_their_deadline_by_the_server_s_own_clock_are_counted_apart() -> None:
+    run = loops.Run(measured_from=0.0, ended=1.0)
+    timed = {"preprocess": 2.0, "queue": 10.0, "inference": 30.0}
+    run.samples += [
+        loops.Sample("normal", 0.300, 200, None, 4, True, {**timed, "total": 240.0}),  # late by the client's clock
+        loops.Sample("normal", 0.260, 200, None, 4, True, {**timed, "total": 251.0}),  # and by the server's
+        loops.Sample("normal", 0.100, 200, None, 4, True, {**timed, "total": 90.0}),
+    ]
+    report = summary.summarise(run, {}, deadline_ms=250)
+    assert report["ok_past_deadline"] == 2 and report["ok_past_deadline_server"] == 1
 
 
 def test_the_server_s_stage_timings_are_summarised_per_lane() -> None:

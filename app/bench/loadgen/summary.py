@@ -110,6 +110,10 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
     if deadline_ms is not None:  # the client's own clock: what it waited, beyond what it allowed
         extra["deadline_ms"] = deadline_ms
         extra["ok_past_deadline"] = sum(1 for s in ok if s.latency_s * 1000 > deadline_ms)
+        # and the server's: its own total, from the request's first byte (where its deadline runs from)
+        # to the answer built; the client's count adds the network, its own sending late, its reading
+        if timed := [s.timings_ms["total"] for s in ok if s.timings_ms and "total" in s.timings_ms]:
+            extra["ok_past_deadline_server"] = sum(1 for total in timed if float(total) > deadline_ms)
     if run.rss_mb:
         extra["server_rss_mb"] = memory_summary(run.rss_mb)
     if run.lag_before is not None and run.lag_after is not None:
