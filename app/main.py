@@ -19,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from app.api.access_log import AccessLog
 from app.api.auth import admin_gate
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
@@ -108,6 +109,24 @@ def _new_service(settings: Settings, metrics: Metrics, tracer: trace.Tracer, fat
         raise
 
 
+def _install_routes(app: FastAPI, settings: Settings, metrics: Metrics, access_log: AccessLog | None) -> None:
+    """The error handlers, the OpenAPI document, the outermost middleware and the routes."""
+    install_error_handlers(app)
+    install_openapi(app)
+    admin_routes = (*admin.router.routes, *admin_models.router.routes)
+    app.add_middleware(
+        RequestContextMiddleware,
+        metrics=metrics,
+        access_log=access_log,
+        direct=lambda scope: predict.direct(scope) or admin_gate(scope, admin_routes),  # the token before any body
+    )
+    for router in (predict.router, models.router, health.router, metrics_route.router):
+        app.include_router(router)
+    if settings.admin.enabled:
+        app.include_router(admin.router)
+        app.include_router(admin_models.router)
+
+
 def create_app(
     settings: Settings | None = None,
     on_fatal: FatalHandler | None = None,
@@ -129,6 +148,7 @@ def create_app(
     metrics = Metrics()
     tracer_provider, processor = build_tracer_provider(settings.telemetry, span_exporter, metrics.dropped_spans.inc)
     exporting = processor is not None
+    access_log = AccessLog(settings.logging.refusal_lines_per_s) if settings.logging.access_log else None
     # with nowhere to send spans, none are made: a span nobody can read still costs the request path
     tracer = tracer_provider.get_tracer("app.service") if exporting else trace.NoOpTracer()
 
@@ -162,6 +182,8 @@ def create_app(
                 await asyncio.gather(*background, *rereads, return_exceptions=True)  # nothing of theirs stops the close
                 await service.close(settings.server.shutdown_grace_s)
                 await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take
+                if access_log is not None:
+                    access_log.report_unlogged(force=True)  # the 503s past the cap since the last such line
 
     app = FastAPI(
         title="ai-backend",
@@ -175,22 +197,10 @@ def create_app(
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.access_log = access_log
     app.state.tracer_provider = tracer_provider
     app.state.tracing = exporting  # the edge refuses nothing then: each refusal gets its span
-    install_error_handlers(app)
-    install_openapi(app)
-    admin_routes = (*admin.router.routes, *admin_models.router.routes)
-    app.add_middleware(
-        RequestContextMiddleware,
-        metrics=metrics,
-        access_log=settings.logging.access_log,
-        direct=lambda scope: predict.direct(scope) or admin_gate(scope, admin_routes),  # the token before any body
-    )
-    for router in (predict.router, models.router, health.router, metrics_route.router):
-        app.include_router(router)
-    if settings.admin.enabled:
-        app.include_router(admin.router)
-        app.include_router(admin_models.router)
+    _install_routes(app, settings, metrics, access_log)
     if exporting:
         FastAPIInstrumentor.instrument_app(
             app, tracer_provider=tracer_provider, excluded_urls=UNTRACED_PATHS, exclude_spans=["receive", "send"]

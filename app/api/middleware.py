@@ -24,12 +24,12 @@ from opentelemetry.trace import Status, StatusCode
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.access_log import AccessLog
 from app.api.errors import service_error_response
 from app.errors import Draining, RequestTimeout
 from app.telemetry.logging import caller_trace_var, request_id_var
 from app.telemetry.metrics import Metrics
 
-log = logging.getLogger("app.access")
 _error_log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -156,7 +156,7 @@ def identity_headers(request_id: str, trace_id: str | None, close: bool) -> list
     return headers
 
 
-def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_log: bool) -> None:
+def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_log: AccessLog | None) -> None:
     """A request's metrics and its access line, once it is answered (here, and by the edge)."""
     seconds = time.perf_counter() - started
     state = scope["state"]
@@ -168,22 +168,8 @@ def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_l
         status, code = state["answered_as"]
     metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)
     metrics.requests.labels(str(status), code).inc()
-    if not access_log:
-        return
-    log.info(
-        "%s %s %d",
-        scope["method"],
-        scope["path"],
-        status,
-        extra={
-            "method": scope["method"],
-            "path": scope["path"],
-            "status": status,
-            "duration_ms": round(seconds * 1000, 3),
-            **({"code": code} if status >= 400 else {}),
-            **state.get("log_fields", {}),
-        },
-    )
+    if access_log is not None:
+        access_log.line(scope["method"], scope["path"], status, code, seconds, state.get("log_fields", {}))
 
 
 class RequestContextMiddleware:
@@ -193,7 +179,7 @@ class RequestContextMiddleware:
         self,
         app: ASGIApp,
         metrics: Metrics,
-        access_log: bool = True,
+        access_log: AccessLog | None = None,
         direct: Callable[[Scope], ASGIApp | None] | None = None,
     ) -> None:
         self.app = app

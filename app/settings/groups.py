@@ -374,6 +374,13 @@ class LoggingSettings(_Group):
     )
     json_format: bool = Field(default=True, description="one JSON object a line; false: plain text")
     access_log: bool = Field(default=True, description="one line per request: method, path, status, duration")
+    refusal_lines_per_s: float = Field(
+        default=20.0,
+        ge=0,
+        le=1_000_000,
+        description="access lines a second for 503 answers at most (overload makes them most requests); the rest "
+        "are counted by code into one line a second (unlogged_503) and in the metrics as always; 0: no cap",
+    )
 
 
 def check_windows(batching: BatchingSettings, server: ServerSettings) -> None:

@@ -356,3 +356,25 @@ async def test_refusals_leave_nothing_for_the_cycle_collector(make_settings: Set
     assert not left.keys() & {"WouldMissDeadline", "frame", "traceback", "Request"}, left
     # a closed connection's protocol and its last request hold each other: one for the connection, not one each
     assert left["RequestResponseCycle"] <= 1, left
+
+
+async def test_a_flood_of_refusals_logs_its_cap_and_sums_up_the_rest(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At most ``logging.refusal_lines_per_s`` access lines a second for 503s; every other one is in
+    a summary line (the last one written as the service closes), and in the metrics as always."""
+    settings = make_settings(logging={"access_log": True, "refusal_lines_per_s": 5})
+    refused = 60
+    with caplog.at_level(logging.INFO, logger="app.access"):
+        async with served(settings) as running:
+            await running.exchange(predict())  # a batch timed: a 1 ms deadline is refused at the edge
+            answers = await running.exchange(*(predict(X_Request_Timeout="1") for _ in range(refused)), predict())
+            metrics = (await running.exchange(build_request("GET", "127.0.0.1", "/metrics", {})))[0][1].decode()
+    assert [head.status for head, _ in answers] == [503] * refused + [200]
+    lines = [r for r in caplog.records if r.name == "app.access"]
+    logged = sum(1 for r in lines if getattr(r, "status", None) == 503)
+    unlogged = sum(getattr(r, "unlogged_503", 0) for r in lines)
+    assert 5 <= logged < refused and logged + unlogged == refused
+    assert sum(1 for r in lines if getattr(r, "status", None) == 200) == 3  # both predictions and the scrape
+    requests_total = metric_samples(metrics, f"{PREFIX}_requests_total")
+    assert sum(n for labels, n in requests_total.items() if ("status", "503") in labels) == refused

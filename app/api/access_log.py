@@ -1,0 +1,97 @@
+"""The access log: one line per answered request, with 503 answers capped.
+
+Under overload most requests are refused with a 503 (``queue_full``, ``would_miss_deadline``,
+``draining``). A line for each is most of the log then, and it costs CPU: at twice the load, the
+access log cost 4.5% of the requests answered (docs/performance.md, thirty-third pass). So 503
+lines are logged at most ``logging.refusal_lines_per_s`` a second. The rest are counted by code
+and summed up in one line (``unlogged_503``) a second at most, and again when the service closes.
+Every answer still counts in the metrics (``ai_backend_requests_total`` by status and code).
+Every other status is always logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("app.access")
+
+SUMMARY_EVERY_S = 1.0
+
+
+class LineBudget:
+    """Lines of one kind, ``per_s`` a second at most: a bucket of one second's worth (one line at
+    least), refilled as time passes. What it turns away is counted by key and handed over by
+    ``summary``, once every ``SUMMARY_EVERY_S`` at most. ``per_s`` 0 lets every line through."""
+
+    def __init__(self, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._per_s = per_s
+        self._capacity = max(1.0, per_s)
+        self._clock = clock
+        self._tokens = self._capacity
+        self._at = self._reported = clock()
+        self._held: Counter[str] = Counter()
+
+    def take(self, key: str) -> bool:
+        """Whether a line of ``key`` may be logged now (if not, it is counted)."""
+        if self._per_s <= 0:
+            return True
+        now = self._clock()
+        self._tokens = min(self._capacity, self._tokens + (now - self._at) * self._per_s)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self._held[key] += 1
+        return False
+
+    def summary(self, force: bool = False) -> tuple[dict[str, int], float] | None:
+        """The counts turned away since the last summary and the seconds they span, and a fresh
+        count; None when there are none, or (unless ``force``) the last summary was too recent."""
+        now = self._clock()
+        if not self._held or (not force and now - self._reported < SUMMARY_EVERY_S):
+            return None
+        held, since = dict(self._held), now - self._reported
+        self._held.clear()
+        self._reported = now
+        return held, since
+
+
+class AccessLog:
+    """The access lines of one app: every answer's, 503s within their budget."""
+
+    def __init__(self, refusal_lines_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.refusals = LineBudget(refusal_lines_per_s, clock)
+
+    def line(self, method: str, path: str, status: int, code: str, seconds: float, fields: dict[str, Any]) -> None:
+        """The line of one answer (``code`` is logged for a status of 400 or more)."""
+        self.report_unlogged()
+        if status == 503 and not self.refusals.take(code):
+            return
+        log.info(
+            "%s %s %d",
+            method,
+            path,
+            status,
+            extra={
+                "method": method,
+                "path": path,
+                "status": status,
+                "duration_ms": round(seconds * 1000, 3),
+                **({"code": code} if status >= 400 else {}),
+                **fields,
+            },
+        )
+
+    def report_unlogged(self, force: bool = False) -> None:
+        """One line for the 503 answers left unlogged since the last such line (due once a second;
+        ``force``: now, as the service closes)."""
+        if (held := self.refusals.summary(force)) is None:
+            return
+        counts, seconds = held
+        total = sum(counts.values())
+        fields = {"unlogged_503": total, "by_code": counts}
+        log.info("%d 503 answers not logged in the last %.1f s", total, seconds, extra=fields)

@@ -1,0 +1,93 @@
+"""The access log's cap on 503 lines (``app.api.access_log``), on a fake clock."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.api.access_log import AccessLog, LineBudget
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_second_s_worth_goes_at_once_then_one_a_refill() -> None:
+    clock = Clock()
+    budget = LineBudget(3, clock)
+    assert [budget.take("queue_full") for _ in range(5)] == [True, True, True, False, False]
+    clock.now += 0.34  # a third of a second refills one line
+    assert budget.take("queue_full") and not budget.take("would_miss_deadline")
+    assert budget.summary() is None, "not a second since the budget began"
+    clock.now += 1.0
+    assert budget.summary() == ({"queue_full": 2, "would_miss_deadline": 1}, pytest.approx(1.34))
+    assert budget.summary(force=True) is None, "nothing turned away since"
+
+
+def test_no_cap_lets_every_line_through_and_a_slow_one_still_one_line() -> None:
+    clock = Clock()
+    unlimited = LineBudget(0, clock)
+    assert all(unlimited.take("queue_full") for _ in range(1000)) and unlimited.summary(force=True) is None
+    slow = LineBudget(0.5, clock)  # under one a second: the bucket holds one line, refilled in two seconds
+    assert slow.take("a") and not slow.take("a")
+    clock.now += 2.0
+    assert slow.take("a")
+
+
+@given(per_s=st.floats(0.5, 50), gaps=st.lists(st.floats(0, 0.2), min_size=1, max_size=300))
+def test_no_one_second_window_holds_more_than_the_budget(per_s: float, gaps: list[float]) -> None:
+    clock = Clock()
+    budget = LineBudget(per_s, clock)
+    taken: list[float] = []
+    turned_away = 0
+    for gap in gaps:
+        clock.now += gap
+        if budget.take("queue_full"):
+            taken.append(clock.now)
+        else:
+            turned_away += 1
+    held = budget.summary(force=True)
+    assert len(taken) + (held[0]["queue_full"] if held else 0) == len(gaps) == len(taken) + turned_away
+    capacity = max(1.0, per_s)
+    for start in taken:  # a window of T seconds holds the bucket's capacity and T's refill at most
+        inside = [t for t in taken if start <= t < start + 1.0]
+        assert len(inside) <= capacity + per_s + 1e-9
+
+
+def test_503_lines_are_capped_and_summed_up_while_every_other_status_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    access = AccessLog(2, clock)
+    with caplog.at_level(logging.INFO, logger="app.access"):
+        for _ in range(5):
+            access.line("POST", "/predict", 503, "queue_full", 0.001, {})
+        access.line("POST", "/predict", 200, "ok", 0.05, {"lane": "normal"})
+        access.line("POST", "/predict", 500, "internal_error", 0.01, {})
+        clock.now += 1.0
+        access.line("GET", "/healthz", 200, "ok", 0.001, {})  # due: the summary comes before its line
+        access.line("POST", "/predict", 503, "draining", 0.001, {})
+        access.line("POST", "/predict", 503, "draining", 0.001, {})
+        access.line("POST", "/predict", 503, "draining", 0.001, {})
+        access.report_unlogged(force=True)  # as the service closes
+    lines = [(r.getMessage(), getattr(r, "status", None), getattr(r, "code", None)) for r in caplog.records]
+    assert lines == [
+        ("POST /predict 503", 503, "queue_full"),
+        ("POST /predict 503", 503, "queue_full"),
+        ("POST /predict 200", 200, None),
+        ("POST /predict 500", 500, "internal_error"),
+        ("3 503 answers not logged in the last 1.0 s", None, None),
+        ("GET /healthz 200", 200, None),
+        ("POST /predict 503", 503, "draining"),
+        ("POST /predict 503", 503, "draining"),
+        ("1 503 answers not logged in the last 0.0 s", None, None),
+    ]
+    summaries = [r for r in caplog.records if hasattr(r, "unlogged_503")]
+    assert [(r.unlogged_503, r.by_code) for r in summaries] == [(3, {"queue_full": 3}), (1, {"draining": 1})]
