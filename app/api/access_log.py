@@ -25,14 +25,14 @@ SUMMARY_EVERY_S = 1.0
 class LineBudget:
     """Lines of one kind, ``per_s`` a second at most: a bucket of one second's worth (one line at
     least), refilled as time passes. What it turns away is counted by key and handed over by
-    ``summary``, once every ``SUMMARY_EVERY_S`` at most. ``per_s`` 0 lets every line through."""
+    ``summary``. ``per_s`` 0 lets every line through."""
 
     def __init__(self, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._per_s = per_s
         self._capacity = max(1.0, per_s)
         self._clock = clock
         self._tokens = self._capacity
-        self._at = self._reported = clock()
+        self._at = self._since = clock()  # since: when the first line now held was turned away
         self._held: Counter[str] = Counter()
 
     def take(self, key: str) -> bool:
@@ -45,19 +45,22 @@ class LineBudget:
         if self._tokens >= 1.0:
             self._tokens -= 1.0
             return True
+        if not self._held:
+            self._since = now
         self._held[key] += 1
         return False
 
     def summary(self, force: bool = False) -> tuple[dict[str, int], float] | None:
-        """The counts turned away since the last summary and the seconds they span, and a fresh
-        count; None when there are none, or (unless ``force``) the last summary was too recent."""
+        """The counts turned away and the seconds since the first of them, and a fresh count;
+        None when there are none, or (unless ``force``) the first is under ``SUMMARY_EVERY_S`` old:
+        so a summary comes once a second at most, and within a second of a line turned away
+        while requests keep coming."""
         now = self._clock()
-        if not self._held or (not force and now - self._reported < SUMMARY_EVERY_S):
+        if not self._held or (not force and now - self._since < SUMMARY_EVERY_S):
             return None
-        held, since = dict(self._held), now - self._reported
+        held = dict(self._held)
         self._held.clear()
-        self._reported = now
-        return held, since
+        return held, now - self._since
 
 
 class AccessLog:

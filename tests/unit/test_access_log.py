@@ -31,6 +31,17 @@ def test_a_second_s_worth_goes_at_once_then_one_a_refill() -> None:
     assert budget.summary(force=True) is None, "nothing turned away since"
 
 
+def test_a_summary_spans_the_lines_it_counts_not_the_quiet_before_them() -> None:
+    clock = Clock()
+    budget = LineBudget(1, clock)
+    clock.now += 300.0  # quiet for five minutes, then a burst
+    assert budget.take("queue_full") and not budget.take("queue_full")
+    clock.now += 0.5
+    assert not budget.take("queue_full") and budget.summary() is None
+    clock.now += 0.6
+    assert budget.summary() == ({"queue_full": 2}, pytest.approx(1.1))
+
+
 def test_no_cap_lets_every_line_through_and_a_slow_one_still_one_line() -> None:
     clock = Clock()
     unlimited = LineBudget(0, clock)
