@@ -171,7 +171,8 @@ def create_app(
         app.state.starting = starting
         watching = asyncio.create_task(policy.watch(settings.admin.config_watch_s), name="config-watch")
         lag = watch_loop(metrics.loop_lag, settings.telemetry.loop_lag_interval_ms, settings.telemetry.loop_lag_warn_ms)
-        background = [starting, watching, *lag]
+        summaries = [asyncio.create_task(access_log.report_every(), name="access-log")] if access_log else []
+        background = [starting, watching, *lag, *summaries]
         rereads: set[asyncio.Task[None]] = set()
         with _on_sighup(_reloader(app, settings, policy, rereads)):
             try:
@@ -180,10 +181,12 @@ def create_app(
                 for task in [*background, *rereads]:
                     task.cancel()
                 await asyncio.gather(*background, *rereads, return_exceptions=True)  # nothing of theirs stops the close
-                await service.close(settings.server.shutdown_grace_s)
-                await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take
-                if access_log is not None:
-                    access_log.report_unlogged(force=True)  # the 503s past the cap since the last such line
+                try:
+                    await service.close(settings.server.shutdown_grace_s)
+                    await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take
+                finally:
+                    if access_log is not None:
+                        access_log.report_unlogged(force=True)  # the 503s past the cap not summed up yet
 
     app = FastAPI(
         title="ai-backend",

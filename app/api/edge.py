@@ -114,7 +114,7 @@ class Edge:
         state = self.app.state
         token, caller_token = request_id_var.set(request_id), caller_trace_var.set(caller)
         try:
-            finish(state.metrics, scope, status, scope["state"]["started"], getattr(state, "access_log", None))
+            finish(state.metrics, scope, status, scope["state"]["started"], state.access_log)
         finally:
             request_id_var.reset(token)
             caller_trace_var.reset(caller_token)

@@ -378,8 +378,8 @@ class LoggingSettings(_Group):
         default=20.0,
         ge=0,
         le=1_000_000,
-        description="access lines a second for 503 answers at most (overload makes them most requests); the rest "
-        "are counted by code into one line a second (unlogged_503) and in the metrics as always; 0: no cap",
+        description="access lines a second at most for the 503 answers of each code (overload makes them most "
+        "requests); the rest are counted into one line a second (unlogged_503) and in the metrics as always; 0: no cap",
     )
 
 

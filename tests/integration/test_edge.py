@@ -363,6 +363,7 @@ async def test_a_flood_of_refusals_logs_its_cap_and_sums_up_the_rest(
 ) -> None:
     """At most ``logging.refusal_lines_per_s`` access lines a second for 503s; every other one is in
     a summary line (the last one written as the service closes), and in the metrics as always."""
+    caplog.handler.addFilter(RequestIdFilter())
     settings = make_settings(logging={"access_log": True, "refusal_lines_per_s": 5})
     refused = 60
     with caplog.at_level(logging.INFO, logger="app.access"):
@@ -372,9 +373,11 @@ async def test_a_flood_of_refusals_logs_its_cap_and_sums_up_the_rest(
             metrics = (await running.exchange(build_request("GET", "127.0.0.1", "/metrics", {})))[0][1].decode()
     assert [head.status for head, _ in answers] == [503] * refused + [200]
     lines = [r for r in caplog.records if r.name == "app.access"]
+    summaries = [r for r in caplog.records if r.name == "app.access.unlogged"]
     logged = sum(1 for r in lines if getattr(r, "status", None) == 503)
-    unlogged = sum(getattr(r, "unlogged_503", 0) for r in lines)
+    unlogged = sum(r.unlogged_503 for r in summaries)
     assert 5 <= logged < refused and logged + unlogged == refused
+    assert summaries and all(r.request_id is None for r in summaries), "a summary is no request's line"
     assert sum(1 for r in lines if getattr(r, "status", None) == 200) == 3  # both predictions and the scrape
     requests_total = metric_samples(metrics, f"{PREFIX}_requests_total")
     assert sum(n for labels, n in requests_total.items() if ("status", "503") in labels) == refused

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from app.bench.loadgen.scrape import LagHistogram, lag_report, parse_lag
+from app.bench.loadgen.scrape import LagHistogram, lag_line, lag_report, parse_lag
 from app.bench.loadgen.summary import percentile
 from app.telemetry.metrics import LOOP_LAG_BUCKETS, Metrics
 
@@ -96,3 +96,34 @@ def test_the_report_bounds_what_the_window_held(before: list[float], window: lis
 
     assert report["max_at_most_ms"] == tightest(max(window))
     assert report["p99_at_most_ms"] == tightest(percentile(window, 99))
+
+
+def test_a_broken_exposition_reads_as_none() -> None:
+    head = "# TYPE ai_backend_event_loop_lag_seconds histogram\n"
+    tail = "ai_backend_event_loop_lag_seconds_count 1.0\nai_backend_event_loop_lag_seconds_sum 0.1\n"
+    for buckets in (
+        'ai_backend_event_loop_lag_seconds_bucket{le="x"} 1.0\n',  # a bound that is no number
+        "ai_backend_event_loop_lag_seconds_bucket 1.0\n",  # no bound at all
+        'ai_backend_event_loop_lag_seconds_bucket{le="0.5"} 1.0\n',  # no +Inf bucket
+    ):
+        assert parse_lag(head + buckets + tail) is None, buckets
+
+
+def test_a_restart_between_the_scrapes_is_no_report_even_when_the_count_grew() -> None:
+    first = Metrics()
+    for _ in range(5):
+        first.loop_lag.observe(0.5)
+    second = Metrics()  # the restarted server: more samples by now, but none of the long ones
+    for _ in range(9):
+        second.loop_lag.observe(0.0001)
+    assert lag_report(scraped(first), scraped(second)) is None
+
+
+def test_the_late_count_needs_its_bound_among_the_buckets() -> None:
+    def histogram(count: float) -> LagHistogram:
+        return LagHistogram(((0.1, count), (0.5, count), (math.inf, count)), count, count * 0.01)
+
+    report = lag_report(histogram(0), histogram(4))
+    assert report is not None and report["samples"] == 4 and report["over_250ms"] is None
+    assert "**?** over 250 ms" in lag_line(report)
+    assert "do not line up" in lag_line(None) and "no lag samples" in lag_line({"samples": 0})

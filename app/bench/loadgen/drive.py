@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Coroutine, Sequence
@@ -48,13 +49,15 @@ async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, An
         await open_loop(send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng, args.timeout)
         mode = {"mode": "open", "rate_rps": args.rate}
     run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
-    if watcher.done():  # from the window's start to the last answer, in-flight requests included
+    if not watcher.done():  # the window had not begun (a request cap), or its first scrape is still out
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    if run.cpu_before is not None:  # from the window's start to the last answer, in-flight requests included
         run.cpu_after = cpu_snapshot(args.server_pid)
         run.threads_after = thread_snapshot(args.server_pid)
         if run.lag_before is not None:
             run.lag_after = await scrape_lag(args.target)
-    else:  # the load stopped before the window began (request cap): no CPU figures
-        watcher.cancel()
     if memory is not None:
         memory.cancel()
         if (rss := rss_mb(args.server_pid)) is not None and run.rss_mb:

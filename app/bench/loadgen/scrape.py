@@ -4,12 +4,13 @@ measured window's two ends and read as the difference.
 
 A stall on the server's event loop (a three-second one spoiled a latency run in the thirty-second
 pass) shows here as samples late by hundreds of milliseconds; starved decode or device threads do
-not (their stages are long, the loop's lag short). A server without that metric (another server, or
-ours with ``telemetry.loop_lag_interval_ms=0``) leaves it out of the report.
+not (their stages are long, the loop's lag short). A server without that metric (another server)
+leaves it out of the report; ours with ``telemetry.loop_lag_interval_ms=0`` reports no samples.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,25 +36,27 @@ class LagHistogram:
 
 
 def parse_lag(text: str) -> LagHistogram | None:
-    """The lag histogram in a Prometheus text exposition, None where there is none."""
+    """The lag histogram in a Prometheus text exposition, None where there is none (or it is malformed:
+    a bucket without a bound, a last bound that is not +Inf)."""
     try:
-        families = list(text_string_to_metric_families(text))
-    except ValueError:  # not an exposition (a 200 from something else at /metrics)
+        for family in text_string_to_metric_families(text):
+            if family.name != LAG_METRIC or family.type != "histogram":
+                continue
+            buckets: list[tuple[float, float]] = []
+            count = sum_s = None
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    buckets.append((float(sample.labels["le"]), sample.value))
+                elif sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    sum_s = sample.value
+            buckets.sort()
+            if buckets and math.isinf(buckets[-1][0]) and count is not None and sum_s is not None:
+                return LagHistogram(tuple(buckets), count, sum_s)
+            return None
+    except (ValueError, KeyError):  # not an exposition (a 200 from something else at /metrics), or a broken one
         return None
-    for family in families:
-        if family.name != LAG_METRIC or family.type != "histogram":
-            continue
-        buckets: list[tuple[float, float]] = []
-        count = sum_s = None
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                buckets.append((float(sample.labels["le"]), sample.value))
-            elif sample.name.endswith("_count"):
-                count = sample.value
-            elif sample.name.endswith("_sum"):
-                sum_s = sample.value
-        if buckets and count is not None and sum_s is not None:
-            return LagHistogram(tuple(sorted(buckets)), count, sum_s)
     return None
 
 
@@ -77,39 +80,47 @@ def _bound_ms(bound_s: float) -> float | None:
 def lag_report(before: LagHistogram, after: LagHistogram) -> dict[str, Any] | None:
     """What the loop's samples taken between the two scrapes say: how many, their mean, the
     bucket bounds their 99th percentile and their maximum fall under (None: over the last finite
-    bound), and how many were late by more than ``LATE_S``. None when the two do not line up (other
-    buckets, or counts that went back: the server restarted between them)."""
-    if [b for b, _ in before.buckets] != [b for b, _ in after.buckets] or after.count < before.count:
+    bound), and how many were late by more than ``LATE_S`` (None unless it is a bucket's bound).
+    None when the two do not line up: other buckets, or any count that went back (the server
+    restarted between them)."""
+    if [b for b, _ in before.buckets] != [b for b, _ in after.buckets]:
         return None
+    within = [(bound, a - b) for (bound, a), (_, b) in zip(after.buckets, before.buckets, strict=True)]
     samples = after.count - before.count
+    counts = [n for _, n in within]
+    cumulative = all(a <= b for a, b in itertools.pairwise(counts))  # as a histogram's buckets are
+    if samples < 0 or after.sum_s < before.sum_s or min(counts) < 0 or not cumulative or counts[-1] != samples:
+        return None
     if samples == 0:
         return {"samples": 0}
-    within = [(bound, a - b) for (bound, a), (_, b) in zip(after.buckets, before.buckets, strict=True)]
 
     def bound_of(rank: float) -> float | None:
-        return _bound_ms(next(bound for bound, n in within if n >= rank))
+        return _bound_ms(next(bound for bound, n in within if n >= rank))  # the +Inf bucket holds them all
 
-    at_late = next((n for bound, n in within if bound >= LATE_S), samples)
+    at_late = next((n for bound, n in within if bound == LATE_S), None)
     return {
         "samples": int(samples),
         "mean_ms": round((after.sum_s - before.sum_s) / samples * 1000, 3),
         "p99_at_most_ms": bound_of(math.ceil(round(0.99 * samples, 9))),  # the nearest rank, as summary.percentile
         "max_at_most_ms": bound_of(samples),
-        f"over_{int(LATE_S * 1000)}ms": int(samples - at_late),
+        f"over_{int(LATE_S * 1000)}ms": None if at_late is None else int(samples - at_late),
     }
 
 
 def lag_line(lag: dict[str, Any] | None) -> str:
     """One markdown line for a report's ``server_loop_lag`` (the benchmark scripts' summaries)."""
-    if not lag or not lag.get("samples"):
+    if lag is None:
+        return "- the server's event loop: its two scrapes do not line up (did it restart in the window?)"
+    if not lag.get("samples"):
         return "- the server's event loop: no lag samples in the window (telemetry.loop_lag_interval_ms=0?)"
 
     def bound(ms: float | None) -> str:
         return f"<= {ms:g} ms" if ms is not None else "past the last bucket"
 
     over = int(LATE_S * 1000)
+    late = lag[f"over_{over}ms"]
     return (
         f"- the server's event loop, {lag['samples']} lag samples: mean {lag['mean_ms']:.1f} ms, "
         f"p99 {bound(lag['p99_at_most_ms'])}, max {bound(lag['max_at_most_ms'])}, "
-        f"**{lag[f'over_{over}ms']}** over {over} ms (a stalled loop shows here, starved threads do not)"
+        f"**{'?' if late is None else late}** over {over} ms (a stalled loop shows here, starved threads do not)"
     )
