@@ -19,9 +19,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.bench.loadgen.target import Target
+from app.settings import TelemetrySettings
 
 LAG_METRIC = "ai_backend_event_loop_lag_seconds"
-LATE_S = 0.25  # telemetry.loop_lag_warn_ms by default: a lag the server logs as a warning
+# a lag the server logs as a warning, on its default settings (telemetry.loop_lag_warn_ms)
+LATE_S: float = TelemetrySettings.model_fields["loop_lag_warn_ms"].default / 1000
 SCRAPE_TIMEOUT_S = 2.0
 
 
