@@ -78,6 +78,7 @@ import sys
 from pathlib import Path
 
 from app.bench.loadgen.scrape import lag_line
+from app.bench.loadgen.summary import schedule_line
 from app.settings import BatchingSettings
 
 out = Path(sys.argv[1])
@@ -151,6 +152,7 @@ lines = [
     f"- urgent p99 {urgent['p99_ms']:.1f} ms against the bound {bound:.1f} ms: overhead "
     f"{urgent['p99_ms'] - bound:+.1f} ms",
     lag_line(steady.get("server_loop_lag")),
+    schedule_line(steady),
     "",
     f"### twice saturation: {over['rate_rps']} requests/s offered for {over['measured_s']:.0f} s, "
     f"deadline {over['deadline_ms']:.0f} ms, 10% urgent",
@@ -165,6 +167,7 @@ lines = [
     f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
     f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB",
     lag_line(over.get("server_loop_lag")),
+    schedule_line(over),
     "",
     lanes(over),
 ]

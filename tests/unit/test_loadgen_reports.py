@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import random
 import time
@@ -281,3 +282,43 @@ def test_a_report_that_cannot_be_written_is_printed_then_one_line(
     monkeypatch.undo()
     assert cli._report(a_report(5, {}), tmp_path / "report.json") == 0
     assert '"ok": 5' in (tmp_path / "report.json").read_text()
+
+
+def test_the_load_report_says_how_late_the_client_sent_and_flags_it_past_the_threshold() -> None:
+    assert "closed loop" in summary.schedule_line({})
+    report = {"send_lag_ms": {"p50": 0.4, "p99": 4.9, "max": 11.5}, "offered_rps": 240.1, "rate_rps": 240.0}
+    line = summary.schedule_line(report)
+    assert "p50 0.4, p99 4.9, max 11.5 ms" in line and "offered 240.1 of 240.0" in line
+    assert "over" not in line
+    report["send_lag_ms"]["p99"] = 6.5
+    assert "**over 5 ms at p99**" in summary.schedule_line(report)
+
+
+async def test_the_client_keeps_its_own_collections_short_while_it_drives_the_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full collection of everything the client kept (its samples pile up) stalled it for 80 ms
+    at twice the load, and the stall read as the server's latency. What it has allocated is frozen
+    out of the collector as it goes, and thawed when the run ends."""
+    monkeypatch.setattr(drive, "FREEZE_EVERY_S", 0.05)
+    kept: list[object] = []
+    counts: list[int] = []
+
+    async def send(number: int, urgent: bool) -> tuple[int, bytes]:
+        kept.extend([] for _ in range(200))  # tracked objects the run keeps alive
+        counts.append(gc.get_freeze_count())
+        await asyncio.sleep(0.005)
+        return 200, b'{"batch_size": 1}'
+
+    assert gc.get_freeze_count() == 0, "nothing in this test process froze objects before"
+    run = loops.Run()
+    await drive._drive(send, bench_args(concurrency=2, duration=0.4, warmup=0.0), run)
+    assert counts[0] > 0, "frozen from the start: the set-up's objects"
+    assert counts[-1] - counts[0] > len(kept) // 2, "what the run kept alive, frozen as it went"
+    assert gc.get_freeze_count() == 0, "thawed when the run ended"
+    gc.freeze()  # frozen by someone else first (a service in this process): left to them to thaw
+    try:
+        await drive._drive(send, bench_args(concurrency=1, duration=0.1, warmup=0.0), loops.Run())
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

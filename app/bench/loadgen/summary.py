@@ -60,6 +60,25 @@ def behind_schedule(report: dict[str, Any]) -> str | None:
     )
 
 
+def schedule_line(report: dict[str, Any]) -> str:
+    """For a report in markdown: how late the client sent against its schedule, and what it
+    offered, with a warning past ``LAG_WARNING_MS`` at p99 (a closed loop has no schedule)."""
+    lag = report.get("send_lag_ms")
+    if lag is None:
+        return "- the client's send lag: none (a closed loop has no schedule)"
+    line = (
+        f"- the client's send lag (its send against the scheduled arrival): p50 {lag['p50']:g}, "
+        f"p99 {lag['p99']:g}, max {lag['max']:g} ms; offered {report['offered_rps']:g} of "
+        f"{report.get('rate_rps', '?')} requests/s"
+    )
+    if lag["p99"] > LAG_WARNING_MS:
+        line += (
+            f" (**over {LAG_WARNING_MS:g} ms at p99**: latency counts from the scheduled send, so part of "
+            "the figures above is the client's own delay)"
+        )
+    return line
+
+
 def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = None) -> dict[str, Any]:
     """The report: throughput, latency percentiles per lane (answers, and 503 refusals),
     errors, mean batch size, answers later than their deadline, the server's memory, and in
