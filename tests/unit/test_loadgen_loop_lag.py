@@ -3,15 +3,22 @@ from two scrapes of the real metrics registry (``app.telemetry.metrics``, the re
 
 from __future__ import annotations
 
+import asyncio
 import math
+import socket
+import ssl
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from app.bench.loadgen.scrape import LagHistogram, lag_line, lag_report, parse_lag
+from app.bench.loadgen import scrape
+from app.bench.loadgen.scrape import LagHistogram, lag_line, lag_report, parse_lag, scrape_lag
 from app.bench.loadgen.summary import percentile
+from app.bench.loadgen.target import Target
 from app.telemetry.metrics import LOOP_LAG_BUCKETS, Metrics
+from tests.unit.test_loadgen import serving
 
 
 def scraped(metrics: Metrics) -> LagHistogram:
@@ -127,3 +134,53 @@ def test_the_late_count_needs_its_bound_among_the_buckets() -> None:
     assert report is not None and report["samples"] == 4 and report["over_250ms"] is None
     assert "**?** over 250 ms" in lag_line(report)
     assert "do not line up" in lag_line(None) and "no lag samples" in lag_line({"samples": 0})
+
+
+async def test_the_scrape_reads_the_histogram_over_loopback_without_any_tls_set_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scrape runs on the load's event loop at the window's two ends: an httpx client built
+    there took 128 ms (its TLS context) while the requests due were sent that late."""
+
+    def no_tls(*args: object, **kwargs: object) -> ssl.SSLContext:
+        raise AssertionError("a TLS context was built for a plain loopback scrape")
+
+    monkeypatch.setattr(ssl, "create_default_context", no_tls)
+    metrics = Metrics()
+    metrics.loop_lag.observe(0.003)
+    exposition = generate_latest(metrics.registry)
+    asked: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(exposition) + exposition)
+        await writer.drain()
+        writer.close()
+
+    async with serving(handle) as port:
+        histogram = await scrape_lag(Target("localhost", port, "127.0.0.1"))
+    assert histogram is not None and histogram.count == 1
+    assert asked[0].startswith(b"GET /metrics HTTP/1.1\r\n") and f"Host: localhost:{port}".encode() in asked[0]
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", b"garbage\r\n\r\n", None])
+async def test_a_scrape_that_gets_no_histogram_reads_as_none(
+    answer: bytes | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(scrape, "SCRAPE_TIMEOUT_S", 0.2)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if answer is None:  # silent until the scrape, past its timeout, hangs up
+            await reader.read()
+        else:
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    async with serving(handle) as port:
+        assert await scrape_lag(Target("127.0.0.1", port, "127.0.0.1")) is None
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        closed_port = unused.getsockname()[1]
+    assert await scrape_lag(Target("127.0.0.1", closed_port, "127.0.0.1")) is None, "nothing listening"
