@@ -278,10 +278,19 @@ async def wait_queued(running: RunningApp, lane: Lane, depth: int, timeout: floa
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A loopback port free right now, for a server a test starts."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` loopback ports free right now and distinct (each held until all are chosen: two
+    calls to ``free_port`` in a row may both get the port the first let go of)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def server_environment(overrides: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import MODELS_DIR, REPO_ROOT, free_port, sample_png
+from tests.support import MODELS_DIR, REPO_ROOT, free_ports, sample_png
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -68,7 +68,7 @@ class Cluster:
 def cluster() -> Iterator[Cluster]:
     from app.ray_app import build
 
-    http_port, metrics_port = free_port(HOST), free_port(HOST)
+    http_port, metrics_port = free_ports(2, HOST)
     for attempt in (1, 2):  # Ray's own start-up: its raylet registering with its GCS timed out once in CI
         try:
             ray.init(
