@@ -60,7 +60,7 @@ def parse_head(head: bytes) -> ResponseHead:
     text = head.decode("latin-1").rstrip("\r\n")
     status_line, *lines = text.split("\r\n")
     parts = status_line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not (parts[1].isdigit() and len(parts[1]) == 3):
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _digits(parts[1]) or len(parts[1]) != 3:
         raise HttpProtocolError(f"bad status line {status_line[:80]!r}")
     headers: dict[str, str] = {}
     for line in lines:
@@ -77,7 +77,7 @@ def parse_head(head: bytes) -> ResponseHead:
     length: int | None = None
     if not chunked and "content-length" in headers:
         value = headers["content-length"]
-        if not value.isdigit():
+        if not _digits(value):
             raise HttpProtocolError(f"bad Content-Length {value!r}")
         length = int(value)
     if status in (204, 304) or 100 <= status < 200:
@@ -87,6 +87,11 @@ def parse_head(head: bytes) -> ResponseHead:
     if length is None and not chunked:
         keep_alive = False  # the body runs to the end of the connection
     return ResponseHead(status, headers, length, chunked, keep_alive)
+
+
+def _digits(text: str) -> bool:
+    """ASCII decimal digits only (``str.isdigit`` also takes "²" and other digits ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
@@ -118,7 +123,10 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[ResponseHead, byt
             raise
         raise ConnectionClosed("the server closed the connection without answering") from None
     if head.chunked:
-        body = await _read_chunked(reader)
+        try:
+            body = await _read_chunked(reader)
+        except asyncio.LimitOverrunError as exc:  # a chunk's size or trailer line past the reader's limit
+            raise HttpProtocolError("a chunk line past the reader's limit") from exc
     elif head.content_length is not None:
         body = await reader.readexactly(head.content_length)
     else:

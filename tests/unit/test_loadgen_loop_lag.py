@@ -7,6 +7,7 @@ import asyncio
 import math
 import socket
 import ssl
+import struct
 
 import pytest
 from hypothesis import given
@@ -136,42 +137,71 @@ def test_the_late_count_needs_its_bound_among_the_buckets() -> None:
     assert "do not line up" in lag_line(None) and "no lag samples" in lag_line({"samples": 0})
 
 
+def _exposition() -> bytes:
+    metrics = Metrics()
+    metrics.loop_lag.observe(0.003)
+    return generate_latest(metrics.registry)
+
+
+def _chunked(body: bytes) -> bytes:
+    half = len(body) // 2
+    return b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:half], body[half:])) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
 async def test_the_scrape_reads_the_histogram_over_loopback_without_any_tls_set_up(
-    monkeypatch: pytest.MonkeyPatch,
+    chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The scrape runs on the load's event loop at the window's two ends: an httpx client built
+    """The scrape runs on the load's event loop at the window's start: an httpx client built
     there took 128 ms (its TLS context) while the requests due were sent that late."""
 
     def no_tls(*args: object, **kwargs: object) -> ssl.SSLContext:
         raise AssertionError("a TLS context was built for a plain loopback scrape")
 
     monkeypatch.setattr(ssl, "create_default_context", no_tls)
-    metrics = Metrics()
-    metrics.loop_lag.observe(0.003)
-    exposition = generate_latest(metrics.registry)
+    exposition = _exposition()
+    framing = (
+        b"Transfer-Encoding: chunked\r\n\r\n" + _chunked(exposition)
+        if chunked
+        else (b"Content-Length: %d\r\n\r\n" % len(exposition) + exposition)
+    )
     asked: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         asked.append(await reader.readuntil(b"\r\n\r\n"))
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(exposition) + exposition)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + framing)
         await writer.drain()
         writer.close()
 
     async with serving(handle) as port:
-        histogram = await scrape_lag(Target("localhost", port, "127.0.0.1"))
+        histogram = await asyncio.wait_for(scrape_lag(Target("localhost", port, "127.0.0.1")), 10)
     assert histogram is not None and histogram.count == 1
     assert asked[0].startswith(b"GET /metrics HTTP/1.1\r\n") and f"Host: localhost:{port}".encode() in asked[0]
 
 
-@pytest.mark.parametrize("answer", [b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", b"garbage\r\n\r\n", None])
-async def test_a_scrape_that_gets_no_histogram_reads_as_none(
-    answer: bytes | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+NOT_THE_HISTOGRAM = {
+    "404": b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n",
+    "garbage": b"garbage\r\n\r\n",
+    "status digit int() refuses": "HTTP/1.1 2\u00b20 OK\r\nContent-Length: 0\r\n\r\n".encode("latin-1"),
+    "length digit int() refuses": "HTTP/1.1 200 OK\r\nContent-Length: \u00b9\r\n\r\nx".encode("latin-1"),
+    "a chunk line past the limit": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 70_000 + b"\r\n",
+    "closed mid-body": b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n# HELP",
+    "silent": b"",
+    "reset": b"reset",
+}
+
+
+@pytest.mark.parametrize("answer", NOT_THE_HISTOGRAM.values(), ids=NOT_THE_HISTOGRAM.keys())
+async def test_a_scrape_that_gets_no_histogram_reads_as_none(answer: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """None, never an exception: the scrape at the window's end comes after the whole run."""
     monkeypatch.setattr(scrape, "SCRAPE_TIMEOUT_S", 0.2)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        if answer is None:  # silent until the scrape, past its timeout, hangs up
+        if answer == b"reset":  # closed with an RST, not a FIN
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif answer == b"":  # silent until the scrape, past its timeout, hangs up
             await reader.read()
         else:
             writer.write(answer)
@@ -179,8 +209,11 @@ async def test_a_scrape_that_gets_no_histogram_reads_as_none(
         writer.close()
 
     async with serving(handle) as port:
-        assert await scrape_lag(Target("127.0.0.1", port, "127.0.0.1")) is None
+        assert await asyncio.wait_for(scrape_lag(Target("127.0.0.1", port, "127.0.0.1")), 10) is None
+
+
+async def test_a_scrape_of_a_port_where_nothing_listens_reads_as_none() -> None:
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         closed_port = unused.getsockname()[1]
-    assert await scrape_lag(Target("127.0.0.1", closed_port, "127.0.0.1")) is None, "nothing listening"
+    assert await asyncio.wait_for(scrape_lag(Target("127.0.0.1", closed_port, "127.0.0.1")), 10) is None

@@ -68,8 +68,8 @@ async def scrape_lag(target: Target) -> LagHistogram | None:
     None when it cannot be had: no such route, no such metric, no answer in time.
 
     Over a plain connection, not an httpx client: building one on the load's event loop took
-    128 ms the first time and 17-24 ms after (its TLS set-up, synchronous), at the window's two
-    ends, and the requests due meanwhile were sent that late, their lag read as the server's."""
+    128 ms the first time and 17-24 ms after (its TLS set-up, synchronous). At the window's start
+    the requests due meanwhile were sent that late, and their lag read as the server's."""
     try:
         async with asyncio.timeout(SCRAPE_TIMEOUT_S):
             reader, writer = await asyncio.open_connection(target.address, target.port)

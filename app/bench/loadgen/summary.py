@@ -48,14 +48,26 @@ def schedule_report(run: Run) -> dict[str, Any]:
     }
 
 
+def _lag_figures(report: dict[str, Any]) -> str:
+    """The send lag's figures and the rate offered against the rate asked, as both lines give them."""
+    lag, rate = report["send_lag_ms"], report.get("rate_rps")
+    asked = "?" if rate is None else f"{rate:g}"
+    return (
+        f"p50 {lag['p50']:g}, p99 {lag['p99']:g}, max {lag['max']:g} ms; "
+        f"offered {report['offered_rps']:g} of {asked} requests/s"
+    )
+
+
+def _late(report: dict[str, Any]) -> bool:
+    return bool(report["send_lag_ms"]["p99"] > LAG_WARNING_MS)
+
+
 def behind_schedule(report: dict[str, Any]) -> str | None:
     """A warning line when an open-loop client sent late enough to distort the latencies, else None."""
-    lag = report.get("send_lag_ms")
-    if lag is None or lag["p99"] <= LAG_WARNING_MS:
+    if report.get("send_lag_ms") is None or not _late(report):
         return None
     return (
-        f"warning: the client fell behind its schedule (send lag p50 {lag['p50']:g}, p99 {lag['p99']:g}, "
-        f"max {lag['max']:g} ms; offered {report['offered_rps']:g} of {report.get('rate_rps', '?')} requests/s): "
+        f"warning: the client fell behind its schedule (send lag {_lag_figures(report)}): "
         "latency counts from the scheduled send, so the client's own lag reads as the server's latency"
     )
 
@@ -63,15 +75,10 @@ def behind_schedule(report: dict[str, Any]) -> str | None:
 def schedule_line(report: dict[str, Any]) -> str:
     """For a report in markdown: how late the client sent against its schedule, and what it
     offered, with a warning past ``LAG_WARNING_MS`` at p99 (a closed loop has no schedule)."""
-    lag = report.get("send_lag_ms")
-    if lag is None:
+    if report.get("send_lag_ms") is None:
         return "- the client's send lag: none (a closed loop has no schedule)"
-    line = (
-        f"- the client's send lag (its send against the scheduled arrival): p50 {lag['p50']:g}, "
-        f"p99 {lag['p99']:g}, max {lag['max']:g} ms; offered {report['offered_rps']:g} of "
-        f"{report.get('rate_rps', '?')} requests/s"
-    )
-    if lag["p99"] > LAG_WARNING_MS:
+    line = f"- the client's send lag (its send against the scheduled arrival): {_lag_figures(report)}"
+    if _late(report):
         line += (
             f" (**over {LAG_WARNING_MS:g} ms at p99**: latency counts from the scheduled send, so part of "
             "the figures above is the client's own delay)"
