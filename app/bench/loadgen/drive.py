@@ -36,16 +36,16 @@ async def _freeze_what_is_kept() -> None:
 
 
 async def _drive(send: Send, args: argparse.Namespace, run: Run) -> dict[str, Any]:
-    if gc.get_freeze_count() > 0:  # someone else in this process froze objects (a service): theirs to manage
-        return await _drive_load(send, args, run)
-    freezer = asyncio.create_task(_freeze_what_is_kept())
+    # none where someone else in this process froze objects first (a service): theirs to manage
+    freezer = None if gc.get_freeze_count() > 0 else asyncio.create_task(_freeze_what_is_kept())
     try:
         return await _drive_load(send, args, run)
     finally:
-        freezer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await freezer
-        gc.unfreeze()
+        if freezer is not None:
+            freezer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await freezer
+            gc.unfreeze()
 
 
 async def _drive_load(send: Send, args: argparse.Namespace, run: Run) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.bench.loadgen.target import Target
-from app.bench.rawhttp import HttpProtocolError, build_request, read_response
+from app.bench.rawhttp import Connection, HttpProtocolError, build_request
 from app.settings import TelemetrySettings
 
 LAG_METRIC = "ai_backend_event_loop_lag_seconds"
@@ -67,19 +67,18 @@ async def scrape_lag(target: Target) -> LagHistogram | None:
     """GET ``/metrics`` on the target (loopback, a short timeout) and read the lag histogram;
     None when it cannot be had: no such route, no such metric, no answer in time.
 
-    Over a plain connection, not an httpx client: building one on the load's event loop took
-    128 ms the first time and 17-24 ms after (its TLS set-up, synchronous). At the window's start
-    the requests due meanwhile were sent that late, and their lag read as the server's."""
+    Over the load's own raw connection (``app.bench.rawhttp``), not an httpx client: building one
+    on the load's event loop took 128 ms the first time and 17-24 ms after (its TLS set-up,
+    synchronous). At the window's start the requests due meanwhile were sent that late, and their
+    lag read as the server's."""
+    connection = Connection(target.address, target.port)
     try:
         async with asyncio.timeout(SCRAPE_TIMEOUT_S):
-            reader, writer = await asyncio.open_connection(target.address, target.port)
-            try:
-                writer.write(build_request("GET", target.authority, "/metrics", {"Connection": "close"}))
-                head, body = await read_response(reader)
-            finally:
-                writer.close()
+            head, body = await connection.request(build_request("GET", target.authority, "/metrics", {}))
     except (OSError, EOFError, TimeoutError, HttpProtocolError):  # refused, closed, silent, garbled
         return None
+    finally:
+        connection.close()
     return parse_lag(body.decode("utf-8", "replace")) if head.status == 200 else None
 
 
