@@ -1,5 +1,6 @@
-"""A prediction's way through the service once admitted: its image decoded on the pool, queued
-in its lane, run in a batch on a device thread, labelled; a span for each stage, correlated
+"""A prediction's way through the service once admitted: its image decoded on the pool (or
+checked and left for its batch's device thread to decode), queued in its lane, run in a batch
+on a device thread, labelled; a span for each stage, correlated
 by the request's id, and the request's end at its deadline or its client's going at each."""
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def _decode_before(
 
 class Predictor:
     """Runs admitted predictions: ``pool`` decodes their images (``backlog`` learns how long a
-    decode takes), ``draining`` says whether the service is shutting down (a version closed
-    under a request otherwise was unloaded)."""
+    decode takes), or with ``decode_in_batch`` the device thread that runs an image's batch
+    decodes it, just before the forward pass (``server.decode``); ``draining`` says whether the
+    service is shutting down (a version closed under a request otherwise was unloaded)."""
 
     def __init__(
         self,
@@ -64,8 +66,10 @@ class Predictor:
         backlog: DecodeBacklog,
         limits: preprocess.ImageLimits,
         draining: Callable[[], bool],
+        decode_in_batch: bool = False,
     ) -> None:
         self.tracer, self._pool, self._backlog, self._limits, self._draining = tracer, pool, backlog, limits, draining
+        self.decode_in_batch = decode_in_batch
 
     async def predict(
         self,
@@ -78,16 +82,20 @@ class Predictor:
         seat: Seat,
     ) -> Outcome:
         """Decode ``image`` (bytes, or base64 text from a JSON body) on the pool, batch it, run
-        it, and label the top ``top_k`` classes, by ``deadline`` (``time.monotonic()``).
+        it, and label the top ``top_k`` classes, by ``deadline`` (``time.monotonic()``). With
+        ``decode_in_batch`` it is only checked here and its batch's device thread decodes it.
 
         ``seat`` is the request's in its lane, held while the image decodes, given back either
         way. Each stage is a span under the caller's (the HTTP request's) span.
         """
         ids = {"request.id": request_id, "model.name": served.name, "model.version": served.version}
         started = time.perf_counter()
-        tensor = await self._decode(served, image, lane, deadline, ids, seat)
+        if self.decode_in_batch:
+            payload: torch.Tensor | preprocess.Encoded = self._checked(served, image, ids, seat)
+        else:
+            payload = await self._decode(served, image, lane, deadline, ids, seat)
         preprocessed = time.perf_counter()
-        job = Job(tensor, lane, request_id, trace.get_current_span().get_span_context(), deadline)
+        job = Job(payload, lane, request_id, trace.get_current_span().get_span_context(), deadline)
         queue_span = self.tracer.start_span("queue", attributes={**ids, "lane": lane.value})
         try:
             done = await served.batcher.submit(job, lane, deadline - time.monotonic(), admitted=True)
@@ -115,16 +123,34 @@ class Predictor:
         self._inference_span(ids, ran, None).end(end_time=ended_ns)
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(top, served.labels, top_k)
+        # decoded in its batch: the image's own decode counts as its preprocessing too (the batch's
+        # run, which includes every image's decode, stays its inference: what the device thread took)
+        decoded_s = payload.decode_s if isinstance(payload, preprocess.Encoded) else 0.0
         return Outcome(
             served.name,
             served.version,
             predictions,
             lane,
             done.batch_size,
-            preprocessed - started,
+            preprocessed - started + decoded_s,
             done.queued_s,
             done.run_s,
         )
+
+    def _checked(self, served: ServedModel, image: bytes | str, ids: dict[str, str], seat: Seat) -> preprocess.Encoded:
+        """The request's image checked as far as costs microseconds, still encoded, for its batch's
+        device thread to decode; its seat released either way (queued next, it counts there)."""
+        try:
+            with self.tracer.start_as_current_span(
+                "preprocess", attributes=ids, record_exception=False, set_status_on_exception=False
+            ) as span:
+                try:
+                    return preprocess.encoded_payload(image, served.model.manifest.input, self._limits)
+                except BaseException as exc:
+                    _fail(span, exc)
+                    raise
+        finally:
+            seat.release()
 
     async def _decode(
         self, served: ServedModel, image: bytes | str, lane: Lane, deadline: float, ids: dict[str, str], seat: Seat
@@ -195,9 +221,12 @@ class Predictor:
                 "batch.trace_id": format(batch.span.trace_id, "032x"),  # Jaeger: search the batch's trace
             },
         )
-        if error is not None:
+        if error is not None and (not isinstance(error, ServiceError) or error.status >= 500):
+            # an image its batch could not decode is the client's mistake (a 4xx), not a failure
             code = error.code if isinstance(error, ServiceError) else type(error).__name__
             span.set_status(Status(StatusCode.ERROR, f"{code}: {error}"))
+        elif error is not None:
+            span.record_exception(error)
         return span
 
 

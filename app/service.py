@@ -91,6 +91,7 @@ class InferenceService:
             settings.server.preprocess_workers,
             cpu_cores(),
             model.urgent_workers,
+            settings.server.decode,
         )
         self._device_thread = DeviceThread(
             workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=model.normal_nice
@@ -105,7 +106,14 @@ class InferenceService:
         )
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
         self._backlog = DecodeBacklog(self.threads.decode)  # admitted requests whose images wait or decode
-        self._predictor = Predictor(self.tracer, self._pool, self._backlog, self._limits, lambda: self.draining)
+        self._predictor = Predictor(
+            self.tracer,
+            self._pool,
+            self._backlog,
+            self._limits,
+            lambda: self.draining,
+            decode_in_batch=self.threads.decode_in_batch,
+        )
         self._policy = batch_policy(settings.batching)
         self.loader = VersionLoader(
             settings,

@@ -19,12 +19,13 @@ from app.batching import Lane
 from app.batching.observer import BatchObserver, NullObserver
 from app.errors import ServiceError
 from app.inference.postprocess import TopK
+from app.inference.preprocess import Encoded
 from app.inference.runner import ModelRunner
 
 
 @dataclass(slots=True)
 class Job:
-    image: torch.Tensor
+    image: torch.Tensor | Encoded  # decoded already, or by the device thread that runs its batch
     lane: Lane
     request_id: str
     span_context: SpanContext | None
@@ -122,7 +123,8 @@ class TracedRunner:
             if self.runner.degraded:  # the CPU fallback may have taken over during this batch: it computed it
                 span.set_attributes(self._served_by())
             context = span.get_span_context()
-            failed = sum(isinstance(top, ServiceError) for top in tops)
+            # an image that did not decode is its client's mistake (4xx): not the batch's failure
+            failed = sum(isinstance(top, ServiceError) and top.status >= 500 for top in tops)
             if failed:
                 span.set_status(Status(StatusCode.ERROR, f"{failed} of {len(jobs)} images failed"))
         for job, top in zip(jobs, tops, strict=True):

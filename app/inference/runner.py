@@ -30,6 +30,7 @@ from app.inference.device import DeviceThread, Fault, device_fault, fault_line, 
 from app.inference.loader import ModelLoadError
 from app.inference.manifest import Manifest
 from app.inference.postprocess import TopK
+from app.inference.preprocess import Encoded
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +84,22 @@ class ModelRunner:
 
     async def __call__(
         self,
-        images: Sequence[torch.Tensor],
+        images: Sequence[torch.Tensor | Encoded],
         deadlines: Sequence[float] | None = None,
         urgent: bool = False,
         gone: Callable[[int], bool] | None = None,
     ) -> list[TopK | ServiceError | None]:
         """Answers in order; ``None`` for an image whose request went before its batch reached
         the device, or before a retry: past its deadline (``time.monotonic()``), or ``gone(i)``
-        (its client disconnected). It is not computed. The error for an image the device could
-        not compute while it computed others. Urgent batches go first."""
+        (its client disconnected). It is not computed (an ``Encoded`` one not decoded). The error
+        for an image the device could not compute while it computed others, or that did not
+        decode. Urgent batches go first."""
         batch = list(images)
         return await self._device.run(lambda: self.run_sync(batch, deadlines, gone), urgent=urgent)
 
     def run_sync(
         self,
-        images: list[torch.Tensor],
+        images: list[torch.Tensor | Encoded],
         deadlines: Sequence[float] | None = None,
         gone: Callable[[int], bool] | None = None,
     ) -> list[TopK | ServiceError | None]:
@@ -107,8 +109,13 @@ class ModelRunner:
         indices not computed because their requests went); otherwise an image it could not
         compute has the error in its place, as has one whose output is not finite. Any other
         error of the first attempt (a bug) is raised with the same ``left_out``: those requests
-        are answered for themselves (past their deadline), not with the batch's failure."""
+        are answered for themselves (past their deadline), not with the batch's failure.
+
+        The ``Encoded`` images still wanted are decoded first, here, on the thread that then
+        runs them; one that does not decode is answered with its error (a 400 or 413), the
+        batch runs without it."""
         batch = _Batch(images, deadlines, gone)
+        self._decode(batch)
         generation = self._generation
         try:
             self._compute(batch, range(len(images)), self.model)
@@ -139,6 +146,29 @@ class ModelRunner:
             batch.answers[i] = error
         return batch.answers
 
+    def _decode(self, batch: _Batch) -> None:
+        """Decode the batch's ``Encoded`` images whose requests are still wanted, in place; the
+        time it took goes on the batch's span (this thread runs in the batcher's context)."""
+        started, decoded = time.perf_counter(), 0
+        for i in batch.now(range(len(batch.images))):
+            image = batch.images[i]
+            if not isinstance(image, Encoded):
+                continue
+            try:
+                batch.images[i] = image.decode()
+                decoded += 1
+            except ServiceError as exc:  # the client's image: its request alone is answered so
+                batch.refuse(i, exc)
+            except Exception as exc:  # a bug in decoding: this image's request gets a generic 500
+                log.error("decoding an image of a batch failed", exc_info=exc, extra=self._ids)
+                failed = BatchFailed("inference failed")
+                failed.__cause__, failed.logged = exc, True
+                batch.refuse(i, failed)
+        if decoded:
+            span = trace.get_current_span()
+            span.set_attribute("batch.decoded", decoded)
+            span.set_attribute("batch.decode_ms", round((time.perf_counter() - started) * 1000, 3))
+
     def _compute(self, batch: _Batch, indices: Sequence[int], model: Model, part: bool = False) -> None:
         """Computes what is still wanted of ``indices``; what the device cannot, it marks failed.
 
@@ -153,7 +183,7 @@ class ModelRunner:
             batch.fail(wanted, Fault.DEVICE)
             return
         try:
-            computed = self._forward(model, [batch.images[i] for i in wanted])
+            computed = self._forward(model, [batch.tensor(i) for i in wanted])
         except ModelLoadError as exc:  # a head that cannot serve (logged where it failed)
             raise Unavailable("the model cannot serve: a layer failed to load", code="model_unavailable") from exc
         except Exception as exc:
@@ -233,10 +263,14 @@ class _Batch:
     """One batch's images, which of them are still wanted, and how far the device got."""
 
     def __init__(
-        self, images: list[torch.Tensor], deadlines: Sequence[float] | None, gone: Callable[[int], bool] | None
+        self,
+        images: list[torch.Tensor | Encoded],
+        deadlines: Sequence[float] | None,
+        gone: Callable[[int], bool] | None,
     ) -> None:
         self.images, self._deadlines, self._gone = images, deadlines, gone
         self.answers: list[TopK | ServiceError | None] = [None] * len(images)
+        self.refused: set[int] = set()  # the images that did not decode: answered, never computed
         self.computed = 0
         self.attempted: set[int] = set()  # the images sent to the device at least once
         self.failed: list[int] = []
@@ -245,8 +279,24 @@ class _Batch:
 
     def now(self, indices: Sequence[int]) -> list[int]:
         now = time.monotonic()
-        deadlines, gone = self._deadlines, self._gone
-        return [i for i in indices if (deadlines is None or deadlines[i] > now) and (gone is None or not gone(i))]
+        deadlines, gone, refused = self._deadlines, self._gone, self.refused
+        return [
+            i
+            for i in indices
+            if i not in refused and (deadlines is None or deadlines[i] > now) and (gone is None or not gone(i))
+        ]
+
+    def refuse(self, index: int, error: ServiceError) -> None:
+        """An image that did not decode: its answer is the error, and it is never computed (nor
+        counted left out: a whole-batch failure gives it that failure, as the others)."""
+        self.answers[index] = error
+        self.refused.add(index)
+        self.attempted.add(index)
+
+    def tensor(self, index: int) -> torch.Tensor:
+        image = self.images[index]
+        assert not isinstance(image, Encoded), "an image still wanted is decoded before any attempt"
+        return image
 
     def fail(self, indices: Sequence[int], fault: Fault) -> None:
         self.failed.extend(indices)

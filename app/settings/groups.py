@@ -74,6 +74,13 @@ class ServerSettings(_Group):
     default_timeout_ms: int = Field(default=30_000, ge=1, description="deadline without X-Request-Timeout")
     max_timeout_ms: int = Field(default=120_000, ge=1, description="largest X-Request-Timeout accepted")
     preprocess_workers: int = Field(default=0, ge=0, le=64, description="threads decoding images; 0: half the cores")
+    decode: Literal["auto", "pool", "batch"] = Field(
+        default="auto",
+        description="where images are decoded: pool (threads of their own, ahead of the batch), batch (each "
+        "batch's device thread decodes its images just before its forward pass, and model.device_workers=0 plans "
+        "one device thread more than the cores); auto: batch on a CPU whose device threads have one torch thread "
+        "each, pool elsewhere (a GPU)",
+    )
     api_key: SecretStr | None = Field(
         default=None,
         description="if set (16+ characters), prediction routes need Authorization: Bearer <key> (off by default)",

@@ -1,4 +1,5 @@
-"""A backlog at the decode pool counts at admission, and an image past its deadline is not decoded."""
+"""A backlog at the decode pool counts at admission, and an image past its deadline is not decoded
+(``server.decode=pool``: decoded in the batch, an image never waits for a decode thread)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ async def test_requests_waiting_to_be_decoded_fill_the_queue_and_late_ones_are_n
     make_settings: SettingsFactory,
 ) -> None:
     settings = make_settings(
-        server={"default_timeout_ms": 60_000},
+        server={"default_timeout_ms": 60_000, "decode": "pool"},
         batching={"normal": {"window_ms": 5.0, "max_batch": 2, "max_queue": 2}},
     )
     async with running_app(settings) as running:

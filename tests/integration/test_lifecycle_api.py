@@ -458,7 +458,11 @@ async def test_unloading_during_shutdown_lets_that_versions_requests_finish(repo
 
         served.batcher._execution._runner = slow_runner  # type: ignore[assignment]
         headers = {"X-Model-Version": "2", "X-Request-Timeout": "20000"}
-        requests = [asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(40)]
+        # enough that 8 still queue once every device thread holds a full batch
+        count = service.threads.workers * service.settings.batching.normal.max_batch + 8
+        requests = [
+            asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(count)
+        ]
         async with asyncio.timeout(10):
             while served.batcher.batches < 1:  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
@@ -708,7 +712,11 @@ async def test_an_unloaded_versions_queue_is_scraped_while_it_drains(repository:
 
         served.batcher._execution._runner = held_runner  # type: ignore[assignment]
         headers = {"X-Model-Version": "2", "X-Request-Timeout": "20000"}
-        requests = [asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(40)]
+        # enough that 8 still queue once every device thread holds a full batch
+        count = service.threads.workers * service.settings.batching.normal.max_batch + 8
+        requests = [
+            asyncio.ensure_future(running.predict_png(sample_png(i % 10), headers=headers)) for i in range(count)
+        ]
         async with asyncio.timeout(10):
             while served.batcher.depth(Lane.NORMAL) < 8:  # noqa: ASYNC110 (batches out, the rest queued)
                 await asyncio.sleep(0.005)

@@ -41,8 +41,8 @@ def shed_of(running: RunningApp, path: str, *headers: tuple[bytes, bytes]) -> ob
     return shed(running.app.state, scope, call.name)
 
 
-SETTINGS = {
-    "server": {"default_timeout_ms": 60_000},
+SETTINGS = {  # the lane is filled by holding the decode threads: images decoded in a pool of their own
+    "server": {"default_timeout_ms": 60_000, "decode": "pool"},
     "batching": {"normal": {"window_ms": 5.0, "max_batch": 2, "max_queue": 2}},
 }
 

@@ -43,11 +43,11 @@ async def traced_app(
             yield client, exporter, app.state.tracer_provider
 
 
-def held_batches(make_settings: SettingsFactory, max_batch: int, max_queue: int):  # type: ignore[no-untyped-def]
+def held_batches(make_settings: SettingsFactory, max_batch: int, max_queue: int, **server: object):  # type: ignore[no-untyped-def]
     """Traced settings (the console exporter, replaced by the in-memory one) whose normal batches
     go when full: a window no test outlasts, under a deadline longer than it."""
     return make_settings(
-        server={"default_timeout_ms": 60_000},
+        server={"default_timeout_ms": 60_000, **server},
         batching={"normal": {"window_ms": 20_000.0, "max_batch": max_batch, "max_queue": max_queue}},
         telemetry={"exporter": "console"},
     )
@@ -374,10 +374,12 @@ async def test_a_deadline_passing_while_its_batch_runs_ends_the_queue_span_at_th
     assert [link.context.span_id for link in own["inference"].links] == [batch.context.span_id]
 
 
-async def test_a_clients_mistake_or_its_going_marks_no_span_failed(make_settings: SettingsFactory) -> None:
+@pytest.mark.parametrize("decode", ["pool", "batch"])
+async def test_a_clients_mistake_or_its_going_marks_no_span_failed(make_settings: SettingsFactory, decode: str) -> None:
     """Jaeger's error search should list the service's failures, not every bad upload or client
-    that gave up: the exception is recorded, the status left unset."""
-    settings = held_batches(make_settings, 4, 16)
+    that gave up: the exception is recorded, the status left unset. What is no image at all is
+    refused at preprocessing wherever images are decoded."""
+    settings = held_batches(make_settings, 4, 16, decode=decode)
     exporter = InMemorySpanExporter()
     async with running_app(settings, span_exporter=exporter) as running:
         bad = await running.client.post(
@@ -395,3 +397,38 @@ async def test_a_clients_mistake_or_its_going_marks_no_span_failed(make_settings
     assert [event.name for event in preprocess.events] == ["exception"]
     queue = next(s for s in spans if s.name == "queue" and s.attributes.get("request.id") == "gone-1")
     assert queue.status.status_code.name != "ERROR" and [event.name for event in queue.events] == ["client went"]
+
+
+async def test_an_image_its_batch_cannot_decode_is_answered_alone_and_fails_no_span(
+    make_settings: SettingsFactory,
+) -> None:
+    """Decoded by its batch's device thread (``server.decode=batch``), a PNG broken past its header
+    gets its 400 in the one envelope; the batch's other requests their answers; the trace shows
+    the client's mistake on its ``inference`` span without failing it or the batch."""
+    settings = held_batches(make_settings, 3, 16, decode="batch")
+    async with traced_app(settings) as (client, exporter, _):
+        ids = ["fine-1", "broken-1", "fine-2"]
+        bodies = [sample_png(1), sample_png(2)[:60], sample_png(3)]  # the second: signature and header only
+        answers = await asyncio.gather(
+            *(
+                client.post("/predict", content=body, headers={"Content-Type": "image/png", "X-Request-ID": rid})
+                for rid, body in zip(ids, bodies, strict=True)
+            )
+        )
+    assert [a.status_code for a in answers] == [200, 400, 200]
+    refused = answers[1].json()
+    assert refused["code"] == "undecodable_image" and refused["request_id"] == "broken-1"
+    assert all(a.json()["timings"]["preprocess"] > 0 for a in (answers[0], answers[2])), "its own decode counts"
+    spans = exporter.get_finished_spans()
+    (batch,) = [s for s in spans if s.name == "batch"]
+    assert batch.status.status_code.name != "ERROR" and batch.attributes["batch.size"] == 3
+    assert batch.attributes["batch.decoded"] == 2 and batch.attributes["batch.decode_ms"] > 0
+    # each answer's preprocessing counts its image's decode: together they are the batch's decoding
+    # (which adds only the loop around them), not the microseconds of the checks up front
+    preprocessed_ms = sum(a.json()["timings"]["preprocess"] for a in (answers[0], answers[2]))
+    assert preprocessed_ms >= 0.5 * batch.attributes["batch.decode_ms"]  # type: ignore[operator]
+    own = {s.name: s for s in spans if s.attributes.get("request.id") == "broken-1"}
+    assert own["preprocess"].status.status_code.name != "ERROR" and not own["preprocess"].events
+    assert own["inference"].status.status_code.name != "ERROR"
+    assert [event.name for event in own["inference"].events] == ["exception"]
+    assert [link.context.span_id for link in own["inference"].links] == [batch.context.span_id]

@@ -1,0 +1,175 @@
+"""Images decoded by the device thread that runs their batch (``server.decode=batch``): the cheap
+checks up front, the decode on the device thread, a bad image answered alone, a request gone
+before its batch never decoded, and where ``auto`` decodes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import JpegImagePlugin, PngImagePlugin
+
+from app.errors import BadRequest, BatchFailed, PayloadTooLarge
+from app.inference import preprocess
+from app.inference.device import DeviceThread, plan_threads
+from app.inference.loader import LayeredModel
+from app.inference.manifest import InputSpec, Manifest
+from app.inference.postprocess import TopK
+from app.inference.runner import ModelRunner
+from tests.support import b64, sample_png
+from tests.unit.test_runner import DIGITS
+
+LIMITS = preprocess.ImageLimits(max_bytes=64 * 1024, max_pixels=1_000_000)
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def model() -> LayeredModel:
+    loaded = LayeredModel.load(DIGITS, Manifest.read(DIGITS), CPU, torch.float32)
+    loaded.load_all_heads()
+    return loaded
+
+
+@pytest.fixture
+def device() -> DeviceThread:
+    thread = DeviceThread("test-device")
+    yield thread
+    thread.close()
+
+
+def encoded(model: LayeredModel, data: bytes) -> preprocess.Encoded:
+    return preprocess.encoded_payload(b64(data), model.manifest.input, LIMITS)
+
+
+class Counted(preprocess.Encoded):
+    """An ``Encoded`` image that says which thread decoded it, and how often."""
+
+    __slots__ = ("threads",)
+
+    def __init__(self, data: bytes, spec: InputSpec, limits: preprocess.ImageLimits) -> None:
+        super().__init__(data, spec, limits)
+        self.threads: list[str] = []
+
+    def decode(self) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        return super().decode()
+
+
+def test_the_checks_up_front_refuse_what_is_no_image_and_keep_the_rest_encoded(model: LayeredModel) -> None:
+    spec = model.manifest.input
+    png = sample_png(3)
+    kept = preprocess.encoded_payload(b64(png), spec, LIMITS)
+    assert kept.data == png and kept.decode_s == 0.0, "nothing decoded yet"
+    assert preprocess.encoded_payload(png, spec, LIMITS).data == png, "raw bytes are taken as they are"
+    with pytest.raises(BadRequest) as refused:
+        preprocess.encoded_payload("not base64!", spec, LIMITS)
+    assert refused.value.code == "invalid_base64"
+    with pytest.raises(BadRequest) as refused:
+        preprocess.encoded_payload(b64(b"GIF89a" + bytes(100)), spec, LIMITS)
+    assert refused.value.code == "unsupported_image"
+    with pytest.raises(PayloadTooLarge) as refused:
+        preprocess.encoded_payload(b"\x89PNG\r\n\x1a\n" + bytes(LIMITS.max_bytes), spec, LIMITS)
+    assert refused.value.code == "image_too_large"
+    # the decode gives what the pool's decode gives, and times itself
+    assert torch.equal(kept.decode(), preprocess.decode_payload(b64(png), spec, LIMITS))
+    assert kept.decode_s > 0
+
+
+@given(st.binary(max_size=16))
+def test_the_signature_check_takes_what_pillows_jpeg_and_png_plugins_take(prefix: bytes) -> None:
+    """Never refuses up front what the pool's decode (Pillow, or the JPEG fast path) would
+    have opened as a JPEG or PNG: they are told apart by the same prefixes."""
+    assert preprocess._signed(prefix) >= (JpegImagePlugin._accept(prefix) or PngImagePlugin._accept(prefix))
+    for head in (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"):
+        assert preprocess._signed(head + prefix)
+
+
+async def test_the_device_thread_decodes_its_batch_and_answers_as_the_decoded_images_would_be(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    spec = model.manifest.input
+    data = [sample_png(d) for d in range(4)]
+    pending = [Counted(item, spec, LIMITS) for item in data]
+    runner = ModelRunner(model, device, top_k=3)
+    answers = await runner(pending)
+    decoded = await runner([preprocess.decode(item, spec, LIMITS) for item in data])
+    assert [a.indices for a in answers if isinstance(a, TopK)] == [d.indices for d in decoded if isinstance(d, TopK)]
+    assert len(answers) == 4 and all(isinstance(a, TopK) for a in answers)
+    assert [image.threads for image in pending] == [["test-device"]] * 4
+
+
+def test_a_broken_image_is_answered_alone_and_the_rest_of_its_batch_runs(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    truncated = sample_png(2)[:60]  # a PNG's signature and header, no image data: found only by decoding
+    batch: list[torch.Tensor | preprocess.Encoded] = [
+        encoded(model, sample_png(1)),
+        encoded(model, truncated),
+        encoded(model, sample_png(5)),
+    ]
+    answers = ModelRunner(model, device, top_k=2).run_sync(batch)
+    assert isinstance(answers[0], TopK) and isinstance(answers[2], TopK)
+    assert isinstance(answers[1], BadRequest) and answers[1].code == "undecodable_image"
+    assert isinstance(batch[0], torch.Tensor), "decoded in place: a retry after an out-of-memory split reuses it"
+    assert isinstance(batch[1], preprocess.Encoded)
+    only_bad = ModelRunner(model, device, top_k=2).run_sync([encoded(model, truncated)])
+    assert isinstance(only_bad[0], BadRequest), "a batch with nothing to compute answers its errors"
+
+
+def test_a_bug_in_decoding_fails_that_image_alone_with_a_generic_error(
+    model: LayeredModel, device: DeviceThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Buggy(preprocess.Encoded):
+        __slots__ = ()
+
+        def decode(self) -> torch.Tensor:
+            raise KeyError("a bug")
+
+    spec = model.manifest.input
+    answers = ModelRunner(model, device, top_k=2).run_sync(
+        [Buggy(sample_png(1), spec, LIMITS), encoded(model, sample_png(2))]
+    )
+    assert isinstance(answers[0], BatchFailed) and answers[0].status == 500
+    assert str(answers[0]) == "inference failed" and answers[0].logged
+    assert isinstance(answers[1], TopK)
+    assert "decoding an image of a batch failed" in caplog.text
+
+
+def test_an_image_whose_request_went_or_expired_is_never_decoded(model: LayeredModel, device: DeviceThread) -> None:
+    spec = model.manifest.input
+    pending = [Counted(sample_png(d), spec, LIMITS) for d in range(3)]
+    now = time.monotonic()
+    answers = ModelRunner(model, device, top_k=2).run_sync(
+        list(pending), [now + 60, now - 1, now + 60], gone=lambda i: i == 2
+    )
+    assert isinstance(answers[0], TopK) and answers[1] is None and answers[2] is None
+    assert [len(image.threads) for image in pending] == [1, 0, 0]
+
+
+def test_auto_decodes_in_the_batch_where_each_device_thread_has_one_core() -> None:
+    two = plan_threads(CPU, 0, 0, 0, cores=2, decode_mode="auto")
+    assert two.decode_in_batch and two.workers == 3 and two.intra_op == 1, "one device thread more than the cores"
+    assert two.urgent == 1
+    assert plan_threads(CPU, 0, 0, 0, cores=3, decode_mode="auto").workers == 4
+    pool = plan_threads(CPU, 0, 0, 0, cores=2, decode_mode="pool")
+    assert not pool.decode_in_batch and pool.workers == 2
+    eight = plan_threads(CPU, 0, 0, 0, cores=8, decode_mode="auto")
+    assert not eight.decode_in_batch and eight.intra_op == 4, "several torch threads a batch: the pool decodes"
+    assert plan_threads(CPU, 2, 0, 0, cores=2, decode_mode="auto") == plan_threads(CPU, 2, 0, 0, 2, None, "batch")
+    assert plan_threads(CPU, 2, 0, 0, cores=2, decode_mode="auto").workers == 2, "a set worker count stays"
+    assert plan_threads(CPU, 0, 0, 0, cores=1, decode_mode="auto").workers == 1
+    assert not plan_threads(GPU, 0, 0, 0, cores=16, decode_mode="auto").decode_in_batch, "a GPU is fed by the pool"
+    assert plan_threads(GPU, 0, 0, 0, cores=16, decode_mode="batch").decode_in_batch
+    assert plan_threads(CPU, 0, 0, 0, cores=2).decode_in_batch is False, "pool unless asked"
+
+
+def test_the_settings_default_decodes_by_auto() -> None:
+    from app.settings import load_settings
+
+    assert load_settings().server.decode == "auto"
+    with pytest.raises(Exception, match="decode"):
+        load_settings(server={"decode": "gpu"})
