@@ -123,8 +123,8 @@ class Predictor:
         self._inference_span(ids, ran, None).end(end_time=ended_ns)
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(top, served.labels, top_k)
-        # decoded in its batch: the image's own decode counts as its preprocessing too (the batch's
-        # run, which includes every image's decode, stays its inference: what the device thread took)
+        # decoded in its batch: the image's own decode is its preprocessing too, and its inference the
+        # batch's run without the decoding (as with the pool); the batch's other decodes are in neither
         decoded_s = payload.decode_s if isinstance(payload, preprocess.Encoded) else 0.0
         return Outcome(
             served.name,
@@ -134,7 +134,7 @@ class Predictor:
             done.batch_size,
             preprocessed - started + decoded_s,
             done.queued_s,
-            done.run_s,
+            max(0.0, done.run_s - done.output.decode_s),
         )
 
     def _checked(self, served: ServedModel, image: bytes | str, ids: dict[str, str], seat: Seat) -> preprocess.Encoded:
@@ -191,6 +191,8 @@ class Predictor:
             queue_span.end(end_time=failed.started_ns)
             if job.left_out:  # not computed: its deadline passed at the device (or its client went)
                 exc = DeadlineExceeded("the request's deadline passed while its batch waited for the device")
+            elif job.refused is not None:  # its image did not decode: the client's mistake, whatever the batch's
+                exc = job.refused
             self._inference_span(ids, failed, exc).end()
             return exc
         if isinstance(exc, asyncio.CancelledError):

@@ -105,7 +105,8 @@ class InferenceService:
             server.wakeup_preemption,
         )
         self._pool = WorkerThreads("preprocess", self.threads.decode)  # urgent images first
-        self._backlog = DecodeBacklog(self.threads.decode)  # admitted requests whose images wait or decode
+        # admitted requests whose images wait or decode in the pool (decoded in the batch: none, ever)
+        self._backlog = DecodeBacklog(self.threads.decode)
         self._predictor = Predictor(
             self.tracer,
             self._pool,

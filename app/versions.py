@@ -26,7 +26,7 @@ from app.batching import BatchPolicy, DualWindowBatcher, LanePolicy
 from app.errors import DeviceUnavailable, Unavailable
 from app.inference.bounded import BoundedCall
 from app.inference.device import DeviceThread, Fault, Threads, device_fault, dtype_name, fault_line, release_memory
-from app.inference.jobs import Answer, Job, TracedRunner
+from app.inference.jobs import Answer, Job, TracedRunner, reached_the_device
 from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.repository import Repository
 from app.inference.runner import ModelRunner
@@ -308,7 +308,7 @@ class VersionLoader:
             name=f"{name}/{version}",
             max_in_flight=self.threads.workers,
             urgent_in_flight=self.threads.urgent,
-            computed=lambda answers: sum(answer.top is not None for answer in answers),
+            computed=lambda answers: sum(reached_the_device(answer) for answer in answers),
             model_epoch=lambda: runner.generation,
         )
         batchers.append(batcher)

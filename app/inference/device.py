@@ -3,7 +3,8 @@
 All model work runs on dedicated threads, never on the event loop. A GPU gets one thread,
 which serialises its work. A CPU can get several (``model.device_workers``), each running
 whole batches with ``model.intra_op_threads`` cores, as an inference server runs several
-model instances: with one, a single core does the forward passes while the others wait.
+model instances: with one, a single core does the forward passes while the others wait. On a
+small CPU they decode their batches' images too (``server.decode``, ``plan_threads``).
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ def plan_threads(
     (0 is automatic for each), ``model.urgent_workers`` (``None`` is automatic) and
     ``server.decode`` (``decode_mode``).
 
-    A GPU gets one worker: it serialises device work. A CPU of two or more cores gets two,
+    A GPU gets one worker: it serialises device work. A CPU of two or more cores gets two
+    (three on 2 cores where they decode too: see ``decode_mode`` below),
     and the cores are shared among them: on small models one batch cannot keep several
     cores busy (and OpenMP threads spin against the decode pool), while two batches at
-    once keep every core on the forward pass. Decoding gets half the cores: more runnable
+    once keep every core on the forward pass. Decoding in a pool gets half the cores: more runnable
     threads than cores only trade CPU for context switches (measured on 2 cores: one decode
     thread beat two by 0.6 to 0.7 of the limit).
 

@@ -32,6 +32,7 @@ class Job:
     deadline: float = float("inf")  # time.monotonic(); checked again just before compute
     gone: bool = False  # set on the event loop when its client went; read on the device thread
     left_out: bool = False  # not computed, its client gone or its deadline past, in a batch that failed
+    refused: ServiceError | None = None  # its image did not decode, in a batch that then failed
     batch: BatchTrace | None = None  # its batch, once one runs it (set on the event loop)
 
 
@@ -57,13 +58,23 @@ def batch_trace_of(error: BaseException) -> BatchTrace | None:
 @dataclass(frozen=True)
 class Answer:
     """One image's top classes (``None``: left out at the device, its deadline passed or its
-    client gone; an error: the device failed it while it computed others, or its output was
-    not finite), and the span of the batch that computed it (for a link back)."""
+    client gone; an error: its image did not decode, or the device failed it while it computed
+    others, or its output was not finite), and the span of the batch that computed it (for a
+    link back)."""
 
     top: TopK | ServiceError | None
     batch_span: SpanContext
     started_ns: int  # the batch's run, in wall-clock ns: every request of it shows the same times
     ended_ns: int
+    decode_s: float = 0.0  # of the batch's run, the seconds its thread spent decoding its images
+
+
+def reached_the_device(answer: Answer) -> bool:
+    """Whether the device took ``answer``'s image, computed or failed there: not one left out,
+    nor one that did not decode (a 4xx; a batch of those alone ran no forward pass, and its time
+    would drag the lane's run-time estimate down)."""
+    top = answer.top
+    return top is not None and not (isinstance(top, ServiceError) and top.status < 500)
 
 
 class TracedRunner:
@@ -119,6 +130,8 @@ class TracedRunner:
                 for i in getattr(exc, "left_out", ()):  # those the device left out failed with nothing
                     jobs[i].left_out = True
                     self._observer.on_dropped(jobs[i].lane, "cancelled" if jobs[i].gone else "deadline")
+                for i, error in getattr(exc, "refused", {}).items():  # their images did not decode
+                    jobs[i].refused = error
                 raise
             if self.runner.degraded:  # the CPU fallback may have taken over during this batch: it computed it
                 span.set_attributes(self._served_by())
@@ -131,4 +144,5 @@ class TracedRunner:
             if top is None:  # left out at the device: its client went, or its deadline passed
                 self._observer.on_dropped(job.lane, "cancelled" if job.gone else "deadline")
         ended_ns = time.time_ns()
-        return [Answer(top, context, started_ns, ended_ns) for top in tops]
+        decode_s = sum(job.image.decode_s for job in jobs if isinstance(job.image, Encoded))
+        return [Answer(top, context, started_ns, ended_ns, decode_s) for top in tops]

@@ -51,7 +51,8 @@ class Model(Protocol):
 
 
 class ModelRunner:
-    """The batcher's runner for one model: stack, forward, top-k, all off the event loop."""
+    """The batcher's runner for one model: decode (images left encoded for it), stack, forward,
+    top-k, all off the event loop."""
 
     def __init__(
         self,
@@ -113,7 +114,8 @@ class ModelRunner:
 
         The ``Encoded`` images still wanted are decoded first, here, on the thread that then
         runs them; one that does not decode is answered with its error (a 400 or 413), the
-        batch runs without it."""
+        batch runs without it, and an error raised for the whole batch carries those errors
+        in ``refused`` (index to error)."""
         batch = _Batch(images, deadlines, gone)
         self._decode(batch)
         generation = self._generation
@@ -121,6 +123,7 @@ class ModelRunner:
             self._compute(batch, range(len(images)), self.model)
         except Exception as exc:  # a bug (or a model that cannot serve) fails the batch: not those it left out
             exc.left_out = tuple(i for i in range(len(images)) if i not in batch.attempted)  # type: ignore[attr-defined]
+            exc.refused = batch.refusals()  # type: ignore[attr-defined]  # nor those that did not decode
             raise
         if not batch.failed:
             if batch.computed:  # a batch whose requests all went never reached the device: it proves nothing
@@ -138,9 +141,12 @@ class ModelRunner:
                 self.failures = 0
                 return batch.answers
         error = DeviceUnavailable(batch.reason)
-        if not batch.computed and all(answer is None for answer in batch.answers):
-            failed = set(batch.failed)  # the rest were left out, uncomputed: gone, or past their deadline
-            error.left_out = tuple(i for i in range(len(images)) if i not in failed)  # type: ignore[attr-defined]
+        refused = batch.refusals()
+        if not batch.computed and all(answer is None for i, answer in enumerate(batch.answers) if i not in refused):
+            # the rest were left out, uncomputed (gone, or past their deadline), or did not decode
+            failed = set(batch.failed)
+            error.left_out = tuple(i for i in range(len(images)) if i not in failed and i not in refused)  # type: ignore[attr-defined]
+            error.refused = refused  # type: ignore[attr-defined]
             raise error
         for i in batch.failed:
             batch.answers[i] = error
@@ -149,11 +155,12 @@ class ModelRunner:
     def _decode(self, batch: _Batch) -> None:
         """Decode the batch's ``Encoded`` images whose requests are still wanted, in place; the
         time it took goes on the batch's span (this thread runs in the batcher's context)."""
-        started, decoded = time.perf_counter(), 0
-        for i in batch.now(range(len(batch.images))):
-            image = batch.images[i]
-            if not isinstance(image, Encoded):
+        started, decoded, encoded = time.perf_counter(), 0, False
+        for i, image in enumerate(batch.images):
+            # asked image by image: a request may go while the images before it decode
+            if not isinstance(image, Encoded) or not batch.now((i,)):
                 continue
+            encoded = True
             try:
                 batch.images[i] = image.decode()
                 decoded += 1
@@ -164,10 +171,12 @@ class ModelRunner:
                 failed = BatchFailed("inference failed")
                 failed.__cause__, failed.logged = exc, True
                 batch.refuse(i, failed)
-        if decoded:
+        if encoded:
             span = trace.get_current_span()
             span.set_attribute("batch.decoded", decoded)
             span.set_attribute("batch.decode_ms", round((time.perf_counter() - started) * 1000, 3))
+            if batch.refused:
+                span.set_attribute("batch.refused", len(batch.refused))
 
     def _compute(self, batch: _Batch, indices: Sequence[int], model: Model, part: bool = False) -> None:
         """Computes what is still wanted of ``indices``; what the device cannot, it marks failed.
@@ -288,10 +297,20 @@ class _Batch:
 
     def refuse(self, index: int, error: ServiceError) -> None:
         """An image that did not decode: its answer is the error, and it is never computed (nor
-        counted left out: a whole-batch failure gives it that failure, as the others)."""
+        counted left out). A whole-batch failure carries it in ``refusals``: its request is
+        answered with its own error, not the batch's."""
         self.answers[index] = error
         self.refused.add(index)
         self.attempted.add(index)
+
+    def refusals(self) -> dict[int, ServiceError]:
+        """The images that did not decode, and the error each is answered with."""
+        refusals: dict[int, ServiceError] = {}
+        for i in self.refused:
+            answer = self.answers[i]
+            assert isinstance(answer, ServiceError)
+            refusals[i] = answer
+        return refusals
 
     def tensor(self, index: int) -> torch.Tensor:
         image = self.images[index]

@@ -137,7 +137,7 @@ class Metrics:
         )
         self.inference = Histogram(
             f"{PREFIX}_inference_seconds",
-            "Time to run one batch on the device",
+            "Time to run one batch on its device thread (its images' decode included where the batch decodes them)",
             ["model", "version", "batch_size"],
             buckets=LATENCY_BUCKETS,
             registry=r,

@@ -283,3 +283,35 @@ async def test_warmup_off_on_cuda_is_warned_of_and_on_the_cpu_it_is_not(make_set
         assert loader.unwarmed_shapes_warning(torch.device("cpu")) is None
     async with running_app(make_settings(model={"warmup": True})) as running:
         assert running.service.loader.unwarmed_shapes_warning(torch.device("cuda", 0)) is None
+
+
+@pytest.mark.parametrize("fault", ["device", "bug"])
+async def test_an_image_that_did_not_decode_keeps_its_400_when_its_batch_fails(
+    make_settings: SettingsFactory, fault: str
+) -> None:
+    """Decoded in the batch (``server.decode=batch``), a broken image is the client's mistake
+    whatever happens to the rest of its batch: a device that fails it (503) or a bug (500)."""
+    settings = make_settings(
+        server={"decode": "batch", "default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 3}},
+    )
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        healthy = served.runner.model
+
+        class Bug(Faulty):
+            def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+                raise KeyError("a bug in the forward pass")
+
+        served.runner.model = Faulty(healthy, always=True) if fault == "device" else Bug(healthy)  # type: ignore[assignment]
+        answers = await asyncio.gather(
+            running.predict_png(sample_png(1)),
+            running.predict_png(sample_png(2)[:60]),  # a PNG's signature and header, no image data
+            running.predict_png(sample_png(3)),
+        )
+        expected = (503, "device_unavailable") if fault == "device" else (500, "internal_error")
+        assert [(a.status_code, a.json()["code"]) for a in answers] == [
+            expected,
+            (400, "undecodable_image"),
+            expected,
+        ]

@@ -423,6 +423,7 @@ async def test_an_image_its_batch_cannot_decode_is_answered_alone_and_fails_no_s
     (batch,) = [s for s in spans if s.name == "batch"]
     assert batch.status.status_code.name != "ERROR" and batch.attributes["batch.size"] == 3
     assert batch.attributes["batch.decoded"] == 2 and batch.attributes["batch.decode_ms"] > 0
+    assert batch.attributes["batch.refused"] == 1
     # each answer's preprocessing counts its image's decode: together they are the batch's decoding
     # (which adds only the loop around them), not the microseconds of the checks up front
     preprocessed_ms = sum(a.json()["timings"]["preprocess"] for a in (answers[0], answers[2]))

@@ -11,15 +11,19 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from opentelemetry import trace
 from PIL import JpegImagePlugin, PngImagePlugin
 
-from app.errors import BadRequest, BatchFailed, PayloadTooLarge
+from app.batching import Lane
+from app.errors import BadRequest, BatchFailed, DeviceUnavailable, PayloadTooLarge
 from app.inference import preprocess
 from app.inference.device import DeviceThread, plan_threads
+from app.inference.jobs import Answer, Job, TracedRunner, reached_the_device
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Manifest
 from app.inference.postprocess import TopK
 from app.inference.runner import ModelRunner
+from tests.faults import Faulty
 from tests.support import b64, sample_png
 from tests.unit.test_runner import DIGITS
 
@@ -173,3 +177,67 @@ def test_the_settings_default_decodes_by_auto() -> None:
     assert load_settings().server.decode == "auto"
     with pytest.raises(Exception, match="decode"):
         load_settings(server={"decode": "gpu"})
+
+
+def test_a_request_that_goes_while_the_images_before_it_decode_is_not_decoded(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    spec = model.manifest.input
+    went: set[int] = set()
+
+    class Slow(Counted):
+        """Its client goes while it decodes: the request of the last image."""
+
+        __slots__ = ()
+
+        def decode(self) -> torch.Tensor:
+            went.add(2)
+            return super().decode()
+
+    pending = [
+        Counted(sample_png(0), spec, LIMITS),
+        Slow(sample_png(1), spec, LIMITS),
+        Counted(sample_png(2), spec, LIMITS),
+    ]
+    answers = ModelRunner(model, device, top_k=2).run_sync(list(pending), gone=lambda i: i in went)
+    assert isinstance(answers[0], TopK) and isinstance(answers[1], TopK) and answers[2] is None
+    assert [len(image.threads) for image in pending] == [1, 1, 0]
+
+
+def test_a_whole_batch_failure_carries_the_errors_of_the_images_that_did_not_decode(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    broken = sample_png(2)[:60]
+    runner = ModelRunner(Faulty(model, always=True), device, top_k=2)
+    with pytest.raises(DeviceUnavailable) as failed:
+        runner.run_sync([encoded(model, sample_png(1)), encoded(model, broken)])
+    assert failed.value.left_out == ()  # type: ignore[attr-defined]
+    (refused,) = failed.value.refused.items()  # type: ignore[attr-defined]
+    assert refused[0] == 1 and isinstance(refused[1], BadRequest) and refused[1].code == "undecodable_image"
+    assert runner.failures == 1
+    now = time.monotonic()  # one left out (expired), one refused: nothing reaches the device, nothing fails
+    answers = runner.run_sync([encoded(model, sample_png(1)), encoded(model, broken)], [now - 1, now + 60])
+    assert answers[0] is None and isinstance(answers[1], BadRequest) and runner.failures == 1
+    three = [encoded(model, sample_png(1)), encoded(model, broken), encoded(model, sample_png(3))]
+    with pytest.raises(DeviceUnavailable) as failed:  # one left out, one refused, one failed by the device
+        runner.run_sync(three, [now - 1, now + 60, now + 60])
+    assert failed.value.left_out == (0,) and set(failed.value.refused) == {1}  # type: ignore[attr-defined]
+
+
+async def test_each_answer_tells_how_long_its_batch_spent_decoding(model: LayeredModel, device: DeviceThread) -> None:
+    traced = TracedRunner(ModelRunner(model, device, top_k=2), trace.NoOpTracer(), "digits", "1", "float32")
+    jobs = [Job(encoded(model, sample_png(d)), Lane.NORMAL, f"r{d}", None) for d in range(3)]
+    answers = await traced(jobs)
+    decoded = [job.image.decode_s for job in jobs if isinstance(job.image, preprocess.Encoded)]
+    assert len(decoded) == 3 and all(seconds > 0 for seconds in decoded)
+    assert {answer.decode_s for answer in answers} == {sum(decoded)}
+    plain = await traced([Job(preprocess.decode(sample_png(1), model.manifest.input, LIMITS), Lane.NORMAL, "t", None)])
+    assert plain[0].decode_s == 0.0, "decoded before its batch: the batch decoded nothing"
+
+
+def test_only_what_reached_the_device_counts_as_computed() -> None:
+    span = trace.INVALID_SPAN_CONTEXT
+    assert reached_the_device(Answer(TopK((0.9,), (1,)), span, 0, 0))
+    assert reached_the_device(Answer(DeviceUnavailable("failed"), span, 0, 0)), "the device took it, and failed"
+    assert not reached_the_device(Answer(BadRequest("broken", code="undecodable_image"), span, 0, 0))
+    assert not reached_the_device(Answer(None, span, 0, 0))
