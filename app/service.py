@@ -92,9 +92,10 @@ class InferenceService:
             cpu_cores(),
             model.urgent_workers,
             settings.server.decode,
+            model.normal_nice,
         )
         self._device_thread = DeviceThread(
-            workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=model.normal_nice
+            workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=self.threads.normal_nice
         )
         server = settings.server
         self._tuning = Tuning(

@@ -101,7 +101,7 @@ class VersionLoader:
         # device's (a GPU has one) a version loaded while serving held every batch for seconds.
         # Where normal batches run niced (a CPU with an urgent thread), a load is as low: it must
         # not take an urgent batch's core either
-        self._loader = WorkerThreads("loader", nice=settings.model.normal_nice if threads.urgent else 0)
+        self._loader = WorkerThreads("loader", nice=threads.normal_nice if threads.urgent else 0)
 
     def close(self) -> list[str]:
         """Stop the loader thread (blocks: call it off the loop); its name if a load outlasted the join."""

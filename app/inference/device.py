@@ -75,6 +75,7 @@ class Threads:
     decode: int
     urgent: int = 0
     decode_in_batch: bool = False  # each batch's device thread decodes its images (``server.decode``)
+    normal_nice: int = 10  # the normal batches' threads' nice offset, where urgent-only threads exist
 
 
 def plan_threads(
@@ -85,10 +86,11 @@ def plan_threads(
     cores: int,
     urgent: int | None = None,
     decode_mode: str = "pool",
+    normal_nice: int | None = None,
 ) -> Threads:
     """Resolve ``model.device_workers``, ``model.intra_op_threads``, ``server.preprocess_workers``
-    (0 is automatic for each), ``model.urgent_workers`` (``None`` is automatic) and
-    ``server.decode`` (``decode_mode``).
+    (0 is automatic for each), ``model.urgent_workers`` and ``model.normal_nice`` (``None`` is
+    automatic for each) and ``server.decode`` (``decode_mode``).
 
     A GPU gets one worker: it serialises device work. A CPU of two or more cores gets two
     (three on 2 cores where they decode too: see ``decode_mode`` below),
@@ -117,18 +119,27 @@ def plan_threads(
     a thread waiting for the GIL between two images' decodes leaves its core to the extra one.
     On 2 cores three such threads served 1.029 times the pool's requests a second (0.991-1.071,
     6 alternated rounds), at 0.976 of its CPU a request; two, 0.984 (docs/performance.md,
-    thirty-fifth pass).
+    thirty-fifth pass). Their nice is then 2, not 10: all of the images' work runs at that
+    priority, and at twice the load, refusals running on the event loop first, nice 10 answered
+    0.920 of the pool's requests in time (5 rounds), nice 5 0.941, nice 2 0.998, each the same
+    as the others at saturation (1.026 of the pool).
     """
     decode = decode or max(1, cores // 2)
     if device.type != "cpu":
-        return Threads(workers or 1, intra_op or 1, decode, urgent or 0, decode_mode == "batch")
+        in_batch = decode_mode == "batch"
+        return Threads(workers or 1, intra_op or 1, decode, urgent or 0, in_batch, _nice(normal_nice, in_batch))
     planned = workers or (2 if cores >= 2 else 1)
     intra_op = intra_op or max(1, cores // planned)
     in_batch = decode_mode == "batch" or (decode_mode == "auto" and intra_op == 1)
     if in_batch and not workers and intra_op == 1 and cores >= 2:
         planned = cores + 1
     urgent = (1 if cores >= 2 else 0) if urgent is None else urgent
-    return Threads(planned, intra_op, decode, urgent, in_batch)
+    return Threads(planned, intra_op, decode, urgent, in_batch, _nice(normal_nice, in_batch))
+
+
+def _nice(setting: int | None, decode_in_batch: bool) -> int:
+    """``model.normal_nice``: as set, else 2 where the device threads decode, 10 where they do not."""
+    return setting if setting is not None else 2 if decode_in_batch else 10
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -202,11 +202,12 @@ class ModelSettings(_Group):
         le=8,
         description="device threads for urgent batches only; unset: 1 on a CPU of 2+ cores, 0 on CUDA",
     )
-    normal_nice: int = Field(
-        default=10,
+    normal_nice: int | None = Field(
+        default=None,
         ge=0,
         le=19,
-        description="OS priority offset (nice) of the threads running normal batches, where urgent-only ones exist",
+        description="OS priority offset (nice) of the threads running normal batches, where urgent-only ones exist; "
+        "unset: 10, or 2 where the device threads decode (server.decode=batch)",
     )
     intra_op_threads: int = Field(
         default=0,

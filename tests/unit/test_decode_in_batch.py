@@ -23,6 +23,7 @@ from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Manifest
 from app.inference.postprocess import TopK
 from app.inference.runner import ModelRunner
+from app.settings import load_settings
 from tests.faults import Faulty
 from tests.support import b64, sample_png
 from tests.unit.test_runner import DIGITS
@@ -172,8 +173,6 @@ def test_auto_decodes_in_the_batch_where_each_device_thread_has_one_core() -> No
 
 
 def test_the_settings_default_decodes_by_auto() -> None:
-    from app.settings import load_settings
-
     assert load_settings().server.decode == "auto"
     with pytest.raises(Exception, match="decode"):
         load_settings(server={"decode": "gpu"})
@@ -241,3 +240,14 @@ def test_only_what_reached_the_device_counts_as_computed() -> None:
     assert reached_the_device(Answer(DeviceUnavailable("failed"), span, 0, 0)), "the device took it, and failed"
     assert not reached_the_device(Answer(BadRequest("broken", code="undecodable_image"), span, 0, 0))
     assert not reached_the_device(Answer(None, span, 0, 0))
+
+
+def test_the_normal_threads_are_niced_less_where_they_decode() -> None:
+    """All of an image's work runs on them then: at nice 10 the event loop's refusals took so much
+    of the cores at twice the load that fewer requests were answered in time."""
+    assert plan_threads(CPU, 0, 0, 0, cores=2, decode_mode="auto").normal_nice == 2
+    assert plan_threads(CPU, 0, 0, 0, cores=2, decode_mode="pool").normal_nice == 10
+    assert plan_threads(CPU, 0, 0, 0, cores=8, decode_mode="auto").normal_nice == 10
+    assert plan_threads(CPU, 0, 0, 0, cores=2, decode_mode="auto", normal_nice=7).normal_nice == 7, "as set"
+    assert plan_threads(GPU, 0, 0, 0, cores=16, decode_mode="auto").normal_nice == 10
+    assert load_settings().model.normal_nice is None, "config/default.toml leaves it to the service"

@@ -161,7 +161,7 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
         assert [(version, sizes) for version, _, _, sizes in warmed] == [("1", (1,)), ("1", (4,)), ("1", (8,))]
         assert {thread for _, thread, _, _ in warmed} <= {"device-0", "device-1"}
         assert loaded_on == ["loader", "loader"], "no load holds a device thread"
-        nice = settings.model.normal_nice
+        nice = service.threads.normal_nice
         priorities = await asyncio.gather(
             asyncio.to_thread(service.loader._loader.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result, 10),
             asyncio.to_thread(service._device_thread.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result, 10),
