@@ -153,3 +153,9 @@ class BatchFailed(ServiceError):
     """The runner failed a batch for a reason nobody planned for: a bug (500, generic body)."""
 
     code = "inference_failed"
+
+
+def fails_the_service(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of the service's (a 5xx, or no service error at all: a bug),
+    not the client's mistake (a 4xx): what marks a span failed, or counts against a batch."""
+    return not isinstance(exc, ServiceError) or exc.status >= 500

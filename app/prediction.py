@@ -6,9 +6,10 @@ by the request's id, and the request's end at its deadline or its client's going
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 from app.admission import DecodeBacklog, Seat
 from app.batching import Lane
 from app.deadline import within
-from app.errors import DeadlineExceeded, Draining, ServiceError
+from app.errors import DeadlineExceeded, Draining, ServiceError, fails_the_service
 from app.inference import preprocess
 from app.inference.jobs import BatchTrace, Job, batch_trace_of
 from app.inference.manifest import InputSpec
@@ -141,38 +142,38 @@ class Predictor:
         """The request's image checked as far as costs microseconds, still encoded, for its batch's
         device thread to decode; its seat released either way (queued next, it counts there)."""
         try:
-            with self.tracer.start_as_current_span(
-                "preprocess", attributes=ids, record_exception=False, set_status_on_exception=False
-            ) as span:
-                try:
-                    return preprocess.encoded_payload(image, served.model.manifest.input, self._limits)
-                except BaseException as exc:
-                    _fail(span, exc)
-                    raise
+            with self._preprocess_span(ids):
+                return preprocess.encoded_payload(image, served.model.manifest.input, self._limits)
         finally:
             seat.release()
+
+    @contextlib.contextmanager
+    def _preprocess_span(self, ids: dict[str, str]) -> Iterator[Span]:
+        """The request's ``preprocess`` span, ended with what ended the stage: the exception
+        recorded, the span failed only for a failure of the service's (a 5xx); a bad upload or a
+        client that went is the client's, and Jaeger's error search would list them."""
+        with self.tracer.start_as_current_span(
+            "preprocess", attributes=ids, record_exception=False, set_status_on_exception=False
+        ) as span:
+            try:
+                yield span
+            except BaseException as exc:
+                _fail(span, exc)
+                raise
 
     async def _decode(
         self, served: ServedModel, image: bytes | str, lane: Lane, deadline: float, ids: dict[str, str], seat: Seat
     ) -> torch.Tensor:
         """The request's image, decoded on the pool by its deadline; its seat released either way."""
         try:
-            # the exception recorded, the span failed only for a failure of the service's (a 5xx):
-            # a bad upload or a client that went is the client's, and Jaeger's error search would list them
-            with self.tracer.start_as_current_span(
-                "preprocess", attributes=ids, record_exception=False, set_status_on_exception=False
-            ) as span:
+            with self._preprocess_span(ids):
                 spec = served.model.manifest.input
                 decode = functools.partial(_decode_before, deadline, image, spec, self._limits)
                 # answered at its deadline, not when a decode thread is free (a decode that
                 # has not started is called off; one that has is not, and its image is dropped)
                 expired = functools.partial(served.batcher.observer.on_dropped, lane, "deadline")
-                try:
-                    async with within(deadline, "while its image waited to be decoded", expired):
-                        tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
-                except BaseException as exc:
-                    _fail(span, exc)
-                    raise
+                async with within(deadline, "while its image waited to be decoded", expired):
+                    tensor, decode_s = await self._pool.run(decode, urgent=lane is Lane.URGENT)
             self._backlog.record(decode_s)
         except asyncio.CancelledError:  # its client went (or the close called the decode off)
             served.batcher.observer.on_dropped(lane, "cancelled")
@@ -223,12 +224,8 @@ class Predictor:
                 "batch.trace_id": format(batch.span.trace_id, "032x"),  # Jaeger: search the batch's trace
             },
         )
-        if error is not None and (not isinstance(error, ServiceError) or error.status >= 500):
-            # an image its batch could not decode is the client's mistake (a 4xx), not a failure
-            code = error.code if isinstance(error, ServiceError) else type(error).__name__
-            span.set_status(Status(StatusCode.ERROR, f"{code}: {error}"))
-        elif error is not None:
-            span.record_exception(error)
+        if error is not None:  # an image its batch could not decode (a 4xx) is recorded, not a failure
+            _fail(span, error)
         return span
 
 
@@ -239,6 +236,6 @@ def _fail(span: Span, exc: BaseException) -> None:
         span.add_event("client went")
         return
     span.record_exception(exc)
-    if not isinstance(exc, ServiceError) or exc.status >= 500:
+    if fails_the_service(exc):
         code = exc.code if isinstance(exc, ServiceError) else type(exc).__name__
         span.set_status(Status(StatusCode.ERROR, f"{code}: {exc}"))

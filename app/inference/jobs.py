@@ -17,7 +17,7 @@ from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
 from app.batching import Lane
 from app.batching.observer import BatchObserver, NullObserver
-from app.errors import ServiceError
+from app.errors import ServiceError, fails_the_service
 from app.inference.postprocess import TopK
 from app.inference.preprocess import Encoded
 from app.inference.runner import ModelRunner
@@ -74,7 +74,7 @@ def reached_the_device(answer: Answer) -> bool:
     nor one that did not decode (a 4xx; a batch of those alone ran no forward pass, and its time
     would drag the lane's run-time estimate down)."""
     top = answer.top
-    return top is not None and not (isinstance(top, ServiceError) and top.status < 500)
+    return top is not None and (not isinstance(top, ServiceError) or fails_the_service(top))
 
 
 class TracedRunner:
@@ -137,7 +137,7 @@ class TracedRunner:
                 span.set_attributes(self._served_by())
             context = span.get_span_context()
             # an image that did not decode is its client's mistake (4xx): not the batch's failure
-            failed = sum(isinstance(top, ServiceError) and top.status >= 500 for top in tops)
+            failed = sum(isinstance(top, ServiceError) and fails_the_service(top) for top in tops)
             if failed:
                 span.set_status(Status(StatusCode.ERROR, f"{failed} of {len(jobs)} images failed"))
         for job, top in zip(jobs, tops, strict=True):

@@ -123,7 +123,7 @@ class ModelRunner:
             self._compute(batch, range(len(images)), self.model)
         except Exception as exc:  # a bug (or a model that cannot serve) fails the batch: not those it left out
             exc.left_out = tuple(i for i in range(len(images)) if i not in batch.attempted)  # type: ignore[attr-defined]
-            exc.refused = batch.refusals()  # type: ignore[attr-defined]  # nor those that did not decode
+            exc.refused = dict(batch.refused)  # type: ignore[attr-defined]  # nor those that did not decode
             raise
         if not batch.failed:
             if batch.computed:  # a batch whose requests all went never reached the device: it proves nothing
@@ -141,12 +141,12 @@ class ModelRunner:
                 self.failures = 0
                 return batch.answers
         error = DeviceUnavailable(batch.reason)
-        refused = batch.refusals()
+        refused = batch.refused
         if not batch.computed and all(answer is None for i, answer in enumerate(batch.answers) if i not in refused):
             # the rest were left out, uncomputed (gone, or past their deadline), or did not decode
             failed = set(batch.failed)
             error.left_out = tuple(i for i in range(len(images)) if i not in failed and i not in refused)  # type: ignore[attr-defined]
-            error.refused = refused  # type: ignore[attr-defined]
+            error.refused = dict(refused)  # type: ignore[attr-defined]
             raise error
         for i in batch.failed:
             batch.answers[i] = error
@@ -279,7 +279,7 @@ class _Batch:
     ) -> None:
         self.images, self._deadlines, self._gone = images, deadlines, gone
         self.answers: list[TopK | ServiceError | None] = [None] * len(images)
-        self.refused: set[int] = set()  # the images that did not decode: answered, never computed
+        self.refused: dict[int, ServiceError] = {}  # the images that did not decode, answered with these errors
         self.computed = 0
         self.attempted: set[int] = set()  # the images sent to the device at least once
         self.failed: list[int] = []
@@ -297,20 +297,10 @@ class _Batch:
 
     def refuse(self, index: int, error: ServiceError) -> None:
         """An image that did not decode: its answer is the error, and it is never computed (nor
-        counted left out). A whole-batch failure carries it in ``refusals``: its request is
+        counted left out). A whole-batch failure carries it in ``refused``: its request is
         answered with its own error, not the batch's."""
-        self.answers[index] = error
-        self.refused.add(index)
+        self.answers[index] = self.refused[index] = error
         self.attempted.add(index)
-
-    def refusals(self) -> dict[int, ServiceError]:
-        """The images that did not decode, and the error each is answered with."""
-        refusals: dict[int, ServiceError] = {}
-        for i in self.refused:
-            answer = self.answers[i]
-            assert isinstance(answer, ServiceError)
-            refusals[i] = answer
-        return refusals
 
     def tensor(self, index: int) -> torch.Tensor:
         image = self.images[index]
