@@ -11,7 +11,9 @@
 #        every request with a deadline of DEADLINE_MS (1000), for OVERLOAD_SECONDS (60);
 #  (vi)  saturation again: the answered share in (v) is taken against the mean of the saturation
 #        just before and just after it, since the host's speed drifts while the run goes on;
-#  (vii) writes OUT_DIR/load.md (and the bench reports beside it), with the server's own samples
+#  (vii) the minute of (v) again, at the same rate, on a fresh server (its first load; FRESH_SECONDS,
+#        60; 0 skips it): what a process started into heavy traffic answers, expires and grows;
+#  (viii) writes OUT_DIR/load.md (and the bench reports beside it), with the server's own samples
 #        of its event loop's lag in each measured window (`bench --server-metrics`): a stall of the
 #        loop shows there, starved decode or device threads do not.
 #
@@ -69,8 +71,21 @@ echo "200%: $(field "$out/overload.json" "r['throughput_rps']") requests/s answe
 # and just after it: the answered share at twice the load is taken against the mean of the two
 bench "$out/saturation_after.json" --concurrency "${SATURATION_CONCURRENCY:-64}" --duration "${DURATION:-10}" --warmup 3
 echo "saturation after: $(field "$out/saturation_after.json" "r['throughput_rps']") requests/s"
+# (vii) the minute at twice the load again, on a fresh server: in (v) the server has run every load
+# before it, while a process started into traffic (a deploy under load) meets it cold, before its
+# allocator and oneDNN have set up what the batches it forms need. FRESH_SECONDS=0 skips it
+rm -f "$out/overload_fresh.json"
+if [ "${FRESH_SECONDS:-60}" != 0 ]; then
+  stop_server
+  "$py" -m app.cli serve --port "$port" >"$out/server-fresh.log" 2>&1 &
+  server_pid=$!
+  wait_ready "$out/server-fresh.log"
+  bench "$out/overload_fresh.json" --rate "$overload" --duration "${FRESH_SECONDS:-60}" --warmup 3 \
+    --deadline-ms "${DEADLINE_MS:-1000}" --timeout 30
+  echo "200%, fresh server: $(field "$out/overload_fresh.json" "r['throughput_rps']") requests/s answered"
+fi
 
-# (vii)
+# (viii)
 "$py" - "$out" <<'PY'
 import json
 import os
@@ -171,6 +186,27 @@ lines = [
     "",
     lanes(over),
 ]
+fresh_path = out / "overload_fresh.json"
+if fresh_path.exists():  # (vii): the same load, on a server that had served nothing
+    fresh = json.loads(fresh_path.read_text())
+    fresh_rss = fresh.get("server_rss_mb", {})
+    expired = sum(count for code, count in fresh["errors"].items() if code.endswith(":deadline_exceeded"))
+    lines += [
+        "",
+        f"### twice saturation on a fresh server: {fresh['rate_rps']} requests/s offered for "
+        f"{fresh['measured_s']:.0f} s after a {fresh['warmup_s']:.0f} s warm-up, as above",
+        "",
+        f"- answered: {fresh['throughput_rps']} requests/s = **{fresh['throughput_rps'] / reference:.3f} of saturation** "
+        f"(the same mean), mean batch {fresh['mean_batch_size']}",
+        f"- answered later than their deadline (client clock): **{fresh['ok_past_deadline']}** of {fresh['ok']}; "
+        f"admitted, then expired before being computed (503 deadline_exceeded): **{expired}**",
+        f"- refused: {', '.join(f'{k} x{v}' for k, v in sorted(fresh['errors'].items())) or 'none'}",
+        f"- server memory (RSS, once a second): first {fresh_rss.get('first')} MiB, last {fresh_rss.get('last')} MiB, "
+        f"max {fresh_rss.get('max')} MiB; over the second half {fresh_rss.get('second_half_growth', 0):+} MiB",
+        lag_line(fresh.get("server_loop_lag")),
+        "",
+        lanes(fresh),
+    ]
 text = "\n".join(lines) + "\n"
 (out / "load.md").write_text(text)
 print(text)
