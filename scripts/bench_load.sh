@@ -125,10 +125,21 @@ def lanes(report: dict) -> str:
     return "\n".join(["| lane | answered | p50 ms | p90 ms | p99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: | ---: |", *rows])
 
 
+def errors_of(report: dict) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(report["errors"].items())) or "none"
+
+
+def memory_line(report: dict) -> str:
+    rss = report.get("server_rss_mb", {})
+    return (
+        f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
+        f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB"
+    )
+
+
 urgent, normal = steady["latency"]["urgent"], steady["latency"]["normal"]
 answered = over["throughput_rps"]
-rss = over.get("server_rss_mb", {})
-errors = ", ".join(f"{k} x{v}" for k, v in sorted(over["errors"].items())) or "none"
+
 lines = [
     f"## latency under load: {limit['model']} v{limit['version']}, {limit['limit']['cores']:g} cores",
     "",
@@ -143,7 +154,7 @@ lines = [
     f"answered {steady['throughput_rps']} requests/s, mean batch {steady['mean_batch_size']} "
     f"(by request lane: urgent {steady['mean_batch_size_by_request_lane']['urgent']}, "
     f"normal {steady['mean_batch_size_by_request_lane']['normal']}), "
-    f"errors: {', '.join(f'{k} x{v}' for k, v in steady['errors'].items()) or 'none'}",
+    f"errors: {errors_of(steady)}",
     "",
     lanes(steady),
     "",
@@ -178,9 +189,8 @@ lines = [
     f"- answered later than their deadline (client clock): **{over['ok_past_deadline']}** of {over['ok']}; "
     f"by the server's own clock (its total from the request's first byte): "
     f"**{over.get('ok_past_deadline_server', 'not reported')}**",
-    f"- refused: {errors}",
-    f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
-    f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB",
+    f"- refused: {errors_of(over)}",
+    memory_line(over),
     lag_line(over.get("server_loop_lag")),
     schedule_line(over),
     "",
@@ -189,20 +199,19 @@ lines = [
 fresh_path = out / "overload_fresh.json"
 if fresh_path.exists():  # (vii): the same load, on a server that had served nothing
     fresh = json.loads(fresh_path.read_text())
-    fresh_rss = fresh.get("server_rss_mb", {})
     expired = sum(count for code, count in fresh["errors"].items() if code.endswith(":deadline_exceeded"))
     lines += [
         "",
         f"### twice saturation on a fresh server: {fresh['rate_rps']} requests/s offered for "
         f"{fresh['measured_s']:.0f} s after a {fresh['warmup_s']:.0f} s warm-up, as above",
         "",
-        f"- answered: {fresh['throughput_rps']} requests/s = **{fresh['throughput_rps'] / reference:.3f} of saturation** "
-        f"(the same mean), mean batch {fresh['mean_batch_size']}",
+        f"- answered: {fresh['throughput_rps']} requests/s = "
+        f"**{fresh['throughput_rps'] / reference:.3f} of saturation** (the same mean), "
+        f"mean batch {fresh['mean_batch_size']}",
         f"- answered later than their deadline (client clock): **{fresh['ok_past_deadline']}** of {fresh['ok']}; "
         f"admitted, then expired before being computed (503 deadline_exceeded): **{expired}**",
-        f"- refused: {', '.join(f'{k} x{v}' for k, v in sorted(fresh['errors'].items())) or 'none'}",
-        f"- server memory (RSS, once a second): first {fresh_rss.get('first')} MiB, last {fresh_rss.get('last')} MiB, "
-        f"max {fresh_rss.get('max')} MiB; over the second half {fresh_rss.get('second_half_growth', 0):+} MiB",
+        f"- refused: {errors_of(fresh)}",
+        memory_line(fresh),
         lag_line(fresh.get("server_loop_lag")),
         "",
         lanes(fresh),
