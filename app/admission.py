@@ -10,12 +10,12 @@ waits (they go first).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 from app.batching import Lane
+from app.batching.moving import Decaying
 
 # What the decode estimates remember, in seconds. Admission refuses at the edge of what the
 # estimate allows, so under overload it admits a request just when the estimate dips: with the
@@ -27,37 +27,6 @@ MEMORY_S = 0.5
 # the urgent images' share of the decode threads past which a normal image's wait is counted
 # as if they took this much (beyond it the normal lane would never be decoded)
 MAX_URGENT_SHARE = 0.9
-
-
-class Decaying:
-    """Sums that forget at ``exp(-age / memory_s)``: a mean over the last ``memory_s`` or so,
-    weighing every sample alike within it, and a rate of events."""
-
-    def __init__(self, memory_s: float, clock: Callable[[], float]) -> None:
-        self._memory_s, self._clock = memory_s, clock
-        self._at: float | None = None
-        self._total = self._count = 0.0
-
-    def add(self, value: float = 1.0) -> None:
-        now = self._clock()
-        if self._at is not None:
-            kept = math.exp(-(now - self._at) / self._memory_s)
-            self._total *= kept
-            self._count *= kept
-        self._at = now
-        self._total += value
-        self._count += 1.0
-
-    def mean(self) -> float | None:
-        """The samples' mean, None before the first (a pause forgets nothing: a mean of old
-        samples only)."""
-        return self._total / self._count if self._count else None
-
-    def rate(self) -> float:
-        """Events a second over about the last ``memory_s``, fading after they stop."""
-        if self._at is None:
-            return 0.0
-        return self._count * math.exp(-(self._clock() - self._at) / self._memory_s) / self._memory_s
 
 
 class Seats(Protocol):

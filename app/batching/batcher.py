@@ -292,6 +292,8 @@ class DualWindowBatcher(Generic[P, R]):
         from_urgent, late_urgent = urgent.take(plan.from_urgent, now)
         from_normal, late_normal = normal.take(plan.from_normal, now)
         if not late_urgent and not late_normal:
+            if from_normal:
+                self._intake.took_normal(len(from_normal))
             return from_urgent + from_normal
         urgent.restore(from_urgent)
         normal.restore(from_normal)

@@ -16,12 +16,15 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from app.batching.clock import Clock
+from app.batching.moving import Decaying
 from app.batching.observer import BatchObserver
 from app.batching.policy import BatchPolicy, Lane, fills
 from app.errors import DeadlineExceeded, Draining, QueueFull, WouldMissDeadline
 
 # how long a refusal in the normal lane marks it as overloaded, for the urgent fill rule
 REFUSING_S = 1.0
+# what the normal lane's drain rate remembers, in seconds: a few dozen batches at twice the load
+DRAIN_MEMORY_S = 2.0
 
 
 class Dispatcher(Protocol):
@@ -72,6 +75,11 @@ class Intake:
         # and one estimate for both made normal waits look short and admitted too many
         self._batch_s: dict[Lane, float | None] = {Lane.URGENT: None, Lane.NORMAL: None}
         self._refused_at: float | None = None  # the normal lane's last refusal with requests ahead
+        # the normal lane's drain while it is behind (a full batch left after each take): the
+        # requests each take drew from it, and the seconds since the take before
+        self._drawn = Decaying(DRAIN_MEMORY_S, clock.now)
+        self._between = Decaying(DRAIN_MEMORY_S, clock.now)
+        self._behind_at: float | None = None  # the last take that left a full batch behind
 
     def _idle(self, lane: Lane) -> bool:
         """Nothing admitted ahead of a request in ``lane`` and nothing running where it would:
@@ -103,13 +111,37 @@ class Intake:
     def forget_batches(self) -> None:
         """Another model runs the batches now: the estimates start again, from its batches."""
         self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
+        self._drawn = Decaying(DRAIN_MEMORY_S, self._clock.now)
+        self._between = Decaying(DRAIN_MEMORY_S, self._clock.now)
+        self._behind_at = None
+
+    def took_normal(self, taken: int) -> None:
+        """``taken`` normal requests left the queue for a batch (of either lane). Timed from the
+        take before, while that one left a full batch behind: the lane was behind all along, and
+        the pace it drained at was the service's, not the clients'."""
+        now = self._clock.now()
+        if self._behind_at is not None:
+            self._drawn.add(taken)
+            self._between.add(now - self._behind_at)
+        behind = self.ahead(Lane.NORMAL) >= self._dispatcher.effective_policy().normal.max_batch
+        self._behind_at = now if behind else None
+
+    def drain_rate(self) -> float | None:
+        """Normal requests a second the batches drew from the normal queue while it was behind,
+        over about the last ``DRAIN_MEMORY_S``; None until measured."""
+        drawn, between = self._drawn.mean(), self._between.mean()
+        if drawn is None or between is None or between <= 0:
+            return None
+        return drawn / between
 
     def predicted_wait(self, lane: Lane) -> float | None:
         """Seconds until a request submitted now to ``lane`` would be answered, if known.
 
         The requests ahead (urgent ones are ahead of everything), in batches, plus the batches
         running now, shared among the batches that run at once, times the measured batch
-        latency, plus the lane's window.
+        latency, plus the lane's window. A normal request with a full batch ahead of it waits at
+        least for the batches ahead to be drawn at the pace the lane was drawn at while behind,
+        then its own batch's run.
         """
         if (batch_s := self.batch_s(lane)) is None:
             return None
@@ -130,7 +162,14 @@ class Intake:
             if urgent_traffic and fills(policy, self.ahead(Lane.NORMAL), dispatcher.max_in_flight, self.refusing()):
                 workers += dispatcher.urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
         rounds = (batches + running) // workers + 1
-        return policy.lane(lane).window_s + rounds * batch_s
+        wait = policy.lane(lane).window_s + rounds * batch_s
+        behind = lane is Lane.NORMAL and self.ahead(Lane.NORMAL) >= normal
+        if behind and (rate := self.drain_rate()) is not None:
+            # behind, the queue drains at the pace measured: the batches' run times and the
+            # seats' count above leave out what else takes the device threads' turns (urgent
+            # batches run in a normal batch's seat, the event loop's turn between two batches)
+            wait = max(wait, math.ceil((self.ahead(Lane.NORMAL) + 1) / normal) * normal / rate + batch_s)
+        return wait
 
     def seats_held(self) -> bool:
         return self._reserved[Lane.URGENT] > 0 or self._reserved[Lane.NORMAL] > 0 or self._arriving > 0

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.admission import MAX_URGENT_SHARE, Decaying, DecodeBacklog
+from app.admission import MAX_URGENT_SHARE, DecodeBacklog
 from app.batching import Lane
+from app.batching.moving import Decaying
 from tests.unit.fakes import FakeClock
 
 MS = 0.001
