@@ -21,7 +21,10 @@
 # (24, the normal lane's), CONCURRENCY (64), DURATION (6), WARMUP (2), URGENT_FRACTION (0.1), PORT
 # (8953: the first variant's; the next ones count up). RATE (requests/s) measures open loop at that
 # rate instead (Poisson arrivals, every request with a deadline of DEADLINE_MS, 1000): twice saturation
-# compares what variants answer under overload. Loopback only, bounded in time.
+# compares what variants answer under overload. FRESH=1 starts each variant's server anew for each
+# measurement and stops it after, so that every measurement meets a server's first load (its first
+# minute: memory still growing, estimates still settling), one server up at a time. Loopback only,
+# bounded in time.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -45,13 +48,13 @@ tree() {  # tree PID: the process and every process under it
 signal_others() {  # signal_others SIGNAL INDEX: every variant's processes but INDEX's (all with -1)
   local j
   for j in "${!pids[@]}"; do
-    if [ "$j" != "$2" ]; then kill "-$1" $(tree "${pids[$j]}") 2>/dev/null || true; fi
+    if [ "$j" != "$2" ] && [ -n "${pids[$j]}" ]; then kill "-$1" $(tree "${pids[$j]}") 2>/dev/null || true; fi
   done
 }
 stop_all() {
   signal_others CONT -1
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; fi; done
+  for pid in "${pids[@]}"; do if [ -n "$pid" ]; then wait "$pid" 2>/dev/null || true; fi; done
   cleanup
 }
 trap stop_all EXIT
@@ -62,12 +65,10 @@ export_model
 export AI_SERVICE_MODEL__REPOSITORY="$repo" AI_SERVICE_MODEL__NAMES="[\"$model\"]" AI_SERVICE_MODEL__DEFAULT="$model"
 export AI_SERVICE_BATCHING__NORMAL__MAX_BATCH="${MAX_BATCH:-24}"
 first_port=${PORT:-8953}
-labels=() ports=()
-for i in "${!variants[@]}"; do
-  variant=${variants[$i]}
-  label=${variant%%:*}
+start_variant() {  # start_variant INDEX [LOG_SUFFIX]: its server on its port, until it answers ready
+  local i=$1 variant=${variants[$1]} tree=$root rival="" rival_args="" assignment
+  local -a assignments extra
   read -ra assignments <<<"${variant#*:}"
-  tree=$root rival="" rival_args=""
   for assignment in "${assignments[@]}"; do
     case $assignment in
       SERVER_TREE=*) tree=${assignment#SERVER_TREE=} ;;
@@ -75,7 +76,7 @@ for i in "${!variants[@]}"; do
       RIVAL_ARGS=*) rival_args=${assignment#RIVAL_ARGS=} ;;
     esac
   done
-  port=$((first_port + i))
+  port=${ports[$i]}
   refuse_taken_port
   if [ -n "$rival" ]; then  # the same model served another way (app.bench.rivals)
     read -ra extra <<<"${rival_args//,/ }"
@@ -84,15 +85,28 @@ for i in "${!variants[@]}"; do
   else
     command=(-m app.cli serve --port "$port")
   fi
-  (cd "$tree" && exec env "${assignments[@]}" "$py" "${command[@]}") >"$out/server-$label.log" 2>&1 &
+  local log="$out/server-${labels[$i]}${2:-}.log"
+  (cd "$tree" && exec env "${assignments[@]}" "$py" "${command[@]}") >"$log" 2>&1 &
   server_pid=$!
-  pids+=("$server_pid")
+  pids[i]=$server_pid
   ready_path=/readyz
   if [ "$rival" = litserve ]; then ready_path=/health; fi
-  wait_ready "$out/server-$label.log"
-  labels+=("$label") ports+=("$port")
+  wait_ready "$log"
+  server_pid=""  # stop_all stops it
+}
+stop_variant() {  # stop_variant INDEX: its server ended (FRESH)
+  kill -TERM "${pids[$1]}" 2>/dev/null || true
+  wait "${pids[$1]}" 2>/dev/null || true
+  pids[$1]=""
+}
+labels=() ports=()
+for i in "${!variants[@]}"; do
+  labels+=("${variants[$i]%%:*}") ports+=($((first_port + i)))
+  pids+=("")
 done
-server_pid=""  # stop_all stops them all
+if [ -z "${FRESH:-}" ]; then
+  for i in "${!variants[@]}"; do start_variant "$i"; done
+fi
 if [ -n "${RATE:-}" ]; then
   load=(--rate "$RATE" --deadline-ms "${DEADLINE_MS:-1000}")
 else
@@ -108,11 +122,15 @@ for round in $(seq 1 "$rounds"); do
   fi
   for i in "${order[@]}"; do
     report="$out/${labels[$i]}-$round.json"
-    signal_others STOP "$i"  # the others frozen while one is measured: an idle server may poll
+    if [ -n "${FRESH:-}" ]; then
+      start_variant "$i" "-$round"  # a new server for each measurement, the only one up
+    else
+      signal_others STOP "$i"  # the others frozen while one is measured: an idle server may poll
+    fi
     "$py" -m app.cli bench --url "http://127.0.0.1:${ports[$i]}" --client raw --images "$images" \
       --server-pid "${pids[$i]}" --urgent-fraction "${URGENT_FRACTION:-0.1}" "${load[@]}" \
       --duration "${DURATION:-6}" --warmup "${WARMUP:-2}" --out "$report" >/dev/null
-    signal_others CONT "$i"
+    if [ -n "${FRESH:-}" ]; then stop_variant "$i"; else signal_others CONT "$i"; fi
     reports+=("${labels[$i]}=$report")
   done
   "$py" -m app.bench.alternate round "$round" "$(IFS=,; echo "${labels[*]}")" "${reports[@]}"

@@ -31,6 +31,7 @@ LATENCIES = (
     ("normal", "p99_ms"),
     ("refused", "p99_ms"),
 )
+EXPIRED = "503:deadline_exceeded"  # the error a request admitted and not answered in time gets
 
 
 def _latency(report: Report, lane: str, percentile: str) -> float | None:
@@ -49,6 +50,14 @@ def _in_time(report: Report) -> tuple[float, float] | None:
     return in_time / report["measured_s"], in_time / report["sent_in_window"]
 
 
+def _expired(report: Report) -> int | None:
+    """Open loop with deadlines: the requests admitted and then answered 503 ``deadline_exceeded``
+    (work taken on and not done in time); None in closed loop."""
+    if report.get("deadline_ms") is None:
+        return None
+    return int(report.get("errors", {}).get(EXPIRED, 0))
+
+
 def round_line(round_: int, runs: Sequence[tuple[str, Report]]) -> str:
     """One round: each variant's throughput, its share of the first's, its CPU a request, and
     its urgent p99 where the round had urgent answers."""
@@ -57,6 +66,8 @@ def round_line(round_: int, runs: Sequence[tuple[str, Report]]) -> str:
     for label, report in runs:
         rps = report["throughput_rps"]
         part = f"{label} {rps:.1f}/s ({rps / base:.3f}; {report['cpu']['server_ms_per_request']:.2f} ms CPU a request"
+        if (expired := _expired(report)) is not None:
+            part += f"; {expired} expired"
         urgent = _latency(report, "urgent", "p99_ms")
         parts.append(part + (f"; urgent p99 {urgent:.1f} ms)" if urgent is not None else ")"))
     return f"round {round_}: " + ", ".join(parts)
@@ -91,6 +102,9 @@ def summarize(reports: dict[str, list[Report]]) -> tuple[dict[str, Any], list[st
         if in_time:
             summary[label]["in_time_per_s"] = [round(rate, 2) for rate, _ in in_time]
             summary[label]["in_time_share"] = [round(share, 4) for _, share in in_time]
+        expired = [count for r in runs if (count := _expired(r)) is not None]
+        if expired:
+            summary[label]["expired"] = expired
         lines.append(
             f"{label}: median {statistics.median(rps[label]):.1f} requests/s; against {base} in the same round: "
             f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
@@ -100,6 +114,11 @@ def summarize(reports: dict[str, list[Report]]) -> tuple[dict[str, Any], list[st
             lines.append(
                 f"  {label} answered within the deadline: median {statistics.median(r for r, _ in in_time):.1f}/s, "
                 f"{statistics.median(s for _, s in in_time):.3f} of the requests sent"
+            )
+        if expired:
+            lines.append(
+                f"  {label} admitted and expired ({EXPIRED}): {', '.join(map(str, expired))} a round, "
+                f"{sum(expired)} in all"
             )
         if latency:
             said = "; ".join(

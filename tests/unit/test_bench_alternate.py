@@ -92,3 +92,22 @@ def test_open_loop_counts_the_answers_within_their_deadline_a_second_and_of_what
     assert "  queues answered within the deadline: median 25.0/s, 0.031 of the requests sent" in lines
     closed, closed_lines = summarize({"closed": [report(100, 4.0)]})
     assert "in_time_per_s" not in closed["closed"] and not any("deadline" in line for line in closed_lines)
+
+
+def test_open_loop_counts_the_admitted_requests_that_expired_each_round() -> None:
+    """Work taken on and not done in time (503 ``deadline_exceeded``) is what an admission change is
+    judged by, beside the answers: each round's line and the summary give it; closed loop has none."""
+
+    def open_loop(rps: float, expired: int) -> dict[str, Any]:
+        errors = {"503:would_miss_deadline": 900, "503:deadline_exceeded": expired} if expired else {}
+        extra = {"deadline_ms": 1000.0, "ok": 10, "ok_past_deadline": 0, "sent_in_window": 20, "measured_s": 1.0}
+        return {**report(rps, 4.0), **extra, "errors": errors}
+
+    summary, lines = summarize({"old": [open_loop(350, 254), open_loop(360, 0)], "new": [open_loop(340, 0)] * 2})
+    assert summary["old"]["expired"] == [254, 0] and summary["new"]["expired"] == [0, 0]
+    assert "  old admitted and expired (503:deadline_exceeded): 254, 0 a round, 254 in all" in lines
+    line = round_line(1, [("old", open_loop(350, 254)), ("new", open_loop(340, 0))])
+    assert "(1.000; 4.00 ms CPU a request; 254 expired)" in line and "(0.971; 4.00 ms CPU a request; 0 expired)" in line
+    closed, closed_lines = summarize({"closed": [report(100, 4.0)]})
+    assert "expired" not in closed["closed"] and not any("expired" in text for text in closed_lines)
+    assert "expired" not in round_line(1, [("closed", report(100, 4.0))])

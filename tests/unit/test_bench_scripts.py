@@ -159,19 +159,12 @@ def _alternate_tree(tmp_path: Path, **extra: str) -> tuple[Path, Path, Path, dic
     return tree, log, pids, env
 
 
-def test_bench_alternate_serves_a_rival_and_stops_the_other_servers_while_one_is_measured(tmp_path: Path) -> None:
-    """Every other variant's processes (its children too) are stopped while one is measured, then
-    continued; a rival is started with its options and waited for on its own ready path; nothing
-    is left running after."""
-    tree, log, pids, env = _alternate_tree(tmp_path)
+def _alternate(tmp_path: Path, variants: str, **extra: str) -> tuple[str, list[str]]:
+    """bench_alternate.sh run for two rounds with stand-in servers, to its end: the calls' log and
+    the pids of the servers it started."""
+    tree, log, pids, env = _alternate_tree(tmp_path, **extra)
     done = subprocess.run(
-        [
-            "bash",
-            str(tree / "scripts" / "bench_alternate.sh"),
-            str(tmp_path / "out"),
-            "2",
-            "ours:X=1;lit:RIVAL=litserve RIVAL_ARGS=--workers=2,--fast-queue",
-        ],
+        ["bash", str(tree / "scripts" / "bench_alternate.sh"), str(tmp_path / "out"), "2", variants],
         env=env,
         cwd=tree,
         capture_output=True,
@@ -181,7 +174,14 @@ def test_bench_alternate_serves_a_rival_and_stops_the_other_servers_while_one_is
     )
     calls = log.read_text()
     assert done.returncode == 0, done.stderr + calls
-    servers = pids.read_text().split()
+    return calls, pids.read_text().split()
+
+
+def test_bench_alternate_serves_a_rival_and_stops_the_other_servers_while_one_is_measured(tmp_path: Path) -> None:
+    """Every other variant's processes (its children too) are stopped while one is measured, then
+    continued; a rival is started with its options and waited for on its own ready path; nothing
+    is left running after."""
+    calls, servers = _alternate(tmp_path, "ours:X=1;lit:RIVAL=litserve RIVAL_ARGS=--workers=2,--fast-queue")
     assert len(servers) == 2, calls
     rival = next(line for line in calls.splitlines() if line.startswith("rival "))
     assert "litserve --repository" in rival and rival.endswith("--workers=2 --fast-queue") and "--max-batch 24" in rival
@@ -191,6 +191,25 @@ def test_bench_alternate_serves_a_rival_and_stops_the_other_servers_while_one_is
         assert state.startswith("T") == (server != measured), calls
     for process in (int(p) for _, _, _, _, p, _ in seen):
         assert _state(process) in (None, "Z"), process  # gone, or ended and not yet collected
+
+
+def test_bench_alternate_fresh_starts_a_new_server_for_each_measurement_the_only_one_up(tmp_path: Path) -> None:
+    """FRESH=1: every measurement meets a server started for it (a server's first minute is what
+    the fresh runs judge), stopped after it; none of the others is up meanwhile, each server's log
+    is its own, and nothing is left running."""
+    calls, servers = _alternate(tmp_path, "old:X=1;new:X=2", FRESH="1")
+    assert len(servers) == 2 * 2, calls  # 2 rounds x 2 variants, each a server of its own
+    assert calls.count("serve -m app.cli serve") == 4
+    measured = [line.split() for line in calls.splitlines() if line.startswith("bench ")]
+    assert {int(m[1]) for m in measured} == {int(pid) for pid in servers}, "each measurement on its own server"
+    for _, server_measured, _, server, _, *state in measured:
+        if server != server_measured:  # any other server is gone by then (or never started yet)
+            assert not state or state[0].startswith("Z"), calls
+    for label in ("old", "new"):
+        for round_ in (1, 2):
+            assert (tmp_path / "out" / f"server-{label}-{round_}.log").exists()
+    for process in (int(p) for p in servers):
+        assert _state(process) in (None, "Z"), process
 
 
 def _free_port_pair() -> int:
