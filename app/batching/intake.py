@@ -80,6 +80,7 @@ class Intake:
         self._drawn = Decaying(DRAIN_MEMORY_S, clock.now)
         self._between = Decaying(DRAIN_MEMORY_S, clock.now)
         self._behind_at: float | None = None  # the last take that left a full batch behind
+        self._timed_at: float | None = None  # the last take timed
 
     def _idle(self, lane: Lane) -> bool:
         """Nothing admitted ahead of a request in ``lane`` and nothing running where it would:
@@ -113,7 +114,7 @@ class Intake:
         self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
         self._drawn = Decaying(DRAIN_MEMORY_S, self._clock.now)
         self._between = Decaying(DRAIN_MEMORY_S, self._clock.now)
-        self._behind_at = None
+        self._behind_at = self._timed_at = None
 
     def took_normal(self, taken: int) -> None:
         """``taken`` normal requests left the queue for a batch (of either lane). Timed from the
@@ -123,12 +124,18 @@ class Intake:
         if self._behind_at is not None:
             self._drawn.add(taken)
             self._between.add(now - self._behind_at)
+            self._timed_at = now
         behind = self.ahead(Lane.NORMAL) >= self._dispatcher.effective_policy().normal.max_batch
         self._behind_at = now if behind else None
 
     def drain_rate(self) -> float | None:
         """Normal requests a second the batches drew from the normal queue while it was behind,
-        over about the last ``DRAIN_MEMORY_S``; None until measured."""
+        over about the last ``DRAIN_MEMORY_S``; None until measured, and once no take has been
+        timed for ``DRAIN_MEMORY_S``. A pace measured in a stall (a collection, a reload) would
+        otherwise price every request with a full batch ahead out of its deadline for good:
+        admission would keep the queue under a full batch, and no take would be timed again."""
+        if self._timed_at is None or self._clock.now() - self._timed_at > DRAIN_MEMORY_S:
+            return None
         drawn, between = self._drawn.mean(), self._between.mean()
         if drawn is None or between is None or between <= 0:
             return None

@@ -108,9 +108,35 @@ async def test_the_drain_rate_is_measured_only_while_the_lane_is_behind() -> Non
     clock.t += 0.1
     intake.took_normal(8)  # timed: the take before left a full batch behind
     assert intake.drain_rate() == pytest.approx(80.0)
-    clock.t += 5.0
+    clock.t += 1.0
     intake.took_normal(1)  # not timed: the lane was no longer behind after the take before
     assert intake.drain_rate() == pytest.approx(80.0)
+    clock.t += DRAIN_MEMORY_S
+    assert intake.drain_rate() is None, "no take timed for DRAIN_MEMORY_S: the pace is no longer known"
+    await batcher.close(0)
+
+
+async def test_a_pace_measured_in_a_stall_does_not_keep_the_queue_short_for_good() -> None:
+    """One take timed across a 3 s stall reads 8 requests in 3 s. Priced at that pace, any request with
+    a full batch ahead misses a 1 s deadline, so admission keeps the queue under a full batch and no
+    take is timed again: the stale pace must lapse, or the lane stays short for good."""
+    clock = FakeClock()
+    batcher = started(clock)
+    intake = batcher.intake
+    for _ in range(50):  # full batches of 8 in about 100 ms each
+        intake.observe_batch(Lane.NORMAL, 0.1)
+    for _ in range(16):  # two full batches admitted ahead (decoding)
+        intake.admit(Lane.NORMAL, 60.0, reserve=True)
+    intake.took_normal(8)
+    clock.t += 3.0  # a stall
+    intake.took_normal(8)
+    assert intake.drain_rate() == pytest.approx(8 / 3.0)
+    with pytest.raises(WouldMissDeadline):  # priced at the stall's pace: 2 batches of 8 at 2.7 a second
+        intake.admit(Lane.NORMAL, 1.0)
+    clock.t += DRAIN_MEMORY_S + 0.1  # nothing timed since: the queue never had a full batch left behind
+    intake.admit(Lane.NORMAL, 1.0)  # the seats' count again: 25 ms + a few rounds of 100 ms
+    for _ in range(16):
+        intake.release(Lane.NORMAL)
     await batcher.close(0)
 
 
@@ -125,7 +151,7 @@ async def _rate_after(takes: list[tuple[float, int]]) -> tuple[float | None, flo
         clock.t += gap
         intake.took_normal(taken)
     rate = intake.drain_rate()
-    clock.t += 100 * DRAIN_MEMORY_S
+    clock.t += DRAIN_MEMORY_S / 2  # a pause inside the memory changes nothing
     later = intake.drain_rate()
     for _ in range(8):
         intake.release(Lane.NORMAL)
@@ -139,4 +165,4 @@ def test_the_drain_rate_lies_within_the_paces_it_saw(takes: list[tuple[float, in
     rate, later = asyncio.run(_rate_after(takes))
     paces = [taken / gap for gap, taken in takes]
     assert rate is not None and min(paces) * (1 - 1e-9) <= rate <= max(paces) * (1 + 1e-9)
-    assert later == pytest.approx(rate), "a pause forgets nothing: the next samples weigh the most"
+    assert later == pytest.approx(rate), "a short pause forgets nothing: the next samples weigh the most"
