@@ -93,7 +93,7 @@ import sys
 from pathlib import Path
 
 from app.bench.loadgen.scrape import lag_line
-from app.bench.loadgen.summary import schedule_line
+from app.bench.loadgen.summary import expired, schedule_line
 from app.settings import BatchingSettings
 
 out = Path(sys.argv[1])
@@ -199,7 +199,6 @@ lines = [
 fresh_path = out / "overload_fresh.json"
 if fresh_path.exists():  # (vii): the same load, on a server that had served nothing
     fresh = json.loads(fresh_path.read_text())
-    expired = sum(count for code, count in fresh["errors"].items() if code.endswith(":deadline_exceeded"))
     lines += [
         "",
         f"### twice saturation on a fresh server: {fresh['rate_rps']} requests/s offered for "
@@ -209,7 +208,7 @@ if fresh_path.exists():  # (vii): the same load, on a server that had served not
         f"**{fresh['throughput_rps'] / reference:.3f} of saturation** (the same mean), "
         f"mean batch {fresh['mean_batch_size']}",
         f"- answered later than their deadline (client clock): **{fresh['ok_past_deadline']}** of {fresh['ok']}; "
-        f"admitted, then expired before being computed (503 deadline_exceeded): **{expired}**",
+        f"admitted, then expired before being computed (503 deadline_exceeded): **{expired(fresh)}**",
         f"- refused: {errors_of(fresh)}",
         memory_line(fresh),
         lag_line(fresh.get("server_loop_lag")),

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from app.batching.clock import Clock
-from app.batching.moving import Decaying
+from app.batching.moving import Pace
 from app.batching.observer import BatchObserver
 from app.batching.policy import BatchPolicy, Lane, fills
 from app.errors import DeadlineExceeded, Draining, QueueFull, WouldMissDeadline
@@ -76,11 +76,9 @@ class Intake:
         self._batch_s: dict[Lane, float | None] = {Lane.URGENT: None, Lane.NORMAL: None}
         self._refused_at: float | None = None  # the normal lane's last refusal with requests ahead
         # the normal lane's drain while it is behind (a full batch left after each take): the
-        # requests each take drew from it, and the seconds since the take before
-        self._drawn = Decaying(DRAIN_MEMORY_S, clock.now)
-        self._between = Decaying(DRAIN_MEMORY_S, clock.now)
+        # requests each take drew from it over the seconds since the take before
+        self._drain = Pace(DRAIN_MEMORY_S, clock.now)
         self._behind_at: float | None = None  # the last take that left a full batch behind
-        self._timed_at: float | None = None  # the last take timed
 
     def _idle(self, lane: Lane) -> bool:
         """Nothing admitted ahead of a request in ``lane`` and nothing running where it would:
@@ -112,9 +110,8 @@ class Intake:
     def forget_batches(self) -> None:
         """Another model runs the batches now: the estimates start again, from its batches."""
         self._batch_s = {Lane.URGENT: None, Lane.NORMAL: None}
-        self._drawn = Decaying(DRAIN_MEMORY_S, self._clock.now)
-        self._between = Decaying(DRAIN_MEMORY_S, self._clock.now)
-        self._behind_at = self._timed_at = None
+        self._drain = Pace(DRAIN_MEMORY_S, self._clock.now)
+        self._behind_at = None
 
     def took_normal(self, taken: int) -> None:
         """``taken`` normal requests left the queue for a batch (of either lane). Timed from the
@@ -122,9 +119,7 @@ class Intake:
         the pace it drained at was the service's, not the clients'."""
         now = self._clock.now()
         if self._behind_at is not None:
-            self._drawn.add(taken)
-            self._between.add(now - self._behind_at)
-            self._timed_at = now
+            self._drain.add(taken, now - self._behind_at)
         behind = self.ahead(Lane.NORMAL) >= self._dispatcher.effective_policy().normal.max_batch
         self._behind_at = now if behind else None
 
@@ -134,12 +129,7 @@ class Intake:
         timed for ``DRAIN_MEMORY_S``. A pace measured in a stall (a collection, a reload) would
         otherwise price every request with a full batch ahead out of its deadline for good:
         admission would keep the queue under a full batch, and no take would be timed again."""
-        if self._timed_at is None or self._clock.now() - self._timed_at > DRAIN_MEMORY_S:
-            return None
-        drawn, between = self._drawn.mean(), self._between.mean()
-        if drawn is None or between is None or between <= 0:
-            return None
-        return drawn / between
+        return self._drain.rate()
 
     def predicted_wait(self, lane: Lane) -> float | None:
         """Seconds until a request submitted now to ``lane`` would be answered, if known.

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from app.bench.loadgen.summary import EXPIRED, expired
+
 Report = dict[str, Any]
 
 # (lane, percentile) pairs summed up per variant: the urgent lane's tail, the normal lane's middle
@@ -31,7 +33,6 @@ LATENCIES = (
     ("normal", "p99_ms"),
     ("refused", "p99_ms"),
 )
-EXPIRED = "503:deadline_exceeded"  # the error a request admitted and not answered in time gets
 
 
 def _latency(report: Report, lane: str, percentile: str) -> float | None:
@@ -53,9 +54,7 @@ def _in_time(report: Report) -> tuple[float, float] | None:
 def _expired(report: Report) -> int | None:
     """Open loop with deadlines: the requests admitted and then answered 503 ``deadline_exceeded``
     (work taken on and not done in time); None in closed loop."""
-    if report.get("deadline_ms") is None:
-        return None
-    return int(report.get("errors", {}).get(EXPIRED, 0))
+    return None if report.get("deadline_ms") is None else expired(report)
 
 
 def round_line(round_: int, runs: Sequence[tuple[str, Report]]) -> str:

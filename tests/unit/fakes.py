@@ -97,3 +97,19 @@ class FakeRunner:
             raise error
         outputs = [p * 2 for p in payloads]
         return outputs[:-1] if self.short else outputs
+
+
+class TimedRunner:
+    """Each batch takes ``batch_s`` of fake time on ``clock``; payloads are (lane, id) pairs, each
+    answered with its id; records its batches."""
+
+    def __init__(self, clock: FakeClock, batch_s: float) -> None:
+        self.clock, self.batch_s = clock, batch_s
+        self.batches: list[list[tuple[object, int]]] = []
+
+    async def __call__(self, payloads: Sequence[tuple[object, int]]) -> list[int]:
+        self.batches.append(list(payloads))
+        done = asyncio.Event()
+        self.clock.call_at(self.clock.now() + self.batch_s, done.set)
+        await done.wait()
+        return [i for _, i in payloads]

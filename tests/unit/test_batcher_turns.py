@@ -5,27 +5,12 @@ riders off later urgent batches, and a lowered ceiling left a now-full batch for
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.errors import DeadlineExceeded
-from tests.unit.fakes import FakeClock, FakeRunner, settle
+from tests.unit.fakes import FakeClock, FakeRunner, TimedRunner, settle
 
 MS = 0.001
-
-
-class TimedRunner:
-    """Each batch takes ``batch_s`` of fake time."""
-
-    def __init__(self, clock: FakeClock, batch_s: float) -> None:
-        self.clock, self.batch_s, self.batches = clock, batch_s, []
-
-    async def __call__(self, payloads: Sequence[tuple[Lane, int]]) -> list[int]:
-        self.batches.append(list(payloads))
-        done = asyncio.Event()
-        self.clock.call_at(self.clock.now() + self.batch_s, done.set)
-        await done.wait()
-        return [i for _, i in payloads]
 
 
 async def test_normal_requests_are_served_under_constant_urgent_traffic() -> None:

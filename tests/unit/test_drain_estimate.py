@@ -12,7 +12,6 @@ seat count gives it while urgent batches may take riders.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -21,31 +20,15 @@ from hypothesis import strategies as st
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy, UrgentFill
 from app.batching.intake import DRAIN_MEMORY_S
 from app.errors import DeadlineExceeded, QueueFull, WouldMissDeadline
-from tests.unit.fakes import FakeClock, FakeRunner
+from tests.unit.fakes import FakeClock, FakeRunner, TimedRunner
 
 MS = 0.001
 BATCH_S = 0.1
 
 
-class TimedRunner:
-    """Every batch, of any size, takes ``BATCH_S`` of fake time."""
-
-    def __init__(self, clock: FakeClock) -> None:
-        self.clock = clock
-        self.sizes: dict[Lane, list[int]] = {Lane.URGENT: [], Lane.NORMAL: []}
-
-    async def __call__(self, payloads: Sequence[tuple[Lane, int]]) -> list[int]:
-        for lane, _ in payloads:
-            self.sizes[lane].append(1)
-        done = asyncio.Event()
-        self.clock.call_at(self.clock.now() + BATCH_S, done.set)
-        await done.wait()
-        return [i for _, i in payloads]
-
-
 async def test_admitted_requests_meet_their_deadline_when_urgent_batches_hold_a_seat() -> None:
     clock = FakeClock()
-    runner = TimedRunner(clock)
+    runner = TimedRunner(clock, BATCH_S)
     policy = BatchPolicy(
         LanePolicy(2 * MS, 4, 256), LanePolicy(25 * MS, 8, 4096), UrgentFill.BACKLOG, admission_headroom=0.8
     )

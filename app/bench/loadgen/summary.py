@@ -27,6 +27,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(1, min(len(ordered), rank)) - 1]
 
 
+EXPIRED = "503:deadline_exceeded"  # what a request admitted and not computed by its deadline is answered
+
+
+def expired(report: dict[str, Any]) -> int:
+    """The requests a report's service admitted and then answered 503 ``deadline_exceeded``: work
+    taken on and not done in time (a refusal at admission is ``would_miss_deadline``)."""
+    return int(report.get("errors", {}).get(EXPIRED, 0))
+
+
 LAG_WARNING_MS = 5.0  # open loop: a p99 send lag above this is the client's own delay, not the server's
 
 
