@@ -197,6 +197,9 @@ def create_app(
         # turns on wherever global OpenTelemetry providers are set (opentelemetry-instrument,
         # FASTAPI_OTEL_AUTO_CONFIGURE): it would trace with the exporter off, on the hot path
         telemetry={"tracing": False, "metrics": False, "logs": False, "auto_configure": False},
+        # a path with a slash too many is a 404 in the envelope, not a 307 whose Location is built
+        # from the request's Host header and which sends a client's body a second time
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.metrics = metrics

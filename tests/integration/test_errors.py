@@ -165,6 +165,9 @@ CASES = [
     Case("unknown_model", 404, "model_not_found", PNG, "image/png", path="/v1/models/nope/predict"),
     Case("unknown_model_json", 404, "model_not_found", _image_json(PNG), JSON, path="/v1/models/Digits/predict"),
     Case("unknown_route", 404, "not_found", PNG, "image/png", path="/v2/predict"),
+    Case("trailing_slash", 404, "not_found", PNG, "image/png", path="/predict/"),
+    Case("trailing_slash_named", 404, "not_found", PNG, "image/png", path=f"/v1/models/{MODEL_NAME}/predict/"),
+    Case("trailing_slash_get", 404, "not_found", None, None, method="GET", path="/healthz/"),
     Case("wrong_method", 405, "method_not_allowed", None, None, method="GET"),
 ]
 
@@ -198,6 +201,7 @@ async def test_bad_request_gets_its_envelope_and_the_next_one_succeeds(running: 
     assert isinstance(body["message"], str) and body["message"]
     assert body["request_id"] == request_id
     assert response.headers["x-request-id"] == request_id
+    assert "location" not in response.headers  # no redirect (a trailing slash included)
     # 4xx messages are for the client: no stack traces, no server paths
     assert "Traceback" not in response.text and "/work/" not in response.text
 
