@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 from app.batching.ceiling import Ceiling
-from app.batching.clock import Clock, MonotonicClock
+from app.batching.clock import TIMER_RESOLUTION_S, Clock, MonotonicClock
 from app.batching.execution import BATCH_RAN_PAST, Execution, Runner
 from app.batching.intake import Intake
 from app.batching.observer import BatchObserver, NullObserver
@@ -30,8 +30,6 @@ from app.errors import DeadlineExceeded, Draining
 
 P = TypeVar("P")
 R = TypeVar("R")
-
-TIMER_RESOLUTION_S = 0.001  # uvloop's timers count whole milliseconds
 
 
 class DualWindowBatcher(Generic[P, R]):

@@ -3,7 +3,8 @@
 A batch that ran out of device memory caps every lane's batches below its size. Only batches
 full at the cap show that the cap fits (small ones prove nothing, and a larger one was formed
 before the cap: the batch that failed, once its halves ran), and after ``recovery_batches``
-of them the cap doubles, until it reaches the policy's own sizes.
+of them the cap doubles, until it reaches the policy's own sizes. A policy lowered under the
+cap for a while does not lift it: its batches prove nothing of the sizes that failed.
 """
 
 from __future__ import annotations
@@ -38,12 +39,9 @@ class Ceiling:
 
     def calm(self, size: int, policy: BatchPolicy) -> None:
         """A batch of ``size`` ran without failing."""
-        if self.value is None:
-            return
-        if self.value >= policy.largest_batch:  # the policy's own sizes went under it since: it caps nothing
-            self.value, self._calm = None, 0
-            return
-        if size != self.value:
+        # a policy lowered under the ceiling leaves it as it is: the pressure is the device's, and
+        # batches smaller than the cap say nothing of it, so a policy set back meets the cap again
+        if self.value is None or size != self.value:
             return
         self._calm += 1
         if self._calm >= self.recovery_batches:

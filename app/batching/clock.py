@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+TIMER_RESOLUTION_S = 0.001  # uvloop's timers count whole milliseconds, and run up to one early
+
 
 class Timer(Protocol):
     def cancel(self) -> None: ...

@@ -473,10 +473,15 @@ async def test_the_cpu_fallback_is_not_held_under_the_old_devices_ceiling() -> N
     await batcher.close(0)
 
 
-async def test_a_ceiling_above_every_lanes_max_batch_is_lifted() -> None:
+async def test_a_ceiling_outlives_a_policy_under_it_and_caps_the_policy_set_back() -> None:
+    """Lowering max_batch is what the runbook says to do when batches fail; batches under the cap
+    prove nothing of the size that failed, so the policy set back meets the cap, not the failure."""
     batcher, clock, runner, _ = make(max_batch=16)
     batcher.lower_ceiling(16)  # capped at 8
     batcher.set_policy(BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64)))  # both under it now
-    await run_one_timed_batch(batcher, clock, runner)  # batches of 4 never fill a cap of 8: it stayed for ever
-    assert batcher.ceiling is None
+    await run_one_timed_batch(batcher, clock, runner)
+    assert batcher.ceiling == 8
+    assert batcher.effective_policy().normal.max_batch == 4
+    batcher.set_policy(BatchPolicy(LanePolicy(2 * MS, 16, 64), LanePolicy(25 * MS, 16, 64)))
+    assert batcher.effective_policy().normal.max_batch == batcher.effective_policy().urgent.max_batch == 8
     await batcher.close(0)
