@@ -99,8 +99,10 @@ class ClosingProtocol(HttpToolsProtocol):
     _linger: asyncio.TimerHandle | None = None
     _completed: RequestResponseCycle | None = None  # the last request whose bytes all arrived
     _in_head = False  # between a request's first byte and the end of its headers
-    _head_bytes = 0  # bytes received while in a head (an overcount by at most one read)
+    _head_bytes = 0  # bytes received while in a head (short by at most the read it began in)
     _head_size = 0  # the head's own bytes, as parsed
+    _head_began = False  # a head began in the read being parsed: its own bytes of that read count
+    _head_id: str | None = None  # the client's X-Request-ID in a head refused before it was whole
     _head_timer: asyncio.TimerHandle | None = None
     _upgrade_body_left = 0  # body bytes still due to a request whose Upgrade header is ignored
     _body_timer: asyncio.TimerHandle | None = None  # bounds the body of a request answered before it came
@@ -141,7 +143,7 @@ class ClosingProtocol(HttpToolsProtocol):
         self.scope["state"][ARRIVED] = time.perf_counter()  # the request's clock (and deadline) start here
         self.scope["state"][ENDS] = self._ends
         self._receiving = True
-        self._in_head, self._head_bytes, self._head_size = True, 0, 0
+        self._in_head, self._head_bytes, self._head_size, self._head_began = True, 0, 0, True
         self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
@@ -199,7 +201,13 @@ class ClosingProtocol(HttpToolsProtocol):
         before it are, then the connection closes; nothing more is read from it."""
         if not self._invalid:
             self._invalid_answer = (status, code, message)
+            self._head_id = self._head_request_id()
             self._stop_reading(None)
+
+    def _head_request_id(self) -> str:
+        """The id of the request whose head is refused: its X-Request-ID, if that header came
+        before the head was cut off (the headers parsed so far are in its scope), else a fresh one."""
+        return request_id_from(cast("dict[str, Any]", self.scope))
 
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
@@ -246,6 +254,7 @@ class ClosingProtocol(HttpToolsProtocol):
             data = self._upgrade_body(data)
             if not data:
                 return
+        self._head_began = False
         try:
             self._unset_keepalive_if_required()
             self.parser.feed_data(data)
@@ -253,7 +262,8 @@ class ClosingProtocol(HttpToolsProtocol):
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
             else:
-                self._ignore_upgrade(data[exc.args[0] :])
+                self._ignore_upgrade(data[exc.args[0] :])  # what follows is read, and counted, there
+            return
         except httptools.HttpParserError:
             if self._invalid:  # refused already (a head too large): nothing more to say
                 return
@@ -261,7 +271,10 @@ class ClosingProtocol(HttpToolsProtocol):
             self.send_400_response("Invalid HTTP request received.")
             return
         if self._in_head and not self._invalid:
-            self._head_bytes += len(data)
+            # a head that began in this read counts its own bytes of it, not the request's body
+            # before it (pipelined); one that goes on from an earlier read, the whole read: a head
+            # line not yet whole is not parsed, and a bound of one read over is what that costs
+            self._head_bytes += self._head_size if self._head_began else len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 message = f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
                 self._refuse_head(431, "headers_too_large", message)
@@ -314,6 +327,8 @@ class ClosingProtocol(HttpToolsProtocol):
         # its body is what broke (a request answered before its body came, refused at the edge or
         # by the app, keeps ``more_body`` though its body is whole: ``_completed`` tells)
         cycle = self.cycle
+        if self._in_head:  # a head that breaks
+            self._head_id = self._head_request_id()
         self._stop_reading(cycle if cycle is not None and cycle.more_body and cycle is not self._completed else None)
 
     def _stop_reading(self, broken: RequestResponseCycle | None) -> None:
@@ -344,7 +359,9 @@ class ClosingProtocol(HttpToolsProtocol):
         broken = self._broken
         scope = cast("dict[str, Any] | None", broken.scope if broken is not None else None)
         state: dict[str, Any] = scope.setdefault("state", {}) if scope is not None else {}
-        request_id = state.get("request_id") or (request_id_from(scope) if scope is not None else new_request_id())
+        request_id = state.get("request_id") or (
+            request_id_from(scope) if scope is not None else (self._head_id or new_request_id())
+        )
         served = broken is not None and broken is self._started  # its app task runs: it counts the answer
         status, code, message = self._invalid_answer
         if served:

@@ -98,8 +98,8 @@ def body_limit(content_type: str, max_image_bytes: int, max_json_bytes: int) -> 
 
 def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int) -> None:
     """What a prediction's headers alone say is wrong with its body, before it is admitted or
-    read: a Content-Type or a Content-Encoding not taken (415), a declared Content-Length past its limit (413). No
-    retry mends either, so neither may hide behind a 503 with a Retry-After."""
+    read: a Content-Type or a Content-Encoding not taken (415), a declared Content-Length past its limit (413)
+    or of 0 (400). No retry mends these, so none may hide behind a 503 with a Retry-After."""
     content_type: str | None = None
     length: str | None = None
     for key, value in scope["headers"]:
@@ -112,16 +112,23 @@ def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int)
             raise UnsupportedMediaType(
                 f"Content-Encoding {value.decode('latin-1').strip()} is not taken: send the body unencoded"
             )
-    limit, code = body_limit(media_type(content_type or ""), max_image_bytes, max_json_bytes)
+    kind = media_type(content_type or "")
+    limit, code = body_limit(kind, max_image_bytes, max_json_bytes)
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"body is {length} bytes; the limit is {limit}", code=code)
+    if length is not None and length.isdigit() and int(length) == 0:
+        image_body(kind, b"", max_image_bytes)  # an empty body: the 400 that reading it would give
 
 
 async def read_image_body(request: Request, max_image_bytes: int, max_json_bytes: int) -> ImageBody:
     """The image (and top_k) from a JSON body or from raw image bytes, by Content-Type."""
     content_type = media_type(request.headers.get("content-type", ""))
     limit, code = body_limit(content_type, max_image_bytes, max_json_bytes)
-    raw = await read_limited(request, limit, code)
+    return image_body(content_type, await read_limited(request, limit, code), max_image_bytes)
+
+
+def image_body(content_type: str, raw: bytes, max_image_bytes: int) -> ImageBody:
+    """The image (and top_k) in a body of ``content_type`` read whole (400 for an empty one)."""
     if content_type != JSON_TYPE:
         if not raw:
             raise BadRequest("the body is empty", code="empty_body")

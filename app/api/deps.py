@@ -1,4 +1,4 @@
-"""The service from ``app.state`` (a dependency), and a prediction's headers, validated.
+"""The service from ``app.state`` (a dependency), and a prediction's headers and query, validated.
 
 Dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread, a
 thread hop per dependency per request for work that takes microseconds.
@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from starlette.datastructures import QueryParams
 from starlette.types import Scope
 
 from app.batching import Lane
@@ -96,3 +99,25 @@ def _timeout_s(header: str | None, default_ms: int, max_ms: int) -> float:
 
 
 Service = Annotated[InferenceService, Depends(get_service)]
+
+
+class _Query(BaseModel):
+    top_k: int | None = Field(default=None, ge=1)
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _digits(cls, value: object) -> object:
+        """Decimal digits only: Python's int() also reads "+3", " 3" and "1_0"."""
+        if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+            raise ValueError("must be a whole number written in digits")
+        return value
+
+
+def query_top_k(scope: Scope) -> int | None:
+    """``top_k`` from the query string, validated as FastAPI would (422 ``validation_error``)."""
+    if not scope.get("query_string"):
+        return None
+    try:
+        return _Query.model_validate(dict(QueryParams(scope["query_string"]))).top_k
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None

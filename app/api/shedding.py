@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import time
 
+from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import State
 from starlette.types import Scope
 
 from app.api.body import check_declared_body
-from app.api.deps import predict_headers
+from app.api.deps import predict_headers, query_top_k
 from app.api.middleware import ARRIVED
 from app.errors import ServiceError
 
@@ -34,8 +35,10 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     try:
         headers = predict_headers(scope, server)
         check_declared_body(scope, server.max_image_bytes, server.max_body_bytes)
-    except ServiceError:
-        return None  # a bad header, a body no retry mends: the route answers the 4xx, with its message
+        query_top_k(scope)
+    except (ServiceError, RequestValidationError):
+        # a bad header or query, a body no retry mends: the route answers the 4xx, with its message
+        return None
     # the deadline runs from the request's first byte (the route's clock, or the protocol's): one
     # that passed on the way (a head that came slowly, a place far down a pipeline) is refused as
     # such. Otherwise the predicted wait is weighed against the whole deadline, so that the answer

@@ -77,17 +77,25 @@ def _declared_only(port: int, head: bytes) -> tuple[int, dict[str, str], dict[st
 
 
 @pytest.mark.parametrize(
-    ("content_type", "length", "status", "code"),
-    [("text/plain", 12, 415, "unsupported_media_type"), ("image/png", 64 << 20, 413, "image_too_large")],
-    ids=["media-type", "declared-length"],
+    ("content_type", "length", "target", "status", "code"),
+    [
+        ("text/plain", 12, "/predict", 415, "unsupported_media_type"),
+        ("image/png", 64 << 20, "/predict", 413, "image_too_large"),
+        ("image/png", 0, "/predict", 400, "empty_body"),
+        ("application/json", 0, "/predict", 400, "invalid_json"),
+        ("image/png", 12, "/predict?top_k=abc", 422, "validation_error"),
+        ("image/png", 12, "/predict?top_k=0", 422, "validation_error"),
+    ],
+    ids=["media-type", "declared-length", "empty-image", "empty-json", "query-top-k-not-a-number", "query-top-k-0"],
 )
-def test_a_body_no_retry_mends_is_a_4xx_before_any_503(
-    server: ServerProcess, content_type: str, length: int, status: int, code: str
+def test_a_request_no_retry_mends_is_a_4xx_before_any_503(
+    server: ServerProcess, content_type: str, length: int, target: str, status: int, code: str
 ) -> None:
     # with a deadline admission refuses, the 503 (and its Retry-After) came first, and a client
-    # retried a request that could never succeed; the edge and the route check the headers first
+    # retried a request that could never succeed; the edge and the route check the request line
+    # and the headers first
     head = (
-        f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {length}\r\nX-Request-Timeout: 10\r\n\r\n"
     ).encode()
     answered_status, headers, body = _declared_only(server.port, head)

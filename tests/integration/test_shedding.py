@@ -60,9 +60,12 @@ async def test_a_full_lane_refuses_before_the_body_is_even_parsed(make_settings:
         }
         assert garbage.headers["Retry-After"] == "1" and garbage.headers["x-request-id"] == "shed-1"
         named = await running.client.post(
-            "/v1/models/digits/predict", content=b"", headers={"Content-Type": "image/png"}
+            "/v1/models/digits/predict", content=b"not a png", headers={"Content-Type": "image/png"}
         )
         assert named.status_code == 503 and named.json()["code"] == "queue_full"
+        # an empty body, declared so, no retry mends: its 400 comes first
+        empty = await running.client.post("/v1/models/digits/predict", headers={"Content-Type": "image/png"})
+        assert empty.status_code == 400 and empty.json()["code"] == "empty_body"
         assert shed_of(running, "/predict", (b"x-urgency", b"high")) is None, "the urgent lane has room of its own"
         # what the edge does not refuse still gets the route's answer
         unknown = await running.client.post(

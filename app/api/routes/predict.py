@@ -16,13 +16,11 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, Field, ValidationError, field_validator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.auth import check_api_key
 from app.api.body import OPENAPI_BODY, check_declared_body, read_image_body
-from app.api.deps import predict_headers
+from app.api.deps import predict_headers, query_top_k
 from app.api.disconnect import ClientClosed, unless_disconnected
 from app.api.errors import error_responses, service_error_response
 from app.api.openapi import PREDICT_PARAMETERS
@@ -42,28 +40,6 @@ _NAMED = re.compile(r"^/v1/models/([^/]+)/predict$")  # NAMED_PATH, matched as t
 
 _ERRORS = error_responses(400, 401, 403, 404, 413, 415, 422, 500, 503)
 _OPENAPI = {**OPENAPI_BODY, "parameters": PREDICT_PARAMETERS}
-
-
-class _Query(BaseModel):
-    top_k: int | None = Field(default=None, ge=1)
-
-    @field_validator("top_k", mode="before")
-    @classmethod
-    def _digits(cls, value: object) -> object:
-        """Decimal digits only: Python's int() also reads "+3", " 3" and "1_0"."""
-        if isinstance(value, str) and not (value.isascii() and value.isdigit()):
-            raise ValueError("must be a whole number written in digits")
-        return value
-
-
-def _query_top_k(request: Request) -> int | None:
-    """``top_k`` from the query string, validated as FastAPI would (422 ``validation_error``)."""
-    if not request.scope.get("query_string"):
-        return None
-    try:
-        return _Query.model_validate(dict(request.query_params)).top_k
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 
 
 def _response(outcome: Outcome, request_id: str, started: float) -> PredictResponse:
@@ -89,7 +65,7 @@ async def _predict(name: str | None, request: Request) -> Response:
     server = service.settings.server
     headers = predict_headers(request.scope, server)
     check_declared_body(request.scope, server.max_image_bytes, server.max_body_bytes)  # 415, 413: before any 503
-    query_top_k = _query_top_k(request)
+    top_k_asked = query_top_k(request.scope)
     state = request.scope["state"]
     # the version the edge's check drew (a canary is drawn once a request), else drawn now:
     # 404 / 503 before reading the body
@@ -112,7 +88,7 @@ async def _predict(name: str | None, request: Request) -> Response:
         served.batcher.observer.on_dropped(headers.lane, "cancelled")
         raise
     most = min(server.max_top_k, len(served.labels))
-    asked = body.top_k or query_top_k
+    asked = body.top_k or top_k_asked
     if asked is not None and asked > most:
         raise SchemaError(f"top_k must be at most {most} for this model")
     top_k = asked or min(server.default_top_k, most)  # a model of fewer classes: all of them
