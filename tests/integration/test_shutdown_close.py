@@ -9,6 +9,8 @@ request's headers, just after an answer, or with nothing pending.
 from __future__ import annotations
 
 import asyncio
+import errno
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app import connection as connection_module
+from app import listeners
 from app.batching import Lane
 from app.bench.rawhttp import read_response
 from app.connection import unread_bytes
@@ -337,3 +340,62 @@ async def test_predictions_sent_in_one_write_while_draining_are_each_refused_the
         assert await closed(reader)
         writer.close()
         assert running.reached == [], "each refused by the edge"
+
+
+async def test_clients_connecting_while_the_listeners_close_are_taken_or_refused_never_reset(
+    make_settings: SettingsFactory, quiet_s: Callable[[float], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients that keep connecting refilled the backlog during each sweep of it: those that came
+    during the last one were reset when the listener closed, often with their request sent."""
+    quiet_s(60.0)
+    late: list[socket.socket] = []
+    sweep = listeners._accept_now
+
+    def sweep_while_clients_connect(listener: socket.socket) -> list[socket.socket]:
+        taken = sweep(listener)
+        client = socket.socket()  # a client connecting during every sweep, as under steady traffic
+        client.setblocking(False)
+        client.connect_ex(listener.getsockname())
+        late.append(client)
+        return taken
+
+    monkeypatch.setattr(listeners, "_accept_now", sweep_while_clients_connect)
+    async with served(make_settings()) as running:
+        assert running.server is not None
+        await running.service.drain(1.0)
+        try:
+            taken = await close_listeners(running.server)
+            await asyncio.sleep(0.2)  # a reset from the close, if any, has reached its client
+            reset = [c for c in late if c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET]
+            assert not reset, f"{len(reset)} of {len(late)} connecting clients reset"
+            # the filter drops their SYNs: none completed a handshake, none was taken in a later sweep
+            assert taken == 0
+            _, writable, _ = select.select([], late, [], 0)
+            assert writable == [], "a handshake completed after the sweeps began"
+            shut_down(running)
+        finally:
+            for client in late:
+                client.close()
+
+
+def test_a_listener_refusing_handshakes_keeps_those_waiting_and_completes_no_new_one() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        waiting = socket.create_connection(listener.getsockname())  # completed before: it stays
+        listeners._refuse_handshakes(listener)
+        late = socket.socket()
+        late.setblocking(False)
+        try:
+            late.connect_ex(listener.getsockname())
+            _, writable, _ = select.select([], [late], [], 0.3)
+            assert writable == [], "its SYN reached the listener"
+            listener.setblocking(False)
+            accepted, _ = listener.accept()
+            with accepted:
+                waiting.sendall(b"ping")
+                accepted.setblocking(True)
+                assert accepted.recv(4) == b"ping", "a connection made before the filter does not carry it"
+            with pytest.raises(BlockingIOError):
+                listener.accept()
+        finally:
+            late.close()
+            waiting.close()
