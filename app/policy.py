@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -129,7 +130,9 @@ class PolicyManager:
         self._had_file = self._stamp is not None  # a file that goes away leaves the policy as it was
         self._lock = asyncio.Lock()  # one reload at a time: an older read never lands last
         self._wake = asyncio.Event()
-        self._changes = 0  # admin changes applied: one made while a reload reads the file is newer
+        # the admin changes applied while a reload reads the file (None: no reload reads it): newer
+        # than what the reload read, they go over it
+        self._during_read: list[dict[str, Any]] | None = None
         self._settling: FileStamp = None  # a change the watcher saw once: read if the next poll sees it too
         # the file's batching as written, to name the edits a variable overrides (blocking, as
         # the stamp's read: a small file, once, before serving)
@@ -142,7 +145,8 @@ class PolicyManager:
             batching = self._checked(_merge(self.current.model_dump(), patch), strict=True)
         except SettingsError as exc:
             raise SchemaError(f"policy refused, the old one stays: {exc}") from exc
-        self._changes += 1
+        if self._during_read is not None:
+            self._during_read.append(patch)
         self._set(batching, "admin API")
         return batching
 
@@ -154,41 +158,58 @@ class PolicyManager:
         An invalid file is logged and ignored, or with ``strict`` raised as ``SchemaError``.
         """
         async with self._lock:
-            changes = self._changes
-            stamp = await asyncio.to_thread(file_stamp, self.config_file)
+            self._during_read = []
             try:
-                if isinstance(stamp, str):  # its mode, say: as start-up would say
-                    raise SettingsError(f"config file {self.config_file} cannot be read: {stamp}")
-                if stamp is None and self._had_file:  # between an editor's delete and its write, say
-                    raise SettingsError(f"config file {self.config_file} is missing")
-                if stamp is not None and stamp[1] == 0 and self._had_file:  # truncated for a write
-                    raise SettingsError(f"config file {self.config_file} is empty")
-                fresh, table = await asyncio.to_thread(self._read_file)
-                # against the live settings: only batching applies, the rest waits for a restart
-                batching = self._checked(fresh.batching.model_dump())
+                return await self._reload(strict, forced)
+            finally:
+                self._during_read = None
+
+    async def _reload(self, strict: bool, forced: bool) -> bool:
+        """``reload`` under its lock, with ``_during_read`` collecting the admin changes made meanwhile."""
+        stamp = await asyncio.to_thread(file_stamp, self.config_file)
+        try:
+            if isinstance(stamp, str):  # its mode, say: as start-up would say
+                raise SettingsError(f"config file {self.config_file} cannot be read: {stamp}")
+            if stamp is None and self._had_file:  # between an editor's delete and its write, say
+                raise SettingsError(f"config file {self.config_file} is missing")
+            if stamp is not None and stamp[1] == 0 and self._had_file:  # truncated for a write
+                raise SettingsError(f"config file {self.config_file} is empty")
+            fresh, table = await asyncio.to_thread(self._read_file)
+            # against the live settings: only batching applies, the rest waits for a restart
+            batching = self._checked(fresh.batching.model_dump())
+        except SettingsError as exc:
+            self._stamp = stamp  # tried: the watcher waits for the next edit
+            log.error("config reload refused, the old policy stays: %s", exc)
+            if strict:
+                raise SchemaError(f"config reload refused, the old policy stays: {exc}") from exc
+            return False
+        self._stamp = stamp
+        self._had_file = self._had_file or stamp is not None
+        # against what runs, not the last read: an edit undone needs no restart, and one
+        # still pending is said again at every reload until the restart
+        running, read = (settings.model_dump(exclude={"batching"}) for settings in (self._settings, fresh))
+        pending = [".".join(path) for path in _edited(running, read)]  # names only: a value may be a secret
+        if pending:
+            log.warning("config changes to %s need a restart (only batching applies live)", ", ".join(pending))
+        self._say_overridden(table)
+        edited = fresh.batching != self._read.batching
+        self._read = fresh
+        if not (edited or forced):
+            return False
+        if patches := list(self._during_read or ()):  # admin changes made while the file was read
+            try:
+                batching = self._checked(functools.reduce(_merge, patches, batching.model_dump()))
             except SettingsError as exc:
-                self._stamp = stamp  # tried: the watcher waits for the next edit
-                log.error("config reload refused, the old policy stays: %s", exc)
-                if strict:
-                    raise SchemaError(f"config reload refused, the old policy stays: {exc}") from exc
+                log.warning(
+                    "config file not applied: with the admin change made while it was read it is invalid "
+                    "(%s); the admin change stays",
+                    exc,
+                )
                 return False
-            self._stamp = stamp
-            self._had_file = self._had_file or stamp is not None
-            # against what runs, not the last read: an edit undone needs no restart, and one
-            # still pending is said again at every reload until the restart
-            running, read = (settings.model_dump(exclude={"batching"}) for settings in (self._settings, fresh))
-            pending = [".".join(path) for path in _edited(running, read)]  # names only: a value may be a secret
-            if pending:
-                log.warning("config changes to %s need a restart (only batching applies live)", ", ".join(pending))
-            self._say_overridden(table)
-            edited = fresh.batching != self._read.batching
-            self._read = fresh
-            if changes != self._changes:  # the admin API changed the policy while the file was read
-                return False
-            if not (edited or forced) or batching == self.current:
-                return False
-            self._set(batching, str(self.config_file))
-            return True
+        if batching == self.current:
+            return False
+        self._set(batching, str(self.config_file) + (" under the admin change made meanwhile" if patches else ""))
+        return True
 
     def _read_file(self) -> tuple[Settings, dict[str, Any] | None]:
         """Blocking: the settings, read again, and the file's batching table as written."""
