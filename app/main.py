@@ -29,7 +29,15 @@ from app.api.routes import metrics as metrics_route
 from app.lifecycle.manager import LifecycleManager
 from app.policy import PolicyManager
 from app.service import InferenceService
-from app.settings import FileStamp, Settings, SettingsError, load_settings, read_secrets, read_settings
+from app.settings import (
+    FileStamp,
+    Settings,
+    SettingsError,
+    load_settings,
+    read_each_secret,
+    read_secrets,
+    read_settings,
+)
 from app.telemetry.loop_lag import watch_loop
 from app.telemetry.metrics import Metrics
 from app.telemetry.tracing import build_tracer_provider
@@ -47,17 +55,24 @@ def _log_fatal(message: str) -> None:
     log.critical("start-up failed: %s", message)
 
 
-async def _reread_secrets(app: FastAPI, settings: Settings) -> None:
+async def _reread_secrets(app: FastAPI, settings: Settings, one_at_a_time: asyncio.Lock) -> None:
     """SIGHUP: the admin token and the API key read again from their files (a rotated Kubernetes
-    Secret, say), so a rotation needs no restart. A file that cannot be used keeps the old secret."""
-    try:
-        secrets = await asyncio.to_thread(read_secrets, settings)
-    except SettingsError as exc:
-        log.error("SIGHUP: the secrets stay as they were: %s", exc)
-        return
-    if secrets != (app.state.admin_token, app.state.api_key):
-        app.state.admin_token, app.state.api_key = secrets
-        log.info("SIGHUP: the admin token or the API key changed in its file and is in use from now on")
+    Secret, say), so a rotation needs no restart. A file that cannot be used keeps its old secret,
+    and the other is rotated all the same. Re-reads run one at a time: two SIGHUPs around a
+    rotation must not let the older read land last and bring a revoked secret back."""
+    async with one_at_a_time:
+        read = await asyncio.to_thread(read_each_secret, settings)
+        kept = (app.state.admin_token, app.state.api_key)
+        fresh = []
+        for secret, old in zip(read, kept, strict=True):
+            if isinstance(secret, SettingsError):
+                log.error("SIGHUP: that secret stays as it was: %s", secret)
+                fresh.append(old)
+            else:
+                fresh.append(secret)
+        if tuple(fresh) != kept:
+            app.state.admin_token, app.state.api_key = fresh
+            log.info("SIGHUP: the admin token or the API key changed in its file and is in use from now on")
 
 
 def _reloader(
@@ -66,9 +81,12 @@ def _reloader(
     """What SIGHUP does: the config file re-read (by the policy's watch) and the secrets' files
     (a task of ``tasks``, which the lifespan awaits on close)."""
 
+    one_at_a_time = asyncio.Lock()
+
     def on_sighup() -> None:
         policy.wake()
-        task = asyncio.get_running_loop().create_task(_reread_secrets(app, settings), name="secrets-reread")
+        reread = _reread_secrets(app, settings, one_at_a_time)
+        task = asyncio.get_running_loop().create_task(reread, name="secrets-reread")
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 

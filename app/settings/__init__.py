@@ -35,6 +35,7 @@ from app.settings.sources import (
     config_path,
     env_name,
     file_stamp,
+    read_each_secret,
     read_secrets,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "env_name",
     "file_stamp",
     "load_settings",
+    "read_each_secret",
     "read_secrets",
     "read_settings",
     "setting_location",

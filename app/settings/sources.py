@@ -26,9 +26,29 @@ class SettingsError(ValueError):
 def read_secrets(settings: Settings) -> tuple[bytes | None, bytes | None]:
     """The admin token (while the admin API is on) and the API key, from their settings or
     their files. Blocking; ``SettingsError`` names the setting whose file cannot be used."""
+    token, key = read_each_secret(settings)
+    if isinstance(token, SettingsError):
+        raise token
+    if isinstance(key, SettingsError):
+        raise key
+    return token, key
+
+
+def read_each_secret(settings: Settings) -> tuple[bytes | SettingsError | None, bytes | SettingsError | None]:
+    """As ``read_secrets``, each on its own: a file that cannot be used is that secret's
+    ``SettingsError``, and the other is read all the same. Blocking."""
     admin, server = settings.admin, settings.server
-    token = _secret(admin.token, admin.token_file, ("admin", "token_file")) if admin.enabled else None
-    return token, _secret(server.api_key, server.api_key_file, ("server", "api_key_file"))
+    token = _secret_or_error(admin.token, admin.token_file, ("admin", "token_file")) if admin.enabled else None
+    return token, _secret_or_error(server.api_key, server.api_key_file, ("server", "api_key_file"))
+
+
+def _secret_or_error(
+    value: SecretStr | None, file: Path | None, where: tuple[str, str]
+) -> bytes | SettingsError | None:
+    try:
+        return _secret(value, file, where)
+    except SettingsError as exc:
+        return exc
 
 
 def _secret(value: SecretStr | None, file: Path | None, where: tuple[str, str]) -> bytes | None:

@@ -99,6 +99,6 @@ def test_a_sighup_rereads_the_admin_token_and_the_api_key_from_their_files(tmp_p
             server.process.send_signal(signal.SIGHUP)
             time.sleep(0.5)
             assert statuses("new-admin-token-0123456789", "new-api-key-0123456789") == (200, 200)
-            assert "the secrets stay as they were" in server.stderr()
+            assert "that secret stays as it was" in server.stderr()
     finally:
         server.stop()
