@@ -83,6 +83,14 @@ def _cannot_run(exc: RuntimeError, folder: Path, what: str) -> Exception:
     return ModelLoadError(f"{folder}: self-check failed, {what} cannot run: {first}")
 
 
+def _tensor(output: object, folder: Path, what: str) -> torch.Tensor:
+    """A self-check run's output, which must be one tensor (a graph returning a tuple, as some
+    torchvision models do in training mode, cannot serve: ``ModelLoadError``, naming the folder)."""
+    if not isinstance(output, torch.Tensor):
+        raise ModelLoadError(f"{folder}: self-check failed, {what} returns a {type(output).__name__}, not a tensor")
+    return output
+
+
 def _set_tensor(module: torch.jit.ScriptModule, dotted: str, value: torch.Tensor) -> None:
     *path, leaf = dotted.split(".")
     owner = module
@@ -402,7 +410,7 @@ class LayeredModel:
         """The backbone's features of a dummy batch, finite; a graph its weights do not fit
         (a shape, a dtype) raises ``ModelLoadError`` here, naming the folder."""
         try:
-            features = self.features(batch)
+            features = _tensor(self.features(batch), self.folder, "the backbone")
         except RuntimeError as exc:
             raise _cannot_run(exc, self.folder, "the backbone") from None
         if not torch.isfinite(features).all():
@@ -411,7 +419,7 @@ class LayeredModel:
 
     def _check_head(self, name: str, head: torch.jit.ScriptModule, features: torch.Tensor) -> None:
         try:
-            logits = head(features)
+            logits = _tensor(head(features), self.folder, f"head {name}")
         except RuntimeError as exc:  # its weights, or the backbone's features, do not fit its graph
             raise _cannot_run(exc, self.folder, f"head {name}") from None
         expected = (features.shape[0], len(self.manifest.labels))

@@ -372,3 +372,39 @@ def test_a_convolution_padded_by_name_keeps_aten_and_still_serves(tmp_path: Path
         expected = torch.softmax(head(backbone((images.float() / 255 - 0.25) / 0.5)), dim=1)
     with torch.inference_mode():
         torch.testing.assert_close(model.probabilities(images), expected, rtol=1e-5, atol=1e-6)
+
+
+class _Pair(nn.Module):
+    """A module returning its inner module's output twice, as a tuple or a list."""
+
+    def __init__(self, inner: nn.Module, kind: str) -> None:
+        super().__init__()
+        self.inner, self.kind = inner, kind
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]:
+        y = self.inner(x)
+        return (y, y) if self.kind == "tuple" else [y, y]
+
+
+@pytest.mark.parametrize(
+    ("part", "kind"),
+    [("backbone", "tuple"), ("head", "tuple"), ("head", "list")],
+    ids=["backbone", "head", "head-list"],
+)
+def test_a_graph_whose_output_is_not_a_tensor_is_a_load_error_naming_the_folder(
+    tmp_path: Path, part: str, kind: str
+) -> None:
+    """It was a TypeError or an AttributeError that nothing took for the model's fault: a 500 to
+    an admin load, and with the warm-up off a version that loaded, said it was healthy and
+    answered 500 to every request, its head read and run again on each batch."""
+    backbone, head = tiny_modules()
+    backbone, head = (_Pair(backbone, kind), head) if part == "backbone" else (backbone, _Pair(head, kind))
+    folder = write_modules(tmp_path, "tiny", torch.jit.script(backbone), torch.jit.script(head), SPEC)
+    what = "the backbone" if part == "backbone" else "head classifier"
+    message = rf"{folder}: self-check failed, {what} returns a {kind}, not a tensor"
+    model = load(folder)
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match=message):
+            model.self_check() if part == "backbone" else model.head()
+    if part == "head":
+        assert list(model.failed_heads) == ["classifier"] and model.head_loads == 0
