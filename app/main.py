@@ -198,7 +198,11 @@ def create_app(
             finally:
                 for task in [*background, *rereads]:
                     task.cancel()
-                await asyncio.gather(*background, *rereads, return_exceptions=True)  # nothing of theirs stops the close
+                # nothing of theirs stops the close; an admin load (its caller perhaps gone) is not
+                # cancelled but ends by itself, within its timeout, and is retired if it ends now
+                await asyncio.gather(
+                    *background, *rereads, *app.state.lifecycle.loads_under_way(), return_exceptions=True
+                )
                 try:
                     await service.close(settings.server.shutdown_grace_s)
                     await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take

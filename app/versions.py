@@ -182,10 +182,16 @@ class VersionLoader:
         """One warm-up batch size, one device call: batches queued meanwhile run before or after it."""
         await self._device_thread.run(functools.partial(model.warm_up, self._largest_batch(), sizes=(size,)))
 
-    async def _warmed(self, model: LayeredModel, every_thread: bool) -> tuple[Fault, str] | None:
-        """Warm ``model`` up; the device's failure (its fault and line) if the device failed it."""
+    async def _warmed(
+        self, model: LayeredModel, every_thread: bool, within_s: float | None
+    ) -> tuple[Fault, str] | str | None:
+        """Warm ``model`` up within ``within_s`` (None: however long it takes); the device's
+        failure (its fault and line) if the device failed it, or what ran late if it ran late."""
         try:
-            await self._warm_up(model, every_thread)
+            async with asyncio.timeout(within_s):
+                await self._warm_up(model, every_thread)
+        except TimeoutError:
+            return "with its warm-up (AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
         except Exception as exc:
             if (fault := device_fault(exc)) is None:
                 raise
@@ -224,7 +230,7 @@ class VersionLoader:
             release=functools.partial(release_memory, self.device),
             on_late_end=functools.partial(self._late_load_ended, label, started, timeout),
         )
-        failed: tuple[Fault, str] | None = None  # the device failed it: released once the error is gone
+        failed: tuple[Fault, str] | str | None = None  # the device failed it, or it ran late: released after the error
         refused: str | None = None  # its files or graph refused it: on a GPU, what it moved there is released
         try:
             model = await bounded.run(self._loader, timeout)
@@ -246,11 +252,19 @@ class VersionLoader:
             await self._release()  # the error, whose frames held what it built, is gone by now
             raise ModelLoadError(refused)
         if failed is None and self.settings.model.warmup:
-            failed = await self._warmed(model, every_thread)
+            # while serving, the warm-up counts in the load's time (a graph that crawls at the sizes
+            # the self-check does not run is refused, as a slow load is); before serving it does not:
+            # a GPU's first run of each shape takes seconds, and a start-up that always worked stays so
+            left = None if every_thread else max(0.0, timeout - (time.perf_counter() - started))
+            failed = await self._warmed(model, every_thread, left)
             if failed is not None:
-                del model  # the last reference, now the error's frames are gone: before the release
-        if failed is not None:
-            raise await self._device_failed(label, *failed)
+                del model  # the last reference (a warm-up call still on the device thread keeps it until it ends)
+        if failed is not None:  # the device failed it, or it ran past the load's time
+            raise (
+                ModelLoadError(f"loading {folder} took longer than model.load_timeout_s={timeout:g}s {failed}")
+                if isinstance(failed, str)
+                else await self._device_failed(label, *failed)
+            )
         return model
 
     async def load(self, name: str, version: str, every_thread: bool = False) -> ServedModel:

@@ -1,8 +1,10 @@
 """Model lifecycle while serving: load, unload, promote, roll back, split traffic.
 
 One operation at a time (a lock), each ending in one atomic swap of the model's routing
-snapshot. Requests already routed keep the version they started on; an unloaded version
-stops receiving traffic first and then drains. Promotion is verified: the candidate's
+snapshot; a load reads, checks and warms its version outside the lock, so that a rollback or an
+unload never waits behind a slow load, and takes the lock again for its swap. Requests already
+routed keep the version they started on; an unloaded version stops receiving traffic first and
+then drains. Promotion is verified: the candidate's
 recorded held-out accuracy, at the precision it is served in, must not fall more than
 a margin below the current default's, nor fp16 below fp32 (the FP16 gate), unless forced.
 """
@@ -40,6 +42,12 @@ class LifecycleManager:
     def __init__(self, service: InferenceService) -> None:
         self._service = service
         self._lock = asyncio.Lock()
+        self._loading: dict[tuple[str, str], asyncio.Future[ServedModel]] = {}  # loads under way
+
+    def loads_under_way(self) -> list[asyncio.Future[ServedModel]]:
+        """The loads running now (each bounded by ``model.load_timeout_s``): a close awaits them,
+        as their callers would have, for one whose caller went away."""
+        return list(self._loading.values())
 
     def _not_serving(self) -> ServiceError:
         """Why a service that is not ready refuses: ``draining`` once a shutdown began (as every
@@ -68,18 +76,26 @@ class LifecycleManager:
         return versions
 
     async def load(self, name: str, version: str) -> ServedModel:
-        """Load (checksums, self-check, warm-up) and make ``version`` routable; the default is unchanged."""
+        """Load (checksums, self-check, warm-up) and make ``version`` routable; the default is
+        unchanged. A second call for a version being loaded gets that load's outcome."""
         async with self._lock:
             group = self._group(name)
             await self._known(group, version)
             if version in group.routing.loaded:
                 return group.routing.loaded[version]
-            try:
-                served = await self._service.load_version(name, version)
-            except ModelLoadError as exc:
-                raise Conflict(
-                    f"version {version} of {name} was refused at load: {exc}", code="model_load_failed"
-                ) from exc
+            under_way = self._loading.get((name, version))
+            if under_way is None:
+                under_way = self._loading[(name, version)] = asyncio.ensure_future(self._load(group, version))
+                under_way.add_done_callback(lambda _: self._loading.pop((name, version), None))
+        return await asyncio.shield(under_way)  # a caller that goes away does not stop the load
+
+    async def _load(self, group: ModelGroup[ServedModel], version: str) -> ServedModel:
+        name = group.name
+        try:
+            served = await self._service.load_version(name, version)  # outside the lock: minutes, perhaps
+        except ModelLoadError as exc:
+            raise Conflict(f"version {version} of {name} was refused at load: {exc}", code="model_load_failed") from exc
+        async with self._lock:
             if not self._service.ready:  # the drain began while it loaded: it would never be closed
                 await self._service.retire(served)
                 del served

@@ -174,7 +174,8 @@ class ModelSettings(_Group):
     )
     eager_heads: bool = Field(default=False, description="load every head at start instead of on first use")
     load_timeout_s: Seconds = Field(
-        default=30.0, description="a model load taking longer stops start-up (409 through the admin API)"
+        default=30.0,
+        description="a model load taking longer stops start-up (409 through the admin API, its warm-up included)",
     )
     warmup: bool = Field(
         default=True,

@@ -446,6 +446,67 @@ async def test_a_version_whose_load_ends_after_the_drain_began_is_not_served(rep
         assert later.status_code == 503 and later.json()["code"] == "draining", later.text
 
 
+async def test_a_rollback_and_an_unload_do_not_wait_for_a_load_under_way(repository: Path) -> None:
+    """The load (its read, checks and warm-up: minutes for a big model) held the lifecycle's lock:
+    the way out of a bad canary waited behind an unrelated load, however long it took."""
+    async with running_app(settings_for(repository)) as running:
+        add_version(repository, "3")
+        service = running.service
+        loaded, release = asyncio.Event(), asyncio.Event()
+        original = service.load_version
+
+        async def slow_load(name: str, version: str):  # type: ignore[no-untyped-def]
+            served = await original(name, version)
+            loaded.set()
+            await release.wait()  # still warming up, say
+            return served
+
+        assert (await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)).status_code == 200
+        service.load_version = slow_load  # type: ignore[method-assign]
+        load = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/3/load", headers=AUTH))
+        again = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/3/load", headers=AUTH))
+        try:
+            await asyncio.wait_for(loaded.wait(), 30)
+            async with asyncio.timeout(10):  # not behind the load
+                rollback = await running.client.post("/admin/models/digits/rollback", headers=AUTH)
+                assert rollback.status_code == 200 and rollback.json()["loaded_version"] == "1", rollback.text
+                unloaded = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+                assert unloaded.status_code == 200, unloaded.text
+            assert not load.done() and not again.done()
+        finally:
+            release.set()
+        first, second = await load, await again  # one load, its outcome given to both
+        assert first.status_code == second.status_code == 200
+        assert first.json()["loaded_versions"] == second.json()["loaded_versions"] == ["1", "3"]
+        assert running.app.state.lifecycle.loads_under_way() == []
+
+
+async def test_a_warm_up_past_the_loads_time_is_a_409_and_serving_goes_on(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the read and the checks were timed: a graph that crawls at the sizes its self-check
+    does not run loaded in 10-15 s under a 1 s timeout."""
+    async with running_app(settings_for(repository, warmup=True)) as running:
+        add_version(repository, "3")
+        running.service.settings.model.load_timeout_s = 1.0
+        loader = running.service.loader
+        original = loader.warm_size
+
+        async def crawling(model, size: int) -> None:  # type: ignore[no-untyped-def]
+            if model.folder.name == "3":
+                await asyncio.sleep(30)  # the device thread at it, for all the event loop knows
+            await original(model, size)
+
+        monkeypatch.setattr(loader, "warm_size", crawling)
+        async with asyncio.timeout(20):
+            late = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+        assert late.status_code == 409 and late.json()["code"] == "model_load_failed", late.text
+        assert "load_timeout_s=1s with its warm-up" in late.json()["message"]
+        assert (await running.predict_png(sample_png(5))).status_code == 200
+        models = (await running.client.get("/v1/models")).json()
+        assert "3" not in next(m for m in models["models"] if m["name"] == "digits")["loaded_versions"]
+
+
 async def test_unloading_during_shutdown_lets_that_versions_requests_finish(repository: Path) -> None:
     async with running_app(settings_for(repository)) as running:
         service = running.service
