@@ -112,14 +112,14 @@ class VersionLoader:
         """``name/version`` of the loads past their timeout that still run on the loader thread."""
         return sorted(self._late_loads)
 
-    def _late_load_ended(self, label: str, started: float, timeout: float) -> None:
-        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start)."""
+    def _late_load_ended(self, label: str, started: float, why: list[str]) -> None:
+        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start;
+        ``why``: why it was given up, its one item set when it was)."""
         self._late_loads.discard(label)
         log.warning(
-            "the load of %s given up after model.load_timeout_s=%gs (or cancelled) ended %.1fs after it began; "
-            "what it loaded was dropped",
+            "the load of %s, %s, ended %.1fs after it began; what it loaded was dropped",
             label,
-            timeout,
+            why[0],
             time.perf_counter() - started,
         )
 
@@ -225,16 +225,18 @@ class VersionLoader:
         label = f"{name}/{version}"
         if (warning := self.unwarmed_shapes_warning(self.device)) is not None:
             log.warning("%s: %s", label, warning)
+        why = ["cancelled as start-up stopped"]  # why it was given up, if it is
         bounded = BoundedCall(
             load,
             release=functools.partial(release_memory, self.device),
-            on_late_end=functools.partial(self._late_load_ended, label, started, timeout),
+            on_late_end=functools.partial(self._late_load_ended, label, started, why),
         )
         failed: tuple[Fault, str] | str | None = None  # the device failed it, or it ran late: released after the error
         refused: str | None = None  # its files or graph refused it: on a GPU, what it moved there is released
         try:
             model = await bounded.run(self._loader, timeout)
         except TimeoutError as exc:
+            why[0] = f"given up after model.load_timeout_s={timeout:g}s"
             raise ModelLoadError(
                 f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
                 "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"

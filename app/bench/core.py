@@ -32,6 +32,7 @@ from typing import Any
 from app.batching.policy import Lane
 from app.bench.loadgen.drive import event_loop_run
 from app.bench.loadgen.senders import load_images
+from app.bench.output import unwritable, write_text
 from app.bench.threads import group_name, thread_cpu, threads_text
 from app.errors import ServiceError
 from app.prediction import Outcome
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.seconds <= 600 or args.warmup < 0 or not 1 <= args.concurrency <= 4096:
         parser.error("need 0 < seconds <= 600, warmup >= 0 and 1 <= concurrency <= 4096")
+    if args.out is not None and (why := unwritable(args.out)) is not None:  # before the run, not after it
+        parser.error(f"--out {args.out}: {why}")
     try:
         images = load_images(args.images, args.images)
     except OSError as exc:
@@ -189,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report), file=sys.stderr)
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if args.out and (why := write_text(args.out, text + "\n")) is not None:
+        print(f"ai-backend core: could not write {args.out}: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,6 +17,8 @@ def unwritable(path: Path) -> str | None:
     made and the file opened for appending (a file already there keeps its bytes); what the try
     made is removed again, so a run that fails later leaves nothing behind."""
     missing = [folder for folder in path.parents if not folder.exists()]  # the deepest first
+    if (blocking := next((f for f in path.parents if f.exists() and not f.is_dir()), None)) is not None:
+        return f"{blocking} is not a directory"  # (mkdir would say "File exists")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         target = path.resolve()  # a link (dangling, say) is written through: its target is what is made

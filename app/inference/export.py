@@ -258,10 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", default="1", help="version folder to write (default: 1)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--weights", type=Path, help="local state_dict (.safetensors, or a torch.save file)")
-    source.add_argument("--seed", type=int, default=0, help="seed for a fresh initialisation (default: 0)")
+    # default None, so that an explicit --seed 0 counts as given and --weights beside it is refused
+    source.add_argument("--seed", type=int, help="seed for a fresh initialisation (default: 0)")
     parser.add_argument("--num-classes", type=int, help="class count (default: the weights metadata's)")
     parser.add_argument("--overwrite", action="store_true", help="replace the version if it exists")
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():  # found before the export, not after it
+        parser.error(f"--out {args.out} is not a directory (the model repository's root)")
     with warnings.catch_warnings():
         # write_version uses TorchScript on purpose (see DESIGN.md); its deprecation
         # notices would only bury the one line this command prints.
@@ -273,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                 name=args.name,
                 version=args.version,
                 weights=args.weights,
-                seed=args.seed,
+                seed=0 if args.seed is None else args.seed,
                 num_classes=args.num_classes,
                 overwrite=args.overwrite,
             )
-        except (ExportError, FileExistsError) as exc:
+        except (ExportError, OSError) as exc:  # a file there already, a folder that cannot be made
             print(f"error: {exc}", file=sys.stderr)
             return 1
     print(f"wrote {folder}")

@@ -302,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         parser.error("need --batch-size >= 1 and --limit >= 1")
+    try:  # the names, before any model is read (the device is known later)
+        resolve_precisions(args.precisions, torch.device("cpu"))
+    except EvaluationError as exc:
+        parser.error(str(exc))
     try:
         folder = Repository(args.repository).folder(args.model, args.version)
         manifest = Manifest.read(folder)

@@ -389,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=EPOCHS, help=f"training epochs (default: {EPOCHS})")
     parser.add_argument("--overwrite", action="store_true", help="replace the version if it exists")
     args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error("--epochs must be 1 or more")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with warnings.catch_warnings():
         # write_version uses TorchScript on purpose (see DESIGN.md); its deprecation

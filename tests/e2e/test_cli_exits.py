@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -243,3 +246,39 @@ def test_sigterm_while_a_device_thread_is_inside_torch_still_exits_0(tmp_path: P
     output = log.read_text()
     assert returncode == 0, (returncode, output[-2000:])
     assert "terminate called" not in output
+
+
+def _argument_error(main: Callable[[list[str]], int], argv: list[str]) -> str:
+    """The message of the usage error (exit 2) that ``main(argv)`` ends with, before any work."""
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(io.StringIO()) as err:
+        main(argv)
+    assert exited.value.code == 2, err.getvalue()
+    return err.getvalue()
+
+
+def test_bad_output_paths_and_arguments_are_refused_before_any_work(tmp_path: Path) -> None:
+    """Found by a walk through the tools: each ran its whole work first (an export, a measurement)
+    and then ended in a traceback, or ran at all, or named the wrong reason."""
+    from app.bench import core
+    from app.bench.limit import cli as limit
+    from app.bench.loadgen import cli as bench
+    from app.inference import export
+    from app.lifecycle import evaluate
+    from app.training import digits
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    samples = str(REPO_ROOT / "models" / "digits" / "samples")
+    for argv in (["--out", str(tmp_path)], ["--out", str(a_file / "core.json")]):
+        assert "--out" in _argument_error(core.main, ["--images", samples, *argv])
+    assert "is not a directory" in _argument_error(export.main, ["--arch", "resnet18", "--out", str(a_file)])
+    message = _argument_error(export.main, ["--arch", "resnet18", "--seed", "0", "--weights", str(a_file)])
+    assert "not allowed with" in message  # --seed 0 is given, though it is the default's value
+    under_a_file = ["--url", "http://127.0.0.1:9", "--out", str(a_file / "x.json")]
+    assert f"{a_file} is not a directory" in _argument_error(bench.main, under_a_file)  # not "File exists"
+    sizes = _argument_error(limit.main, ["--batch-sizes", "a,b"])
+    assert "batch sizes are positive integers" in sizes and "_sizes" not in sizes
+    assert "--epochs must be 1 or more" in _argument_error(digits.main, ["--out", str(tmp_path), "--epochs", "0"])
+    assert "unknown precision 'int8'" in _argument_error(
+        evaluate.main, ["--model", "digits", "--version", "1", "--precisions", "int8"]
+    )

@@ -162,7 +162,10 @@ def _cpu_model() -> str:
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    sizes = tuple(int(part) for part in text.split(","))
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError("batch sizes are positive integers, comma-separated")
     return sizes
