@@ -410,18 +410,20 @@ class LayeredModel:
         """The backbone's features of a dummy batch, finite; a graph its weights do not fit
         (a shape, a dtype) raises ``ModelLoadError`` here, naming the folder."""
         try:
-            features = _tensor(self.features(batch), self.folder, "the backbone")
+            output = self.features(batch)
         except RuntimeError as exc:
             raise _cannot_run(exc, self.folder, "the backbone") from None
+        features = _tensor(output, self.folder, "the backbone")
         if not torch.isfinite(features).all():
             raise ModelLoadError(f"{self.folder}: self-check failed, backbone output is not finite")
         return features
 
     def _check_head(self, name: str, head: torch.jit.ScriptModule, features: torch.Tensor) -> None:
         try:
-            logits = _tensor(head(features), self.folder, f"head {name}")
+            output = head(features)
         except RuntimeError as exc:  # its weights, or the backbone's features, do not fit its graph
             raise _cannot_run(exc, self.folder, f"head {name}") from None
+        logits = _tensor(output, self.folder, f"head {name}")
         expected = (features.shape[0], len(self.manifest.labels))
         if tuple(logits.shape) != expected:
             raise ModelLoadError(

@@ -404,7 +404,8 @@ def test_a_graph_whose_output_is_not_a_tensor_is_a_load_error_naming_the_folder(
     message = rf"{folder}: self-check failed, {what} returns a {kind}, not a tensor"
     model = load(folder)
     for _ in range(2):
-        with pytest.raises(ModelLoadError, match=message):
+        with pytest.raises(ModelLoadError, match=message) as refused:
             model.self_check() if part == "backbone" else model.head()
+        assert str(refused.value).count("self-check failed") == 1, refused.value
     if part == "head":
         assert list(model.failed_heads) == ["classifier"] and model.head_loads == 0
