@@ -374,6 +374,7 @@ class ClosingProtocol(HttpToolsProtocol):
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-request-id", request_id.encode()),
+            *([(b"x-trace-id", state["trace_id"].encode())] if state.get("trace_id") else []),
             (b"connection", b"close"),
         ]:
             head += [name, b": ", value, b"\r\n"]

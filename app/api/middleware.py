@@ -117,11 +117,15 @@ def _trace_of(scope: Scope, request_id: str) -> tuple[str | None, contextvars.To
     sent a ``traceparent`` (set for the logs, with the token that unsets it)."""
     span = trace.get_current_span()  # the HTTP server span, when tracing is on
     context = span.get_span_context()
+    trace_id: str | None
     if context.is_valid:
         span.set_attribute("request.id", request_id)
-        return format(context.trace_id, "032x"), None
-    caller = caller_trace(scope)
-    return (caller[0] if caller else None), caller_trace_var.set(caller)
+        trace_id, token = format(context.trace_id, "032x"), None
+    else:
+        caller = caller_trace(scope)
+        trace_id, token = (caller[0] if caller else None), caller_trace_var.set(caller)
+    scope["state"]["trace_id"] = trace_id  # for an answer the protocol writes itself (a body that breaks)
+    return trace_id, token
 
 
 def draining(app: object) -> bool:
@@ -214,7 +218,9 @@ class RequestContextMiddleware:
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                # answered by the protocol (its body broke), what the app, cut off, sends goes
+                # nowhere: the server span records the status that was sent
+                status = message["status"] = state["answered_as"][0] if "answered_as" in state else message["status"]
                 # a 408's body never came whole: what follows it on the connection cannot be told apart
                 ends = status == 408 or ends_connection(scope, _draining(scope))
                 extra = identity_headers(request_id, trace_id, ends)

@@ -34,6 +34,8 @@ from app.settings import MAX_BATCH, TelemetrySettings
 
 log = logging.getLogger(__name__)
 
+ATTRIBUTE_CHARS = 1024  # the longest span attribute value kept (longer ones are cut)
+
 
 class BoundedSpanProcessor(SpanProcessor):
     """Queue ended spans (bounded, drop-and-count when full); export them off the request path."""
@@ -226,7 +228,9 @@ def build_tracer_provider(
         sampler=ParentBased(FollowsLinks(settings.sampling_ratio)),
         # a batch span links each of its requests: the SDK's default of 128 links would leave
         # the rest of a larger batch with no way back from it
-        span_limits=SpanLimits(max_links=MAX_BATCH),
+        # and no attribute longer than ATTRIBUTE_CHARS: a URL or a User-Agent is the client's, and
+        # spans queued for a collector that does not answer held whole 30 KB query strings
+        span_limits=SpanLimits(max_links=MAX_BATCH, max_span_attribute_length=ATTRIBUTE_CHARS),
     )
     exporter = exporter or make_exporter(settings)
     if exporter is None:

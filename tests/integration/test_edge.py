@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.types import Receive, Scope, Send
 
 from app.api.edge import edge_protocol
@@ -62,9 +63,10 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served(settings: Settings) -> AsyncIterator[Served]:
-    """``create_app(settings)`` served by uvicorn with the edge protocol, as ``ai-backend serve`` does."""
-    app = create_app(settings)
+async def served(settings: Settings, span_exporter: SpanExporter | None = None) -> AsyncIterator[Served]:
+    """``create_app(settings)`` served by uvicorn with the edge protocol, as ``ai-backend serve`` does
+    (``span_exporter`` in place of the configured one)."""
+    app = create_app(settings, span_exporter=span_exporter)
     # bound here and handed to uvicorn: a port picked free and bound later could be taken in between
     listener = socket.create_server(("127.0.0.1", 0))
     result = Served(app, listener.getsockname()[1])

@@ -15,6 +15,8 @@ import socket
 import struct
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from app import connection
 from app.batching import Lane
@@ -132,6 +134,34 @@ async def test_an_edge_refused_request_whose_body_breaks_gets_one_answer(make_se
         finally:
             writer.close()
     assert rest == b"", f"one request, a second answer after its 503: {rest[:60]!r}"
+
+
+async def test_a_body_that_breaks_is_one_400_in_the_answer_its_span_and_its_trace_header(
+    make_settings: SettingsFactory,
+) -> None:
+    """The protocol answers a broken body itself; the app, cut off, answered 499 into the void,
+    which its server span recorded while the client, the metrics and the log saw 400; and the
+    answer named no trace though the request had one."""
+    exporter = InMemorySpanExporter()
+    async with served(make_settings(telemetry={"exporter": "console"}), span_exporter=exporter) as running:
+        reader, writer = await running.connect()
+        try:
+            writer.write(_chunked_predict_head(X_Request_ID="broken-body"))
+            await writer.drain()
+            await asyncio.sleep(0.2)  # its head read and its app task waiting for the body
+            writer.write(b"5\r\nabcde\r\nZZ-not-a-chunk-size\r\n")
+            head, body = await asyncio.wait_for(read_response(reader), 10)
+        finally:
+            writer.close()
+        await asyncio.sleep(0.2)  # the cut-off app task ends, and its server span with it
+    assert head.status == 400 and json.loads(body)["code"] == "invalid_http"  # type: ignore[attr-defined]
+    (server,) = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.kind is SpanKind.SERVER and s.attributes.get("request.id") == "broken-body"
+    ]
+    assert server.attributes["http.status_code"] == 400
+    assert head.headers["x-trace-id"] == format(server.context.trace_id, "032x")  # type: ignore[attr-defined]
 
 
 async def _metrics_text(running: Served) -> str:

@@ -72,6 +72,22 @@ def test_unsampled_spans_are_not_queued() -> None:
     assert exporter.exported == []
 
 
+def test_a_clients_long_url_is_cut_in_the_span_that_waits_for_export() -> None:
+    """A URL or a User-Agent is the client's: spans queued for a collector that did not answer
+    held whole 30 KB query strings (174 MiB of the server's memory over 2,300 requests)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from app.telemetry.tracing import ATTRIBUTE_CHARS
+
+    exporter = InMemorySpanExporter()
+    provider, processor = build_tracer_provider(TelemetrySettings(exporter="console"), exporter)
+    provider.get_tracer("test").start_span("GET /predict", attributes={"http.url": "x" * 30_000}).end()
+    assert processor is not None and processor.force_flush(1_000)
+    provider.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None and len(str(span.attributes["http.url"])) == ATTRIBUTE_CHARS == 1024
+
+
 def test_exporters_by_setting() -> None:
     assert make_exporter(TelemetrySettings()) is None
     assert type(make_exporter(TelemetrySettings(exporter="console"))).__name__ == "ConsoleSpanExporter"
