@@ -238,3 +238,58 @@ def test_a_pngs_transparent_colour_becomes_a_dark_ground(mode: str, white: objec
     assert "transparency" in Image.open(io.BytesIO(buffer.getvalue())).info
     for spec in (DIGITS, IMAGENET):
         assert int(decode(buffer.getvalue(), spec, LIMITS).max()) == 0
+
+
+def _photo_jpeg(width: int, height: int, orientation: int = 1) -> bytes:
+    """A smooth photo-like JPEG (quality 95, 4:4:4), with an EXIF orientation if not 1."""
+    rng = np.random.default_rng(width * 7 + height)
+    photo = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(
+        (width, height), Image.Resampling.BICUBIC
+    )
+    out = io.BytesIO()
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    photo.save(out, "JPEG", quality=95, subsampling=0, exif=exif.tobytes())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("orientation", [1, 6], ids=["fast-path", "pillow-path"])
+@pytest.mark.parametrize("size", [(641, 481), (1281, 961), (1027, 771), (640, 480)])
+def test_a_jpeg_is_decoded_at_a_reduced_scale_only_where_it_divides_both_sides(
+    size: tuple[int, int], orientation: int
+) -> None:
+    """A 641 x 481 photo decoded at 1/2 is 321 x 241 pixels, the last of each row covering half
+    a pixel of the photo; resized as if it covered the whole of it, the input came out stretched,
+    up to 53 levels off the full decode. Such sizes now decode whole, and 640 x 480 still at 1/2."""
+    from app.inference.export import input_spec_for
+    from app.inference.jpeg import draft_scale
+    from app.inference.preprocess import draft_size
+
+    spec = input_spec_for("mobilenet_v3_small")
+    data = _photo_jpeg(*size, orientation)
+    limits = ImageLimits(1 << 24, 4_000_000)
+    served = decode(data, spec, limits).float()
+    whole = decode(data, spec, limits, draft_tolerance=1.0).float()  # never reduced
+    scale = draft_scale(*size, draft_size(*size, spec))
+    if size[0] % 2:
+        assert scale == 1 and float((served - whole).abs().max()) <= 1.0
+    else:  # reduced: the same picture, a little softer
+        assert scale == 2 and 0 < float((served - whole).abs().mean()) < 3.0
+
+
+def test_a_16_bit_grey_pngs_transparent_grey_becomes_the_dark_ground() -> None:
+    """Scaling 16-bit grey to 8 bits built a new image without the PNG's transparent grey (tRNS):
+    the bundled digits on a 16-bit ground marked transparent read '8' in 9 of 10."""
+    wide = np.full((16, 16), 60000, dtype=np.uint16)
+    wide[4:12, 4:12] = 30000  # a mid grey square on a transparent white ground
+    buffer = io.BytesIO()
+    Image.fromarray(wide).save(buffer, format="PNG", transparency=60000)
+    assert Image.open(io.BytesIO(buffer.getvalue())).info.get("transparency") == 60000
+    narrow = io.BytesIO()  # the same picture in 8 bits, its transparent grey marked the same way
+    Image.fromarray((wide >> 8).astype(np.uint8)).save(narrow, format="PNG", transparency=60000 >> 8)
+    pixels = decode(buffer.getvalue(), IMAGENET, LIMITS)
+    assert int(pixels[:, :3, :3].max()) == 0, "the transparent ground is black"
+    assert int(pixels[:, IMAGENET.height // 2, IMAGENET.width // 2].min()) > 0, "the square stays grey"
+    for spec in (DIGITS, IMAGENET):
+        assert torch.equal(decode(buffer.getvalue(), spec, LIMITS), decode(narrow.getvalue(), spec, LIMITS))
