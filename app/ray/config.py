@@ -3,11 +3,12 @@
 ``serve build`` writes a config for an import path that names an *application*; ours names
 a *builder* (``app.ray_app:build``), so that the GPUs and the deployment's sizes are
 decided where the application is deployed. This runs the steps of ``serve build`` on
-``build({})`` (Serve's own ``build_app`` and ``deployment_to_schema``, validated by
-``ServeDeploySchema``) and writes the builder's import path. ``ray_actor_options`` is left
-out: a config that names it replaces what ``build`` decides (``num_gpus`` where CUDA is),
-so CPUs and GPUs per replica are the builder's ``num_cpus`` and ``num_gpus`` arguments.
-``tests/ray`` checks that the committed file is what this writes.
+``build({})`` (Serve's own ``build_app``, validated by ``ServeDeploySchema``) and writes the
+builder's import path with its scaling arguments, and no ``deployments`` block: Serve lets a
+config's deployment options win over what the builder decides, so a block written here froze
+the sizes ``build`` computes from its arguments and settings (``num_replicas: 2`` in ``args``,
+or in the block beside the builder's autoscaling, changed nothing). A block added by hand
+still overrides, as Serve documents. ``tests/ray`` checks that the committed file is what this writes.
 """
 
 from __future__ import annotations
@@ -23,28 +24,26 @@ HEADER = """\
 # Ray Serve config for ai-backend, written by `python -m app.ray.config -o deploy/ray/serve_config.yaml`
 # (the steps of `serve build`, for the builder app.ray_app:build, on Ray {version}).
 # Deploy: ray start --head && serve deploy deploy/ray/serve_config.yaml   (docs/ray.md)
-# Scale: edit autoscaling_config (min_replicas, max_replicas), or replace it with num_replicas: N,
-# then serve deploy again. args: settings overrides (model.repository: /srv/models, ...) and the
-# builder's own (num_cpus, num_gpus, config_file, ...); see app/ray/options.py.
+# Scale: in args, num_replicas: N (a fixed count) or auto with min_replicas and max_replicas, then
+# serve deploy again. args also take settings overrides (model.repository: /srv/models,
+# batching.normal.max_batch: 32, ...) and the builder's own (num_cpus, num_gpus, config_file,
+# max_ongoing_requests, ...; app/ray/options.py). A deployments: block added here overrides what
+# the builder decides from them (Serve's rule).
 """
 
 
 def serve_config() -> dict[str, Any]:
     """The config as a dict, validated against Serve's schema."""
     from ray.serve._private.build_app import build_app
-    from ray.serve.deployment import deployment_to_schema
     from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
     from app.ray_app import build
 
-    built = build_app(build({"num_gpus": 0}), name=APP_NAME)
-    deployments = []
-    for deployment in built.deployments:
-        schema = deployment_to_schema(deployment).model_dump(exclude_unset=True)
-        schema.pop("ray_actor_options", None)
-        deployments.append(schema)
+    args = {"num_replicas": "auto", "min_replicas": 1, "max_replicas": 4}
+    built = build_app(build({**args, "num_gpus": 0}), name=APP_NAME)  # the builder takes them
+    assert [deployment.name for deployment in built.deployments] == ["Classifier"]
     application = ServeApplicationSchema(
-        name=APP_NAME, route_prefix="/", import_path=IMPORT_PATH, args={}, deployments=deployments
+        name=APP_NAME, route_prefix="/", import_path=IMPORT_PATH, args=args
     ).model_dump(exclude_unset=True)
     config = {
         "proxy_location": "EveryNode",
