@@ -96,7 +96,8 @@ class VersionLoader:
         self.threads, self._device_thread = threads, device_thread
         self.metrics, self.tracer = metrics, tracer
         self._policy, self._release = policy, release
-        self._late_loads: set[str] = set()  # loads past their timeout, still running on the loader thread
+        # loads given up (past their timeout, or cancelled) still running on the loader thread: why
+        self._late_loads: dict[str, str] = {}
         # loads read, checksum, build and self-check a version on a thread of their own: on the
         # device's (a GPU has one) a version loaded while serving held every batch for seconds.
         # Where normal batches run niced (a CPU with an urgent thread), a load is as low: it must
@@ -112,14 +113,12 @@ class VersionLoader:
         """``name/version`` of the loads past their timeout that still run on the loader thread."""
         return sorted(self._late_loads)
 
-    def _late_load_ended(self, label: str, started: float, why: list[str]) -> None:
-        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start;
-        ``why``: why it was given up, its one item set when it was)."""
-        self._late_loads.discard(label)
+    def _late_load_ended(self, label: str, started: float) -> None:
+        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start)."""
         log.warning(
             "the load of %s, %s, ended %.1fs after it began; what it loaded was dropped",
             label,
-            why[0],
+            self._late_loads.pop(label, "given up"),
             time.perf_counter() - started,
         )
 
@@ -225,18 +224,18 @@ class VersionLoader:
         label = f"{name}/{version}"
         if (warning := self.unwarmed_shapes_warning(self.device)) is not None:
             log.warning("%s: %s", label, warning)
-        why = ["cancelled as start-up stopped"]  # why it was given up, if it is
         bounded = BoundedCall(
             load,
             release=functools.partial(release_memory, self.device),
-            on_late_end=functools.partial(self._late_load_ended, label, started, why),
+            on_late_end=functools.partial(self._late_load_ended, label, started),
         )
+        why = "cancelled as start-up stopped"  # why it is given up, if it is
         failed: tuple[Fault, str] | str | None = None  # the device failed it, or it ran late: released after the error
         refused: str | None = None  # its files or graph refused it: on a GPU, what it moved there is released
         try:
             model = await bounded.run(self._loader, timeout)
         except TimeoutError as exc:
-            why[0] = f"given up after model.load_timeout_s={timeout:g}s"
+            why = f"given up after model.load_timeout_s={timeout:g}s"
             raise ModelLoadError(
                 f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
                 "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
@@ -249,7 +248,7 @@ class VersionLoader:
             failed = fault, fault_line(exc)
         finally:
             if bounded.late:  # timed out or cancelled: a thread cannot be stopped, it ends when it ends
-                self._late_loads.add(label)
+                self._late_loads[label] = why
         if refused is not None:
             await self._release()  # the error, whose frames held what it built, is gone by now
             raise ModelLoadError(refused)

@@ -810,7 +810,7 @@ async def test_an_unloaded_versions_queue_is_scraped_while_it_drains(repository:
 
 
 async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with_a_503(
-    repository: Path, monkeypatch: pytest.MonkeyPatch
+    repository: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with running_app(settings_for(repository)) as running:
         add_version(repository, "3")
@@ -838,6 +838,8 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
                 loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
         assert loaded.status_code == 200 and loaded.json()["loaded_versions"] == ["1", "2", "3"]
         assert (await running.client.get("/healthz")).json()["loading"] == []
+    ended = [r.getMessage() for r in caplog.records if "what it loaded was dropped" in r.getMessage()]
+    assert len(ended) == 1 and ended[0].startswith("the load of digits/3, given up after model.load_timeout_s=1s,")
 
 
 async def test_an_admin_call_before_the_service_is_ready_is_told_to_retry_as_a_prediction_is(

@@ -629,49 +629,28 @@ max_queue = 64
 """
 
 
-async def test_an_admin_change_made_while_a_reload_reads_the_file_is_not_lost(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The watcher saw an edit (batch 4) and is reading the file; an admin then sets batch 2
-    (200, GET says 2). The reload lands after and puts 4 back: the admin change, newer than
-    the edit, is lost with no later edit of the file (README: it stays until the file's
-    batching is edited)."""
+@pytest.fixture
+def reviewed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The config file, window 10 s and max batch 8, that the races below edit."""
     config = tmp_path / "service.toml"
     config.write_text(REVIEWED.format(window=10000.0, batch=8))
     monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
-    applied: list[int] = []
-    manager = PolicyManager(load_settings(), lambda b: applied.append(b.normal.max_batch))
+    return config
+
+
+async def _reload_racing_an_admin_change(
+    config: Path, monkeypatch: pytest.MonkeyPatch, edit: str, patch: dict[str, Any], applied: list[int] | None = None
+) -> PolicyManager:
+    """The watcher saw ``edit`` of the config file and is reading it (a slow disk, a busy machine:
+    until this releases it, bounded); ``patch`` is PUT meanwhile. ``applied`` gets each max batch
+    the manager applies, in order."""
+    seen = [] if applied is None else applied
+    manager = PolicyManager(load_settings(), lambda b: seen.append(b.normal.max_batch))
     real, loop = load_settings, asyncio.get_running_loop()
     reading, release = asyncio.Event(), threading.Event()
 
     def slow(**overrides: object):  # type: ignore[no-untyped-def]
         settings = real(**overrides)  # the file as edited
-        loop.call_soon_threadsafe(reading.set)
-        release.wait(10)  # a slow disk, a busy machine: until the test releases it (bounded)
-        return settings
-
-    monkeypatch.setattr("app.settings.loading.load_settings", slow)
-    config.write_text(REVIEWED.format(window=10000.0, batch=4))  # the edit the watcher picks up
-    polled = asyncio.ensure_future(manager.reload(forced=False))
-    try:
-        await until_entered(reading, polled)
-        manager.update({"normal": {"max_batch": 2}})  # PUT /admin/policy, after the edit
-    finally:
-        release.set()
-    await polled
-    assert manager.current.normal.max_batch == 2, f"admin change lost: applied in order {applied}"
-
-
-async def _reload_racing_an_admin_change(
-    config: Path, monkeypatch: pytest.MonkeyPatch, edit: str, patch: dict[str, Any]
-) -> PolicyManager:
-    """The watcher saw ``edit`` of the config file and is reading it; ``patch`` is PUT meanwhile."""
-    manager = PolicyManager(load_settings(), lambda b: None)
-    real, loop = load_settings, asyncio.get_running_loop()
-    reading, release = asyncio.Event(), threading.Event()
-
-    def slow(**overrides: object):  # type: ignore[no-untyped-def]
-        settings = real(**overrides)
         loop.call_soon_threadsafe(reading.set)
         release.wait(10)
         return settings
@@ -689,31 +668,38 @@ async def _reload_racing_an_admin_change(
     return manager
 
 
+async def test_an_admin_change_made_while_a_reload_reads_the_file_is_not_lost(
+    reviewed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher saw an edit (batch 4) and is reading the file; an admin then sets batch 2
+    (200, GET says 2). The reload lands after and puts 4 back: the admin change, newer than
+    the edit, is lost with no later edit of the file (README: it stays until the file's
+    batching is edited)."""
+    applied: list[int] = []
+    edit = REVIEWED.format(window=10000.0, batch=4)
+    manager = await _reload_racing_an_admin_change(reviewed, monkeypatch, edit, {"normal": {"max_batch": 2}}, applied)
+    assert manager.current.normal.max_batch == 2, f"admin change lost: applied in order {applied}"
+
+
 async def test_an_edit_read_while_an_admin_change_lands_applies_under_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    reviewed: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The edit (the window) and the PUT (the max batch) change different keys: both stand, as if
     the edit came first and the newer admin change after it. The edit was dropped, silently, and
     the stamp recorded: no later poll read the file again."""
-    config = tmp_path / "service.toml"
-    config.write_text(REVIEWED.format(window=10000.0, batch=8))
-    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     caplog.set_level(logging.INFO, logger="app.policy")
     edit = REVIEWED.format(window=5000.0, batch=8)
-    manager = await _reload_racing_an_admin_change(config, monkeypatch, edit, {"normal": {"max_batch": 2}})
+    manager = await _reload_racing_an_admin_change(reviewed, monkeypatch, edit, {"normal": {"max_batch": 2}})
     assert (manager.current.normal.window_ms, manager.current.normal.max_batch) == (5000.0, 2)
     assert any("under the admin change made meanwhile" in r.getMessage() for r in caplog.records)
     assert not await manager.reload(forced=False), "read once: the next poll has nothing new"
 
 
 async def test_an_edit_that_an_admin_change_made_meanwhile_makes_invalid_leaves_the_admin_change(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    reviewed: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = tmp_path / "service.toml"
-    config.write_text(REVIEWED.format(window=10000.0, batch=8))
-    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
     edit = REVIEWED.format(window=10000.0, batch=8).replace("max_queue = 64", "max_queue = 8")
-    manager = await _reload_racing_an_admin_change(config, monkeypatch, edit, {"normal": {"max_batch": 16}})
+    manager = await _reload_racing_an_admin_change(reviewed, monkeypatch, edit, {"normal": {"max_batch": 16}})
     assert (manager.current.normal.max_batch, manager.current.normal.max_queue) == (16, 64)
     assert any("the admin change stays" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
