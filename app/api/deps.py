@@ -16,7 +16,7 @@ from starlette.datastructures import QueryParams
 from starlette.types import Scope
 
 from app.batching import Lane
-from app.errors import BadRequest
+from app.errors import BadRequest, SchemaError
 from app.service import InferenceService
 from app.settings import ServerSettings
 
@@ -121,3 +121,12 @@ def query_top_k(scope: Scope) -> int | None:
         return _Query.model_validate(dict(QueryParams(scope["query_string"]))).top_k
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
+
+
+def checked_top_k(asked: int | None, server: ServerSettings, labels: int) -> int | None:
+    """``asked`` (a body's or the query's ``top_k``), or 422 over what this model can answer:
+    ``server.max_top_k``, and no more than its classes."""
+    most = min(server.max_top_k, labels)
+    if asked is not None and asked > most:
+        raise SchemaError(f"top_k must be at most {most} for this model")
+    return asked

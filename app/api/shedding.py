@@ -20,7 +20,7 @@ from starlette.datastructures import State
 from starlette.types import Scope
 
 from app.api.body import check_declared_body
-from app.api.deps import predict_headers, query_top_k
+from app.api.deps import checked_top_k, predict_headers, query_top_k
 from app.api.middleware import ARRIVED
 from app.errors import ServiceError
 
@@ -35,7 +35,7 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     try:
         headers = predict_headers(scope, server)
         check_declared_body(scope, server.max_image_bytes, server.max_body_bytes)
-        query_top_k(scope)
+        top_k = query_top_k(scope)
     except (ServiceError, RequestValidationError):
         # a bad header or query, a body no retry mends: the route answers the 4xx, with its message
         return None
@@ -47,6 +47,7 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     remaining = headers.timeout_s - (time.perf_counter() - since) if since else headers.timeout_s
     try:
         served = service.served(model, headers.version)  # a canary's draw: made once, here
+        checked_top_k(top_k, server, len(served.labels))
         service.admit(served, headers.lane, remaining if remaining <= 0 else headers.timeout_s)
         scope["state"]["served"] = served  # the route serves the version this check was of
     except ServiceError as exc:

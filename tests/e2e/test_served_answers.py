@@ -85,8 +85,17 @@ def _declared_only(port: int, head: bytes) -> tuple[int, dict[str, str], dict[st
         ("application/json", 0, "/predict", 400, "invalid_json"),
         ("image/png", 12, "/predict?top_k=abc", 422, "validation_error"),
         ("image/png", 12, "/predict?top_k=0", 422, "validation_error"),
+        ("image/png", 12, "/predict?top_k=11", 422, "validation_error"),  # the bundled model has ten classes
     ],
-    ids=["media-type", "declared-length", "empty-image", "empty-json", "query-top-k-not-a-number", "query-top-k-0"],
+    ids=[
+        "media-type",
+        "declared-length",
+        "empty-image",
+        "empty-json",
+        "query-top-k-not-a-number",
+        "query-top-k-0",
+        "query-top-k-over-the-classes",
+    ],
 )
 def test_a_request_no_retry_mends_is_a_4xx_before_any_503(
     server: ServerProcess, content_type: str, length: int, target: str, status: int, code: str

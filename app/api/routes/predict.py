@@ -20,14 +20,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.auth import check_api_key
 from app.api.body import OPENAPI_BODY, check_declared_body, read_image_body
-from app.api.deps import predict_headers, query_top_k
+from app.api.deps import checked_top_k, predict_headers, query_top_k
 from app.api.disconnect import ClientClosed, unless_disconnected
 from app.api.errors import error_responses, service_error_response
 from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
 from app.deadline import within
-from app.errors import Draining, SchemaError
+from app.errors import Draining
 from app.prediction import Outcome
 from app.routing import VersionNotLoaded
 from app.service import InferenceService
@@ -73,6 +73,7 @@ async def _predict(name: str | None, request: Request) -> Response:
     checked = served is not None  # the edge asked admission for it already
     if served is None:
         served = service.served(name, headers.version)
+    checked_top_k(top_k_asked, server, len(served.labels))  # a 422 before any 503
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     if not checked:
         service.admit(served, headers.lane, remaining)  # refused before the body is read: a refusal stays cheap
@@ -87,11 +88,8 @@ async def _predict(name: str | None, request: Request) -> Response:
     except ClientClosed:  # admitted, and gone before its image was whole
         served.batcher.observer.on_dropped(headers.lane, "cancelled")
         raise
-    most = min(server.max_top_k, len(served.labels))
-    asked = body.top_k or top_k_asked
-    if asked is not None and asked > most:
-        raise SchemaError(f"top_k must be at most {most} for this model")
-    top_k = asked or min(server.default_top_k, most)  # a model of fewer classes: all of them
+    asked = checked_top_k(body.top_k, server, len(served.labels)) or top_k_asked
+    top_k = asked or min(server.default_top_k, server.max_top_k, len(served.labels))  # fewer classes: all
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     try:
         seat = service.reserve(served, headers.lane, remaining, admitted=True)
