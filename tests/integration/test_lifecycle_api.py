@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -840,6 +841,55 @@ async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with
         assert (await running.client.get("/healthz")).json()["loading"] == []
     ended = [r.getMessage() for r in caplog.records if "what it loaded was dropped" in r.getMessage()]
     assert len(ended) == 1 and ended[0].startswith("the load of digits/3, given up after model.load_timeout_s=1s,")
+
+
+async def test_a_start_up_load_a_close_cancelled_says_so_when_it_ends(
+    repository: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread cannot be stopped: a load running when the close cancelled start-up goes on, and its
+    end is logged with why it was given up (not as a timeout it never had)."""
+    loads = StuckLoads(monkeypatch)
+    opening = threading.Timer(1.0, loads.gate.set)  # the load ends while the close waits for its thread
+    try:
+        async with running_app(settings_for(repository), wait=False) as running:
+            assert await asyncio.to_thread(loads.started.wait, 30)
+            assert running.service.state.value == "starting"
+            opening.start()
+    finally:
+        loads.gate.set()
+        opening.cancel()
+    ended = [r.getMessage() for r in caplog.records if "what it loaded was dropped" in r.getMessage()]
+    assert len(ended) == 1, ended
+    assert ended[0].startswith("the load of digits/"), ended
+    assert ", cancelled as start-up stopped, ended " in ended[0], ended
+
+
+async def test_a_close_waits_for_an_admin_load_whose_caller_went_away(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load goes on without its caller (it is shielded); the close awaits it before closing the
+    service, so what it loads is closed with the rest, not left running as the loop ends."""
+    closing: list[list[asyncio.Future[Any]]] = []
+    async with running_app(settings_for(repository)) as running:
+        add_version(repository, "3")
+        loads = StuckLoads(monkeypatch)
+        call = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/3/load", headers=AUTH))
+        assert await asyncio.to_thread(loads.started.wait, 30)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        lifecycle, service = running.app.state.lifecycle, running.service
+        assert len(lifecycle.loads_under_way()) == 1, "the caller went, the load did not"
+        close = service.close
+
+        async def close_after_the_loads(grace_s: float) -> None:
+            closing.append(lifecycle.loads_under_way())
+            await close(grace_s)
+
+        monkeypatch.setattr(service, "close", close_after_the_loads)
+        threading.Timer(1.0, loads.gate.set).start()  # the load ends while the close waits for it
+    assert closing == [[]]
+    assert loads.calls == 1 and len(loads.made) == 1, "it ran to its end, once"
 
 
 async def test_an_admin_call_before_the_service_is_ready_is_told_to_retry_as_a_prediction_is(
