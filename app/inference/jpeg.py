@@ -110,7 +110,13 @@ def decode_reduced(
     # for a 4:4:1 header's subsampling): Pillow's path then decides
     except Exception:
         return None
-    return pixels if pixels.shape == (*size, 1 if channels == 1 else 4 if padded else 3) else None
+    if pixels.shape != (*size, 1 if channels == 1 else 4 if padded else 3):
+        return None
+    whole_width, whole_height = reduced_size(width, height, scale)
+    if whole_width < size[1]:  # rows of whole pixels, laid out one after another again
+        whole: np.ndarray = np.ascontiguousarray(pixels[:whole_height, :whole_width])
+        return whole
+    return pixels[:whole_height]  # the last row cut off, if partial: still one block
 
 
 def pillow_image(pixels: np.ndarray) -> Image.Image:
@@ -123,12 +129,18 @@ def pillow_image(pixels: np.ndarray) -> Image.Image:
 
 
 def draft_scale(width: int, height: int, wanted: tuple[int, int]) -> int:
-    """The reduction to decode at for ``wanted``: the largest of 8, 4 and 2 that both sides allow
-    and divide by, else 1. A side it does not divide leaves a last pixel that covers only part
-    of one at that scale, and a resize of the reduced image then stretches the whole picture by
-    it (a 641 x 481 photo came out up to 53 levels off the full decode, 27 dB)."""
+    """The reduction to decode at for ``wanted``: the largest of 8, 4 and 2 that leaves at least
+    ``wanted`` whole pixels (``reduced_size``), else 1."""
     most = min(width // wanted[0], height // wanted[1])
-    return next((scale for scale in (8, 4, 2) if most >= scale and not width % scale and not height % scale), 1)
+    return next((scale for scale in (8, 4, 2) if most >= scale), 1)
+
+
+def reduced_size(width: int, height: int, scale: int) -> tuple[int, int]:
+    """The whole pixels of a ``width`` x ``height`` JPEG decoded at ``1/scale``. A side the scale
+    does not divide ends in a pixel that covers only part of one at that scale: it is cut off
+    (fewer than ``scale`` pixels of the photo), since a resize would take it for a whole one and
+    stretch the picture by it (a 641 x 481 photo came out up to 53 levels off the full decode)."""
+    return width // scale, height // scale
 
 
 def _orientation(data: bytes) -> int | None:

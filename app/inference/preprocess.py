@@ -30,6 +30,7 @@ from app.inference.jpeg import (
     decode_reduced,
     draft_scale,
     pillow_image,
+    reduced_size,
 )
 from app.inference.manifest import InputSpec
 
@@ -273,10 +274,12 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
         if image.format == "JPEG" and spec.resize.mode != "fit_content":
             width, height = image.size if turned < 5 else image.size[::-1]  # 5-8: a quarter turn
             wanted = draft_size(width, height, spec, draft_tolerance)
-            # the scale that divides both sides (``draft_scale``), asked for exactly: Pillow would
-            # pick one that leaves a part pixel; at 1 the draft still sets the decoder's colour mode
-            scale = draft_scale(*image.size, wanted if turned < 5 else wanted[::-1])
-            image.draft("L" if spec.channels == 1 else "RGB", (image.size[0] // scale, image.size[1] // scale))
+            # asked for the whole pixels at that scale, Pillow picks it (at 1 the draft still sets
+            # the decoder's colour mode); a partial last pixel is cut off as on the fast path
+            whole = reduced_size(*image.size, draft_scale(*image.size, wanted if turned < 5 else wanted[::-1]))
+            image.draft("L" if spec.channels == 1 else "RGB", whole)
+            if image.size != whole:
+                image = image.crop((0, 0, *whole))
         image.load()
         if turned != 1:
             image = ImageOps.exif_transpose(image)

@@ -14,7 +14,7 @@ from PIL import Image
 from app.bench.limit.photos import synthetic_photo
 from app.errors import BadRequest, PayloadTooLarge
 from app.inference import jpeg, preprocess
-from app.inference.jpeg import decode_reduced, draft_scale, pillow_image
+from app.inference.jpeg import decode_reduced, draft_scale, pillow_image, reduced_size
 from app.inference.manifest import InputSpec, ResizeSpec
 from app.inference.preprocess import ImageLimits, decode, draft_size
 from tests.unit.test_preprocess import IMAGENET
@@ -97,18 +97,18 @@ def test_the_fast_path_gives_exactly_the_pixels_of_pillows_path(
 @given(
     width=st.integers(1, 5000), height=st.integers(1, 5000), wanted_w=st.integers(1, 600), wanted_h=st.integers(1, 600)
 )
-def test_the_scale_divides_both_sides_leaves_what_was_wanted_and_is_what_pillow_then_picks(
+def test_the_scale_leaves_what_was_wanted_in_whole_pixels_and_is_what_pillow_then_picks(
     width: int, height: int, wanted_w: int, wanted_h: int
 ) -> None:
-    """The Pillow path asks its draft for the sides divided by ``draft_scale``: Pillow picks that
-    scale, so both paths decode the same pixels. A scale that does not divide a side is never
-    used: its last pixel would cover part of one, and the resize stretch the picture by it."""
+    """The Pillow path asks its draft for the whole pixels at ``draft_scale``: Pillow picks that
+    scale, so both paths decode the same pixels, and both cut a partial last pixel off."""
     scale = draft_scale(width, height, (wanted_w, wanted_h))
-    assert width % scale == 0 and height % scale == 0
-    assert scale == 1 or (width // scale >= wanted_w and height // scale >= wanted_h)
+    whole = reduced_size(width, height, scale)
+    assert scale == 1 or (whole[0] >= wanted_w and whole[1] >= wanted_h)
+    assert scale == 8 or width // (2 * scale) < wanted_w or height // (2 * scale) < wanted_h, "the largest such"
     opened = Image.open(io.BytesIO(encode(Image.new("RGB", (width, height)))))
-    opened.draft("RGB", (width // scale, height // scale))
-    assert opened.size == (width // scale, height // scale)
+    opened.draft("RGB", whole)
+    assert opened.size == (-(-width // scale), -(-height // scale)), "every pixel, the partial last one too"
 
 
 @pytest.mark.parametrize("order", ["<", ">"])
@@ -239,9 +239,7 @@ def test_a_tiny_image_is_not_decoded_at_a_scale_pillow_would_not_pick(monkeypatc
     spec = InputSpec(channels=3, height=1, width=1, mean=(0.5,) * 3, std=(0.5,) * 3)
     pixels = np.random.default_rng(2).integers(0, 256, (5, 5, 3), dtype=np.uint8)
     data = encode(Image.fromarray(pixels), quality=100, subsampling=0)
-    # 5 divides by no scale: decoded whole (the 3/8 libjpeg-turbo could pick never comes up)
-    reduced = decode_reduced(data, 3, lambda w, h: (1, 1), LIMITS.max_pixels)
-    assert reduced is not None and reduced.shape[:2] == (5, 5)
+    assert decode_reduced(data, 3, lambda w, h: (1, 1), LIMITS.max_pixels) is None
     assert same_as_pillow(data, spec, monkeypatch)
 
 

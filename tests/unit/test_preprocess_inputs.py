@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from app.errors import BadRequest
 from app.inference.manifest import InputSpec, Manifest
@@ -254,14 +254,23 @@ def _photo_jpeg(width: int, height: int, orientation: int = 1) -> bytes:
     return out.getvalue()
 
 
+def _decoded_whole(data: bytes, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:
+    """``data`` decoded at full size by Pillow, upright, and served as a PNG: no reduced decoding."""
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+    lossless = io.BytesIO()
+    upright.save(lossless, "PNG")
+    return decode(lossless.getvalue(), spec, limits)
+
+
 @pytest.mark.parametrize("orientation", [1, 6], ids=["fast-path", "pillow-path"])
 @pytest.mark.parametrize("size", [(641, 481), (1281, 961), (1027, 771), (640, 480)])
-def test_a_jpeg_is_decoded_at_a_reduced_scale_only_where_it_divides_both_sides(
+def test_a_jpeg_decoded_at_a_reduced_scale_is_the_picture_decoded_whole(
     size: tuple[int, int], orientation: int
 ) -> None:
     """A 641 x 481 photo decoded at 1/2 is 321 x 241 pixels, the last of each row covering half
-    a pixel of the photo; resized as if it covered the whole of it, the input came out stretched,
-    up to 53 levels off the full decode. Such sizes now decode whole, and 640 x 480 still at 1/2."""
+    a pixel of the photo; resized as if it covered the whole of it, the input came out stretched
+    (mean 2.5-4.1 levels off the full decode, 17-24 at most, for these sizes). The partial pixel
+    is cut off: as close to the full decode as a size the scale divides (mean 0.4-1.6, at most 9)."""
     from app.inference.export import input_spec_for
     from app.inference.jpeg import draft_scale
     from app.inference.preprocess import draft_size
@@ -269,13 +278,10 @@ def test_a_jpeg_is_decoded_at_a_reduced_scale_only_where_it_divides_both_sides(
     spec = input_spec_for("mobilenet_v3_small")
     data = _photo_jpeg(*size, orientation)
     limits = ImageLimits(1 << 24, 4_000_000)
+    assert draft_scale(*size, draft_size(*size, spec)) > 1, "decoded reduced"
     served = decode(data, spec, limits).float()
-    whole = decode(data, spec, limits, draft_tolerance=1.0).float()  # never reduced
-    scale = draft_scale(*size, draft_size(*size, spec))
-    if size[0] % 2:
-        assert scale == 1 and float((served - whole).abs().max()) <= 1.0
-    else:  # reduced: the same picture, a little softer
-        assert scale == 2 and 0 < float((served - whole).abs().mean()) < 3.0
+    off = (served - _decoded_whole(data, spec, limits).float()).abs()
+    assert float(off.mean()) < 2.0 and float(off.max()) <= 12, (float(off.mean()), float(off.max()))
 
 
 def test_a_16_bit_grey_pngs_transparent_grey_becomes_the_dark_ground() -> None:
