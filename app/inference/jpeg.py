@@ -113,10 +113,10 @@ def decode_reduced(
     if pixels.shape != (*size, 1 if channels == 1 else 4 if padded else 3):
         return None
     whole_width, whole_height = reduced_size(width, height, scale)
+    whole: np.ndarray = pixels[:whole_height]  # the last row cut off, if partial: still one block
     if whole_width < size[1]:  # rows of whole pixels, laid out one after another again
-        whole: np.ndarray = np.ascontiguousarray(pixels[:whole_height, :whole_width])
-        return whole
-    return pixels[:whole_height]  # the last row cut off, if partial: still one block
+        whole = np.ascontiguousarray(whole[:, :whole_width])
+    return whole
 
 
 def pillow_image(pixels: np.ndarray) -> Image.Image:
