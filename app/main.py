@@ -93,14 +93,20 @@ def _reloader(
     return on_sighup
 
 
+class StartupFailed(RuntimeError):
+    """The app must not start: what it would serve is not what was configured."""
+
+
 async def _secrets(settings: Settings, fatal: FatalHandler) -> tuple[bytes | None, bytes | None]:
     """The admin token and the API key. ``serve`` checked their files before starting: here
-    only a file changed since fails, and start-up with it."""
+    only a file changed since fails (and every embedding that did not check: a Ray replica).
+    It fails the start-up itself, not only through ``fatal``: with no key read, the API would
+    be served open, and the admin API would fail on every call."""
     try:
         return await asyncio.to_thread(read_secrets, settings)
     except SettingsError as exc:
         fatal(str(exc))
-        return None, None
+        raise StartupFailed(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -172,6 +178,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # first: a secret that cannot be read fails start-up before anything is made that needs closing
+        app.state.admin_token, app.state.api_key = await _secrets(settings, fatal)
         service = _new_service(settings, metrics, tracer, fatal)
         app.state.service = service
 
@@ -181,7 +189,6 @@ def create_app(
             except Exception as exc:
                 fatal(str(exc))
 
-        app.state.admin_token, app.state.api_key = await _secrets(settings, fatal)
         app.state.lifecycle = LifecycleManager(service)
         policy = PolicyManager(settings, service.set_policy, config_stamp, reread, config_file)
         app.state.policy = policy

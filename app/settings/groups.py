@@ -138,6 +138,9 @@ class ServerSettings(_Group):
             raise ValueError("default_top_k must be <= max_top_k")
         if self.default_timeout_ms > self.max_timeout_ms:
             raise ValueError("default_timeout_ms must be <= max_timeout_ms")
+        if self.api_key is not None and self.api_key_file is not None:
+            # the key would win and the file never be read: a rotation of the file would leave it in use
+            raise ValueError("server.api_key and server.api_key_file are both set: set one")
         return self
 
 
@@ -331,6 +334,9 @@ class AdminSettings(_Group):
     def _token_when_enabled(self) -> AdminSettings:
         if self.enabled and self.token is None and self.token_file is None:
             raise ValueError("admin.enabled needs admin.token or admin.token_file")
+        if self.token is not None and self.token_file is not None:
+            # the token would win and the file never be read: a rotation of the file would leave it in use
+            raise ValueError("admin.token and admin.token_file are both set: set one")
         if self.token is not None and len(self.token.get_secret_value()) < 16:
             raise ValueError("admin.token must be at least 16 characters (whitespace around it not counted)")
         return self

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import SettingsFactory
 from tests.support import running_app, sample_png
 
@@ -47,3 +49,21 @@ async def test_a_401_names_its_scheme(make_settings: SettingsFactory) -> None:
         wrong = await running.predict_png(sample_png(3), headers={"Authorization": "Bearer " + "w" * 24})
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"  # RFC 9110, 11.6.1
     assert wrong.status_code == 403 and "www-authenticate" not in wrong.headers
+
+
+async def test_a_key_file_unreadable_at_start_up_fails_it_rather_than_serving_open(
+    make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    """``serve`` checks the files before it starts; an app built otherwise (a Ray replica) read
+    them first in its lifespan, where a failure was only reported: with no key read, predictions
+    were served to anyone and every admin call failed with a 500. Now start-up fails."""
+    from app.main import StartupFailed
+
+    secret = tmp_path / "key"
+    secret.write_text("short")
+    reported: list[str] = []
+    settings = make_settings(server={"api_key_file": secret}, admin={"enabled": True, "token": KEY})
+    with pytest.raises(StartupFailed, match="fewer than 16 characters"):
+        async with running_app(settings, on_fatal=reported.append):
+            pytest.fail("served with its API key unread")
+    assert len(reported) == 1 and "server.api_key_file" in reported[0]

@@ -202,6 +202,23 @@ def test_a_token_file_that_cannot_be_used_names_its_setting(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
+    ("group", "inline", "file"), [("admin", "token", "token_file"), ("server", "api_key", "api_key_file")]
+)
+def test_a_secret_given_both_inline_and_as_a_file_is_refused(
+    tmp_path: Path, group: str, inline: str, file: str
+) -> None:
+    """The inline secret won and the file was never read: rotating the file (a Kubernetes Secret)
+    left the old secret in use and refused the new one, without a word."""
+    secret = tmp_path / "secret"
+    secret.write_text("from-the-file-0123456789\n")
+    values: dict[str, object] = {inline: "inline-secret-0123456789", file: secret}
+    if group == "admin":
+        values["enabled"] = True
+    with pytest.raises(SettingsError, match=f"{group}.{inline} and {group}.{file} are both set"):
+        load_settings(**{group: values})
+
+
+@pytest.mark.parametrize(
     ("variable", "value"),
     [
         ("AI_SERVICE_MODEL__NAMES", "digits"),  # a list, written as a plain word
