@@ -23,6 +23,13 @@ log = logging.getLogger("app.access")
 summary_log = logging.getLogger("app.access.unlogged")
 
 SUMMARY_EVERY_S = 1.0
+LOGGED_PATH_CHARS = 1024  # the longest path a log line keeps (as a span attribute: the client's string)
+
+
+def logged_path(path: str) -> str:
+    """A request's path as log lines give it: cut past ``LOGGED_PATH_CHARS`` (a 60 KB path made a
+    120 KB access line, written on the event loop)."""
+    return path if len(path) <= LOGGED_PATH_CHARS else path[:LOGGED_PATH_CHARS] + "..."
 
 
 class LineBudget:
@@ -78,6 +85,7 @@ class AccessLog:
         """The line of one answer (``code`` is logged for a status of 400 or more)."""
         if status == 503 and not self.refusals.take(code):
             return
+        path = logged_path(path)
         log.info(
             "%s %s %d",
             method,

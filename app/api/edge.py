@@ -30,6 +30,7 @@ from fastapi import FastAPI
 from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from app.api.access_log import logged_path
 from app.api.errors import retry_after
 from app.api.middleware import (
     ARRIVED,
@@ -159,7 +160,8 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                     try:
                         refusal = edge.refusal(scope, self.server_state.default_headers, cycle.keep_alive)
                     except Exception:  # a bug here must not cost the request its answer: the app gives it
-                        log.exception("the edge failed on %s %s; the app serves it", scope["method"], scope["path"])
+                        path = logged_path(scope["path"])
+                        log.exception("the edge failed on %s %s; the app serves it", scope["method"], path)
                 if refusal is None:
                     super()._start_asgi_task(cycle, app)
                     return

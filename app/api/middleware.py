@@ -24,7 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.access_log import AccessLog
+from app.api.access_log import AccessLog, logged_path
 from app.api.errors import service_error_response
 from app.errors import Draining, RequestTimeout
 from app.telemetry.logging import caller_trace_var, request_id_var
@@ -244,7 +244,7 @@ class RequestContextMiddleware:
                 return
             raise
         except Exception as exc:
-            _error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            _error_log.exception("unhandled error in %s %s", scope["method"], logged_path(scope["path"]))
             server_span = trace.get_current_span()  # it ends outside, with the status only: tell it why
             server_span.record_exception(exc)
             server_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))

@@ -79,3 +79,20 @@ async def test_a_batch_the_model_fails_logs_its_traceback_once_not_once_more_for
     assert len(with_traceback) == 1 and "batch of 3 failed" in with_traceback[0].getMessage()
     per_request = [r for r in caplog.records if r.getMessage().startswith("request failed")]
     assert len(per_request) == 3 and all("inference_failed" in r.getMessage() for r in per_request)
+
+
+async def test_a_long_path_is_cut_in_the_access_line(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The path is the client's string: a 60 KB one made a 120 KB access line (in the message
+    and in its field), written on the event loop. It is cut as a span attribute is."""
+    from app.api.access_log import LOGGED_PATH_CHARS
+
+    path = "/" + "a" * 60_000
+    async with running_app(make_settings(logging={"access_log": True})) as running:
+        with caplog.at_level(logging.INFO, logger="app.access"):
+            answered = await running.client.get(path)
+    assert answered.status_code == 404
+    (line,) = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "app.access"]
+    assert line["path"] == path[:LOGGED_PATH_CHARS] + "..."
+    assert len(json.dumps(line)) < 3 * LOGGED_PATH_CHARS, "the path twice at most, each cut"
