@@ -380,7 +380,10 @@ class ClosingProtocol(HttpToolsProtocol):
             head += [name, b": ", value, b"\r\n"]
         self.transport.write(b"".join([*head, b"\r\n", body]))
         if not served:
-            self.answered_invalid(scope, request_id, self._invalid_at, status, code)
+            # timed from the request's first byte, as every answer is (a 408's head took 15 s)
+            head_scope = self.scope if self._in_head else None
+            began = next((s["state"][ARRIVED] for s in (scope, head_scope) if s and ARRIVED in s["state"]), None)
+            self.answered_invalid(scope, request_id, began or self._invalid_at, status, code)
 
     def answered_invalid(
         self,
@@ -391,8 +394,9 @@ class ClosingProtocol(HttpToolsProtocol):
         code: str = "invalid_http",
     ) -> None:
         """An ``invalid_http`` 400 no app task counts is written (``scope``: the request whose
-        body broke, if one did). A protocol that knows the app counts it in its metrics and
-        access log; an app task cut off by its own 400 counts it itself (``answered_as``)."""
+        body broke, if one did), or a request read whole that no app task will answer, its client
+        gone (499 ``client_closed_request``). A protocol that knows the app counts it in its
+        metrics and access log; an app task cut off by its own 400 counts it itself (``answered_as``)."""
 
     def _close_if_answered(self) -> None:
         # answered before its body had all arrived (a refusal at the edge): closed once it has;
@@ -411,4 +415,10 @@ class ClosingProtocol(HttpToolsProtocol):
         if running is not None and running is not self.cycle and not running.response_complete:
             running.disconnected = True
             running.message_event.set()
+        # those read whole and waiting behind it never run: each is a 499 all the same, counted here
+        for cycle, _ in self.pipeline:
+            scope = cast("dict[str, Any]", cycle.scope)
+            state = scope["state"]
+            self.answered_invalid(scope, request_id_from(scope), state[ARRIVED], 499, "client_closed_request")
+        self.pipeline.clear()
         super().connection_lost(exc)

@@ -191,6 +191,8 @@ async def test_an_invalid_http_answer_is_counted_and_logged_once(
     latency = metric_samples(text, f"{PREFIX}_request_duration_seconds_count")
     assert latency[(("lane", "none"), ("route", "unmatched"), ("status", "400"))] == 1  # not a request at all
     assert sum(v for k, v in latency.items() if ("status", "400") in k) == 2
+    cancelled = metric_samples(text, f"{PREFIX}_cancellations_total").get((("reason", "cancelled"),), 0)
+    assert cancelled == 0, "a body that broke is not a client that went"
     assert broken.headers["x-request-id"] == "broken-body", "the client's id, as any answer to its request"  # type: ignore[attr-defined]
     # one access line each: the request cut off by its 400 is not also logged as a client leaving (499)
     access = [r for r in caplog.records if r.name == "app.access"]
@@ -361,8 +363,14 @@ async def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection
         finally:
             writer.close()
         assert running.reached == []
+        text = await _metrics_text(running)
     assert head.status == 408 and json.loads(body)["code"] == "request_timeout"  # type: ignore[attr-defined]
     assert json.loads(body)["request_id"] == head.headers["x-request-id"] == "slow"  # type: ignore[attr-defined]
+    # timed from its first byte, as every answer is (it read about 0 s: timed from the refusal)
+    (took,) = [
+        v for k, v in metric_samples(text, f"{PREFIX}_request_duration_seconds_sum").items() if ("status", "408") in k
+    ]
+    assert took >= 0.3
 
 
 async def test_a_client_gone_while_its_pipelined_request_runs_cancels_it(
@@ -391,6 +399,37 @@ async def test_a_client_gone_while_its_pipelined_request_runs_cancels_it(
     assert batcher.batches == 0, "computed for nobody"
     assert metric_samples(text, f"{PREFIX}_cancellations_total")[(("reason", "cancelled"),)] == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_requests_pipelined_behind_one_running_are_each_a_499_when_the_client_goes(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Read whole and waiting behind the running one, they never run: they were counted nowhere
+    and logged nowhere, so the service's counts fell short of a proxy's."""
+    settings = make_settings(
+        logging={"access_log": True},
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 4}},
+    )
+    async with served(settings) as running:
+        with caplog.at_level(logging.INFO, logger="app.access"):
+            sock = socket.create_connection(("127.0.0.1", running.port))
+            try:
+                sock.sendall(b"".join(predict(X_Request_ID=f"piped-{i}") for i in range(4)))
+                batcher = running.service.models["digits"].batcher
+                async with asyncio.timeout(10):
+                    while batcher.queued(Lane.NORMAL) != 1:  # noqa: ASYNC110 - no event for it
+                        await asyncio.sleep(0.01)
+            finally:
+                sock.close()
+            async with asyncio.timeout(10):
+                while batcher.queued(Lane.NORMAL) != 0:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            text = await _metrics_text(running)
+    requests_total = metric_samples(text, f"{PREFIX}_requests_total")
+    assert requests_total[(("code", "client_closed_request"), ("status", "499"))] == 4
+    logged = sorted(r.request_id for r in caplog.records if r.name == "app.access" and r.status == 499)  # type: ignore[attr-defined]
+    assert logged == [f"piped-{i}" for i in range(4)]
 
 
 async def test_a_head_past_its_limit_behind_a_request_is_answered_after_it(make_settings: SettingsFactory) -> None:

@@ -86,7 +86,8 @@ async def _predict(name: str | None, request: Request) -> Response:
             async with within(time.monotonic() + remaining, "while its body was arriving", expired):
                 body = await read_image_body(request, server.max_image_bytes, server.max_body_bytes)
     except ClientClosed:  # admitted, and gone before its image was whole
-        served.batcher.observer.on_dropped(headers.lane, "cancelled")
+        if "answered_as" not in state:  # not a body that broke, answered 400 by the protocol
+            served.batcher.observer.on_dropped(headers.lane, "cancelled")
         raise
     asked = checked_top_k(body.top_k, server, len(served.labels)) or top_k_asked
     top_k = asked or min(server.default_top_k, server.max_top_k, len(served.labels))  # fewer classes: all
