@@ -267,7 +267,9 @@ class ClosingProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             if self._invalid:  # refused already (a head too large): nothing more to say
                 return
-            self.logger.warning("Invalid HTTP request received.")
+            # uvicorn's warning, but at DEBUG: any client can send bytes that are not HTTP, and the
+            # access line (code invalid_http, the id the client was given) already says it
+            self.logger.debug("Invalid HTTP request received.")
             self.send_400_response("Invalid HTTP request received.")
             return
         if self._in_head and not self._invalid:

@@ -125,6 +125,9 @@ def configure_logging(level: str, json_format: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # Pillow logs a line for every chunk of a PNG it reads: at DEBUG, one crafted image made 40,000
+    # lines (with no request id: decodes run on the batch's thread). It keeps INFO and above
+    logging.getLogger("PIL").setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
     for name in ("uvicorn", "uvicorn.error"):
         logger = logging.getLogger(name)
         logger.handlers[:] = []

@@ -94,3 +94,22 @@ def test_the_console_span_exporter_writes_a_span_a_line() -> None:
         pass
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["name"] == "one"
+
+
+def test_debug_logs_the_service_not_a_line_for_every_chunk_of_a_png() -> None:
+    """At DEBUG Pillow logged a line for every chunk of a PNG it read (a crafted 240 KB image made
+    40,000 lines, none with a request id): it keeps INFO whatever the service's level."""
+    from app.telemetry.logging import configure_logging
+
+    root, pil, access = logging.getLogger(), logging.getLogger("PIL"), logging.getLogger("uvicorn.access")
+    handlers, levels, disabled = root.handlers[:], (root.level, pil.level), access.disabled
+    try:
+        configure_logging("DEBUG", json_format=True)
+        assert logging.getLogger("app.service").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("PIL.PngImagePlugin").isEnabledFor(logging.DEBUG)
+        configure_logging("WARNING", json_format=True)
+        assert not logging.getLogger("PIL.PngImagePlugin").isEnabledFor(logging.INFO), "never below the service's"
+    finally:
+        root.handlers[:], access.disabled = handlers, disabled
+        root.setLevel(levels[0])
+        pil.setLevel(levels[1])
