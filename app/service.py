@@ -258,6 +258,7 @@ class InferenceService:
             (self.metrics.model_info, (served.name, served.version, str(self.device), dtype_name(self.dtype))),
             (self.metrics.model_info, (served.name, served.version, "cpu", "float32")),  # after a CPU fallback
             (self.metrics.model_load, (served.name, served.version)),
+            *self.metrics.version_series(served.name, served.version),
         ):
             with contextlib.suppress(KeyError):  # never set (a fallback that did not happen)
                 gauge.remove(*labels)

@@ -328,5 +328,7 @@ class VersionLoader:
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
+        for counter, labels in self.metrics.version_series(name, version):
+            counter.labels(*labels)  # at 0 from the start (see ``Metrics.rejections``)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
         return ServedModel(name, version, runner, batcher, load_s)

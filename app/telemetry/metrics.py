@@ -37,6 +37,9 @@ LATENCY_BUCKETS = (
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = tuple(2**i for i in range(MAX_BATCH.bit_length()))  # 1, 2, 4, ... the largest max_batch
 FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+REJECTION_REASONS = ("queue_full", "would_miss_deadline", "deadline_exceeded")
+CANCELLATION_REASONS = ("cancelled", "deadline")
+DEVICE_FAULTS = ("out_of_memory", "device_error")
 
 
 def batch_bucket(size: int) -> str:
@@ -62,7 +65,8 @@ class _ScrapeTimeGauges(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         depth = GaugeMetricFamily(
             f"{PREFIX}_queue_depth",
-            "Requests waiting in a lane: queued, or admitted and still being read or decoded (what max_queue bounds)",
+            "Requests holding a seat in a lane (what max_queue bounds): queued, or their image being decoded "
+            "(a seat is taken once the body is whole)",
             labels=["model", "version", "lane"],
         )
         for model, version, lane, value in self.queue_depths():
@@ -116,7 +120,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered", ["status", "code"], registry=r)
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "HTTP requests by the status answered (499: the client went first; 0: cut off with none sent)",
+            ["status", "code"],
+            registry=r,
+        )
         self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "HTTP requests being served", registry=r)
         self.queue_wait = Histogram(
             f"{PREFIX}_queue_wait_seconds",
@@ -155,7 +164,17 @@ class Metrics:
         self.cancellations = Counter(
             f"{PREFIX}_cancellations", "Requests admitted, then dropped uncomputed", ["reason"], registry=r
         )
-        self.dropped_spans = Counter(f"{PREFIX}_dropped_spans", "Spans the exporter queue dropped", registry=r)
+        # every reason from the start, at 0: rate() and increase() see the first refusal after a
+        # start, which a series born with it hides, and a panel reads 0 rather than no data
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)
+        for reason in CANCELLATION_REASONS:
+            self.cancellations.labels(reason)
+        self.dropped_spans = Counter(
+            f"{PREFIX}_dropped_spans",
+            "Spans lost: dropped by the full export queue, or in an export that failed",
+            registry=r,
+        )
         self.loop_lag = Histogram(
             f"{PREFIX}_event_loop_lag_seconds",
             "How much later than due the event loop ran a timer (sampled every telemetry.loop_lag_interval_ms)",
@@ -173,6 +192,13 @@ class Metrics:
 
     def observer(self, model: str, version: str) -> BatchMetrics:
         return BatchMetrics(self, model, version)
+
+    def version_series(self, model: str, version: str) -> list[tuple[Counter, tuple[str, ...]]]:
+        """A version's counters' series: made at 0 when it loads, removed when it is unloaded."""
+        return [
+            (self.batch_failures, (model, version)),
+            *((self.device_faults, (model, version, fault)) for fault in DEVICE_FAULTS),
+        ]
 
 
 class BatchMetrics:

@@ -808,6 +808,9 @@ async def test_an_unloaded_versions_queue_is_scraped_while_it_drains(repository:
         assert not any(
             line.startswith("ai_backend_queue_depth{") and 'version="2"' in line for line in after.splitlines()
         )
+        for counter in ("ai_backend_batch_failures_total{", "ai_backend_device_faults_total{"):
+            assert any(line.startswith(counter) and 'version="1"' in line for line in after.splitlines())
+            assert not any(line.startswith(counter) and 'version="2"' in line for line in after.splitlines())
 
 
 async def test_a_load_past_its_timeout_is_a_409_and_other_loads_wait_for_it_with_a_503(

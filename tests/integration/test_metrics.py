@@ -134,3 +134,23 @@ async def test_the_event_loops_lag_is_sampled_while_serving_and_its_task_ends_wi
         assert value(samples, "ai_backend_event_loop_lag_seconds_count") >= 3
         assert [t for t in asyncio.all_tasks() if t.get_name() == "loop-lag"]
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "loop-lag"], "closed with the app"
+
+
+async def test_the_labelled_counters_start_at_zero(make_settings: SettingsFactory) -> None:
+    """A series born with its first event hides that event from rate() and increase(), and a panel
+    reads "no data" rather than 0: every reason, and each loaded version's failures and faults,
+    are there at 0 from the start (a version's go when it is unloaded: tests/integration/
+    test_lifecycle_api.py)."""
+    async with running_app(make_settings()) as running:
+        samples = await scrape(running)
+    zero = {
+        ("ai_backend_rejections_total", (("reason", reason),))
+        for reason in ("queue_full", "would_miss_deadline", "deadline_exceeded")
+    }
+    zero |= {("ai_backend_cancellations_total", (("reason", reason),)) for reason in ("cancelled", "deadline")}
+    zero.add(("ai_backend_batch_failures_total", (("model", "digits"), ("version", "1"))))
+    zero |= {
+        ("ai_backend_device_faults_total", (("fault", fault), ("model", "digits"), ("version", "1")))
+        for fault in ("out_of_memory", "device_error")
+    }
+    assert {key: samples.get(key) for key in zero} == dict.fromkeys(zero, 0.0)
