@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 SHOWN_CHARS = 64  # of a client's string quoted back in a message (a name, a JSON key)
+# the errors an answer lists: a body of thousands of unknown keys has as many, and listing them
+# cost the event loop most of a second and made an answer several times the size of the body
+MAX_LISTED_ERRORS = 10
 
 
 def quoted(value: str) -> str:
@@ -159,3 +162,8 @@ def fails_the_service(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure of the service's (a 5xx, or no service error at all: a bug),
     not the client's mistake (a 4xx): what marks a span failed, or counts against a batch."""
     return not isinstance(exc, ServiceError) or exc.status >= 500
+
+
+def not_listed(count: int) -> str:
+    """What a message says of the errors past ``MAX_LISTED_ERRORS`` ("" when all are listed)."""
+    return f" ({count} errors, the first {MAX_LISTED_ERRORS} listed)" if count > MAX_LISTED_ERRORS else ""

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.errors import SchemaError, dotted
+from app.errors import MAX_LISTED_ERRORS, SchemaError, dotted, not_listed
 from app.settings import (
     ENV_PREFIX,
     BatchingSettings,
@@ -238,7 +238,9 @@ class PolicyManager:
         try:
             valid = BatchingSettings.model_validate(batching, strict=strict)
         except ValidationError as exc:
-            raise SettingsError("; ".join(f"{dotted(e['loc'], 'batching')}: {e['msg']}" for e in exc.errors())) from exc
+            errors = exc.errors()
+            said = "; ".join(f"{dotted(e['loc'], 'batching')}: {e['msg']}" for e in errors[:MAX_LISTED_ERRORS])
+            raise SettingsError(said + not_listed(len(errors))) from exc
         # the rule alone, not Settings.model_validate: that reads the environment and the config
         # file again (pydantic-settings' sources), on the event loop, and a broken file would
         # refuse a valid admin change, the one way left to change the policy then

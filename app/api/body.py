@@ -11,7 +11,15 @@ from starlette.types import Scope
 
 from app.api.disconnect import ClientClosed
 from app.api.schemas import PredictRequest
-from app.errors import BadRequest, PayloadTooLarge, SchemaError, ServiceError, UnsupportedMediaType, dotted
+from app.errors import (
+    MAX_LISTED_ERRORS,
+    BadRequest,
+    PayloadTooLarge,
+    SchemaError,
+    ServiceError,
+    UnsupportedMediaType,
+    dotted,
+)
 from app.inference.preprocess import ACCEPTED_FORMATS, base64_bytes
 
 IMAGE_TYPES = frozenset(ACCEPTED_FORMATS.values())
@@ -62,9 +70,6 @@ async def read_limited(request: Request, limit: int, code: str = "body_too_large
     except ClientDisconnect:
         raise ClientClosed("the client disconnected while sending its body") from None
     return b"".join(chunks)  # one copy at most (none for a body that came in one piece)
-
-
-MAX_LISTED_ERRORS = 10
 
 
 def _body_error(exc: ValidationError) -> ServiceError:

@@ -14,7 +14,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import Scope
 
 from app.api.schemas import ErrorResponse
-from app.errors import ServiceError, shown
+from app.errors import MAX_LISTED_ERRORS, ServiceError, not_listed, shown
 from app.telemetry.logging import request_id_var
 
 log = logging.getLogger(__name__)
@@ -79,11 +79,13 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     if any(error.get("type") == "json_invalid" for error in exc.errors()):  # an admin body, say
         return envelope(request, 400, "invalid_json", "the body is not valid JSON")
+    errors = exc.errors()
     details = [
         {"loc": [shown(part) for part in error.get("loc", ())], "msg": error.get("msg", ""), "type": error["type"]}
-        for error in exc.errors()
+        for error in errors[:MAX_LISTED_ERRORS]
     ]
-    return envelope(request, 422, "validation_error", "the request does not match the schema", details=details)
+    message = "the request does not match the schema" + not_listed(len(errors))
+    return envelope(request, 422, "validation_error", message, details=details)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

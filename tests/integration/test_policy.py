@@ -621,6 +621,21 @@ async def test_json_nested_past_the_parsers_depth_is_a_400_invalid_json(make_set
         assert (await running.client.get("/admin/policy", headers=AUTH)).status_code == 200
 
 
+async def test_an_admin_change_with_thousands_of_errors_lists_ten(make_settings: SettingsFactory) -> None:
+    """Every error was listed: 5,000 unknown keys (59 KB) made a 194 KB answer, 6,000 bad canary
+    weights (65 KB) a 557 KB one, as a prediction body's errors are no longer."""
+    async with running_app(admin_settings(make_settings)) as running:
+        policy = await running.client.put("/admin/policy", headers=AUTH, json={f"u{i}": 1 for i in range(5_000)})
+        canary = await running.client.put(
+            f"/admin/models/{MODEL_NAME}/canary", headers=AUTH, json={"weights": {str(i): "x" for i in range(6_000)}}
+        )
+        assert (await running.client.get("/admin/policy", headers=AUTH)).status_code == 200
+    assert policy.status_code == 422 and len(policy.content) < 2_000, len(policy.content)
+    assert policy.json()["message"].endswith("(5000 errors, the first 10 listed)")
+    assert canary.status_code == 422 and len(canary.json()["details"]) == 10, len(canary.content)
+    assert canary.json()["message"].endswith("(6000 errors, the first 10 listed)")
+
+
 REVIEWED = """
 [batching.normal]
 window_ms = {window}
