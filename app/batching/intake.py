@@ -226,13 +226,19 @@ class Intake:
         # in the batcher, its wait is its window and the decodes ahead of it, if any: no batch
         # estimate refuses it (it is the probe that keeps those current)
         batch_s = self.batch_s(lane) if predict else None
-        wait = None
+        wait, allowed = None, self._dispatcher.policy.admission_headroom * timeout_s
         if batch_s is not None:
             window = self._dispatcher.effective_policy().lane(lane).window_s
-            wait = window if self._idle(lane) else (self.predicted_wait(lane) or window)
+            if self._idle(lane) and upstream_s <= 0:
+                # nothing ahead: its window and its own batch, no estimate of others' that the
+                # headroom must allow for (with it, a deadline under twice the window was refused
+                # on an idle server, and told to retry a request no retry would serve)
+                wait, allowed = window + batch_s, timeout_s
+            else:
+                wait = self.predicted_wait(lane) or window
             if upstream_s > 0:  # the images ahead of it in the decode threads, then its own batch
                 wait = max(wait, upstream_s + window + batch_s)
-        if wait is not None and wait > self._dispatcher.policy.admission_headroom * timeout_s:
+        if wait is not None and wait > allowed:
             self._refuse(lane, "would_miss_deadline")
             raise WouldMissDeadline(self._miss_message(lane, wait, timeout_s), retry_after_s=max(1, math.ceil(wait)))
         if reserve:
@@ -253,14 +259,16 @@ class Intake:
     def _miss_message(self, lane: Lane, wait: float, timeout_s: float) -> str:
         headroom = self._dispatcher.policy.admission_headroom
         said = f"predicted wait {wait * 1000:.0f} ms"
-        if headroom < 1:
-            said += f" is over {headroom:g} of the {timeout_s * 1000:.0f} ms deadline (batching.admission_headroom)"
-        else:
-            said += f" exceeds the deadline of {timeout_s * 1000:.0f} ms"
-        if self._idle(lane):  # nothing ahead: the lane's window alone is too long for this deadline
+        if self._idle(lane):  # nothing ahead: the lane's window and one batch are too long for this deadline
             window_ms = self._dispatcher.effective_policy().lane(lane).window_s * 1000
-            said += f"; the {lane.value} lane's window alone is {window_ms:g} ms"
-        return said
+            return (
+                f"{said} exceeds the deadline of {timeout_s * 1000:.0f} ms: nothing is ahead of it, but the "
+                f"{lane.value} lane's window is {window_ms:g} ms, then its batch runs"
+            )
+        deadline_ms = f"{timeout_s * 1000:.0f} ms"
+        if headroom < 1:
+            return f"{said} is over {headroom:g} of the {deadline_ms} deadline (batching.admission_headroom)"
+        return f"{said} exceeds the deadline of {deadline_ms}"
 
     def release(self, lane: Lane) -> None:
         """A seat ``admit(reserve=True)`` held is free again (the request is submitted, or failed)."""

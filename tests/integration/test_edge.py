@@ -119,14 +119,14 @@ async def test_a_refusal_is_answered_by_the_protocol_exactly_as_the_app_answers_
     make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.handler.addFilter(RequestIdFilter())
-    # windows longer than the deadline's admissible share (0.5 of 150 ms), so the predicted wait refuses
-    # every such request, and a deadline no busy machine passes on the way to the app's check: with
-    # 1 ms, the app's path, slower than the edge's, could find it already past (deadline_exceeded)
+    # windows longer than the deadline (90 ms), so the predicted wait refuses every such request on an
+    # idle lane, and a deadline no busy machine passes on the way to the app's check: with 1 ms, the
+    # app's path, slower than the edge's, could find it already past (deadline_exceeded)
     windows = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}
     async with served(make_settings(**SETTINGS, **windows)) as running:
         ((warm, _),) = await running.exchange(predict())
         assert warm.status == 200 and running.reached == ["POST /predict"], "a prediction reaches the app"
-        late = {"X_Request_Timeout": "150", "X_Request_ID": "edge-late-1"}
+        late = {"X_Request_Timeout": "90", "X_Request_ID": "edge-late-1"}
         requests = [
             predict(**late),
             predict("/v1/models/digits/predict", **late),
