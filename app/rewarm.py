@@ -13,6 +13,12 @@ meanwhile is not warmed, nor a size a later policy no longer allows. No served v
 (held by this task, an unloaded one outlived its unload's collection, then was frozen with the
 rest, never freed), only the model of the call in progress, by that call; ``settled`` waits for
 it, so that an unload's release of device memory comes after the model is gone.
+
+A size the device has no memory for ends the version's warm-up: what the failed call took is
+released (off the event loop), and the version's batch ceiling drops below that size, as a
+batch out of memory drops it: live batches would otherwise run the size unwarmed under the
+same pressure, and a size first set up under memory pressure has crashed the process on CUDA
+when it ran again. The ceiling climbs back as it does after any out-of-memory batch.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from app.inference.device import device_fault, fault_line
+from app.inference.device import Fault, device_fault, fault_line, release_memory
 from app.inference.loader import LayeredModel
 from app.versions import ServedModel, VersionLoader
 
@@ -56,16 +62,19 @@ class Rewarmer:
             if warmed:
                 log.info("warmed %s/%s at batch sizes %s for the new policy", name, version, warmed)
 
+    def _version(self, name: str, version: str) -> ServedModel | None:
+        return next((s for s in self._served() if (s.name, s.version) == (name, version)), None)
+
     def _model(self, name: str, version: str) -> LayeredModel | None:
-        for served in self._served():
-            if (served.name, served.version) == (name, version):
-                model = served.runner.model
-                return model if isinstance(model, LayeredModel) else None
-        return None  # unloaded since
+        served = self._version(name, version)
+        model = None if served is None else served.runner.model
+        return model if isinstance(model, LayeredModel) else None  # None: unloaded since
 
     async def _one(self, name: str, version: str) -> int | None:
         """One size ``name/version`` lacks, warmed: the size; None when none is left, the version
-        is gone, or the device failed it (logged: its warm-up ends). Its frame alone holds the model."""
+        is gone, or the device failed it (logged: its warm-up ends; out of memory, the memory the
+        call took is released and the version's batch ceiling lowered below the size). Its frame
+        alone holds the model."""
         model = self._model(name, version)
         size = None if model is None else self._loader.unwarmed_size(model)
         if model is None or size is None:
@@ -73,12 +82,20 @@ class Rewarmer:
         try:
             await self._loader.warm_size(model, size)
         except Exception as exc:  # the device failed a warm-up batch: serving goes on, the size unwarmed
-            if device_fault(exc) is None:
+            if (fault := device_fault(exc)) is None:
                 log.exception("warming %s/%s for the new policy failed", name, version)
             else:
-                log.warning("warming %s/%s for the new policy: %s", name, version, fault_line(exc))
-            return None
-        return size
+                log.warning("warming %s/%s at batch %d for the new policy: %s", name, version, size, fault_line(exc))
+            if fault is not Fault.MEMORY:
+                return None
+        else:
+            return size
+        # past the handler: the failed call's frames, and the tensors they held, are gone
+        await asyncio.to_thread(release_memory, model.device)
+        served = self._version(name, version)
+        if served is not None and served.runner.model is model:  # not since replaced by its CPU fallback
+            served.batcher.lower_ceiling(size)
+        return None
 
     async def settled(self) -> None:
         """Until the device call a warm-up runs, if any, ended (a cancelled warm-up's too)."""

@@ -30,6 +30,12 @@ class Faulty:
     def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.inner.batch(images)
 
+    def batch_rows(self, images: int) -> int:
+        return self.inner.batch_rows(images)
+
+    def head(self, name: str | None = None) -> torch.jit.ScriptModule:
+        return self.inner.head(name)
+
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
         self.sizes.append(len(images))
         if self.always or len(images) >= self.fail_at:

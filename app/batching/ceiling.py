@@ -1,10 +1,13 @@
 """The batch ceiling under device memory pressure.
 
-A batch that ran out of device memory caps every lane's batches below its size. Only batches
-full at the cap show that the cap fits (small ones prove nothing, and a larger one was formed
-before the cap: the batch that failed, once its halves ran), and after ``recovery_batches``
-of them the cap doubles, until it reaches the policy's own sizes. A policy lowered under the
-cap for a while does not lift it: its batches prove nothing of the sizes that failed.
+A batch that ran out of device memory caps every lane's batches at half its size at most: the
+size the device ran it at (a padded batch's rows, not its requests: a batch of 10 padded to 16
+caps them at 8, a size batches run at unpadded), as does a new batch size whose warm-up ran out
+(``app/rewarm.py``). Only batches full at the cap show that the cap fits (small ones prove
+nothing, and a larger one was formed before the cap: the batch that failed, once its halves
+ran), and after ``recovery_batches`` of them the cap doubles, until it reaches the policy's own
+sizes. A policy lowered under the cap for a while does not lift it: its batches prove nothing of
+the sizes that failed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Ceiling:
         self._calm = 0
 
     def lower(self, failed_size: int) -> None:
+        """A batch of ``failed_size`` rows ran out of device memory: cap batches at half of it."""
         self.value = max(1, min(failed_size // 2, self.value or failed_size))
         self._calm = 0
         log.warning("%s: batch ceiling lowered to %d after a failure at %d", self._name, self.value, failed_size)

@@ -272,11 +272,15 @@ def device_fault(exc: BaseException) -> Fault | None:
     TorchScript re-raises an error from inside a graph as a plain ``RuntimeError`` carrying
     the original message, so CUDA's out-of-memory error from the scripted backbone is known
     by its text, as is the CPU allocator's (a plain ``RuntimeError`` everywhere), and the
-    libraries' own (cuBLAS and cuDNN report a failed allocation as ``*_STATUS_ALLOC_FAILED``,
-    inside a "CUDA error" when cuBLAS makes its handle). A CUDA error (illegal address, launch
-    failure, ECC) leaves the context unusable; so, as far as this server can tell, does any
-    cuBLAS or cuDNN failing to execute, map or initialise (a status about the call's arguments,
-    as ``NOT_SUPPORTED``, is a bug of ours, not the device's).
+    libraries' own: cuBLAS reports a failed allocation as ``CUBLAS_STATUS_ALLOC_FAILED``, cuDNN 9
+    (which torch 2.14 ships) as ``CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED`` or
+    ``..._DEVICE_ALLOCATION_FAILED`` (an internal error by name, so these are looked for first;
+    cuDNN 8 said ``CUDNN_STATUS_ALLOC_FAILED``). A CUDA error (illegal address, launch failure,
+    ECC) leaves the context unusable; so, as far as this server can tell, does any cuBLAS or
+    cuDNN failing to execute, map or initialise, or failing inside (``INTERNAL_ERROR``). A status
+    about the call's arguments (``NOT_SUPPORTED``, ``INVALID_VALUE``, ``ARCH_MISMATCH``,
+    ``BAD_PARAM``: a shape or a dtype the library does not take) is a bug of ours, not the
+    device's, although torch puts "CUDA error: " before every cuBLAS status it raises.
     """
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return Fault.MEMORY
@@ -287,6 +291,8 @@ def device_fault(exc: BaseException) -> Fault | None:
     # memory", cudaErrorMemoryAllocation), and those leave the context usable (split, retry)
     if any(sign in text for sign in _OUT_OF_MEMORY):
         return Fault.MEMORY
+    if any(sign in text for sign in _BAD_CALLS):  # inside torch's "CUDA error: ": not a lost device
+        return None
     if isinstance(exc, getattr(torch, "AcceleratorError", ())) or any(sign in text for sign in _DEVICE_ERRORS):
         return Fault.DEVICE
     return None
@@ -298,10 +304,26 @@ def fault_line(exc: BaseException) -> str:
     return next((line.strip() for line in lines if any(sign in line for sign in _TELLING)), lines[0])
 
 
-# "can't allocate memory": the CPU's allocator; the statuses: cuBLAS's and cuDNN's
-_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+# "can't allocate memory": the CPU's allocator; the statuses: cuBLAS's and cuDNN's (8, then 9)
+_OUT_OF_MEMORY = (
+    "out of memory",
+    "can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+)
+# the statuses about the call's arguments (cuDNN 9 adds a reason after them: NOT_SUPPORTED_SHAPE,
+# BAD_PARAM_NULL_POINTER): a shape, a dtype or a batch size, a bug of ours: no fallback
+_BAD_CALLS = (
+    "CUBLAS_STATUS_NOT_SUPPORTED",
+    "CUBLAS_STATUS_INVALID_VALUE",
+    "CUBLAS_STATUS_ARCH_MISMATCH",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "CUDNN_STATUS_BAD_PARAM",
+    "CUDNN_STATUS_ARCH_MISMATCH",
+)
 # the statuses that say the device or the library's state failed, not the call's arguments
-# (NOT_SUPPORTED, INVALID_VALUE, BAD_PARAM: a shape or a batch size, a bug of ours: no fallback)
 _FAILED_STATES = ("EXECUTION_FAILED", "INTERNAL_ERROR", "MAPPING_ERROR", "NOT_INITIALIZED")
 _DEVICE_ERRORS = ("CUDA error", *(f"{lib}_STATUS_{state}" for lib in ("CUBLAS", "CUDNN") for state in _FAILED_STATES))
 _TELLING = _OUT_OF_MEMORY + _DEVICE_ERRORS

@@ -357,11 +357,16 @@ class LayeredModel:
         ``N x H x W x C`` when channels-last (decoded images are laid out ``H x W x C``: each is
         copied once, in order), else ``N x C x H x W``. Padded with zero images to
         ``padded_size`` when ``largest_batch`` is set: the first ``len(images)`` rows are theirs."""
-        size = len(images) if self.largest_batch is None else padded_size(len(images), self.largest_batch())
+        size = self.batch_rows(len(images))
         if self.channels_last:
             laid_out = [image.permute(1, 2, 0) for image in images]
             return _stacked(laid_out, size).permute(0, 3, 1, 2)
         return _stacked(list(images), size)
+
+    def batch_rows(self, images: int) -> int:
+        """The rows a batch of ``images`` runs at on the device: more where batches are padded. A
+        batch that runs out of memory failed at this size, not at its count of images."""
+        return images if self.largest_batch is None else padded_size(images, self.largest_batch())
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """Backbone features of a ``N x C x H x W`` uint8 batch."""

@@ -1,13 +1,17 @@
 """Runs one batch of one model on the device thread, and survives device faults.
 
 A batch that runs out of device memory is split in halves and each half retried; the
-batcher is told, so it caps batch sizes until the pressure passes. A single image that
+batcher is told the size the device ran it at (padded, where batches are: a batch of 10 padded
+to 16 failed at 16), so it caps batch sizes until the pressure passes. A single image that
 still does not fit, or a device that fails outright (a CUDA error: the context is lost for
-good), is a device failure. After ``fallback_after`` consecutive failures, a configured
-fallback (the model in fp32 on the CPU) takes over for good, and the service reports itself
-degraded; without one, or if it cannot load, each failure is a 503 ``device_unavailable``.
-The images a failure leaves uncomputed get that error; those the device had answered keep
-their answers (a batch fails as a whole only when nothing in it was computed).
+good), is a device failure; so is a head loaded on first use that the device has no memory
+for: it loads before the batch runs, and its failure fails the batch once, unsplit (no size
+of batch would make it fit, and each half would load it again). After ``fallback_after``
+consecutive failures, a configured fallback (the model in fp32 on the CPU) takes over for
+good, and the service reports itself degraded; without one, or if it cannot load, each
+failure is a 503 ``device_unavailable``. The images a failure leaves uncomputed get that
+error; those the device had answered keep their answers (a batch fails as a whole only when
+nothing in it was computed).
 
 Before every attempt, the first and each retry, the images whose request has gone (deadline
 passed, client disconnected) are left out. A failed attempt's tensors are let go before the
@@ -46,6 +50,10 @@ class Model(Protocol):
     def failed_heads(self) -> dict[str, str]: ...
 
     def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+    def batch_rows(self, images: int) -> int: ...
+
+    def head(self, name: str | None = None) -> torch.jit.ScriptModule: ...
 
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor: ...
 
@@ -191,7 +199,10 @@ class ModelRunner:
         if batch.lost:  # a device error earlier in this batch: the context is gone
             batch.fail(wanted, Fault.DEVICE)
             return
+        loading = True  # the head first (on its first use it loads): its failure is no batch size's
         try:
+            model.head()
+            loading = False
             computed = self._forward(model, [batch.tensor(i) for i in wanted])
         except ModelLoadError as exc:  # a head that cannot serve (logged where it failed)
             raise Unavailable("the model cannot serve: a layer failed to load", code="model_unavailable") from exc
@@ -208,10 +219,13 @@ class ModelRunner:
                 for i in wanted:
                     batch.answers[i] = failed
                 return
-            log.warning("%s at batch %d: %s", fault.value, len(wanted), fault_line(exc), extra=self._ids)
+            log.warning("%s %s: %s", fault.value, self._where(model, wanted, loading), fault_line(exc), extra=self._ids)
             self._on_fault(fault)
             # on the batch's span (this thread runs in the batcher's context): a split shows in its trace
-            trace.get_current_span().add_event(fault.value, {"batch.size": len(wanted), "fault": fault_line(exc)})
+            event: dict[str, str | int | bool] = {"batch.size": len(wanted), "fault": fault_line(exc)}
+            if loading:
+                event["head.loading"] = True
+            trace.get_current_span().add_event(fault.value, event)
         else:
             for i, top in zip(wanted, computed, strict=True):
                 batch.answers[i] = top
@@ -219,13 +233,26 @@ class ModelRunner:
             return
         # past the handler: the failed attempt's frames, and the tensors they held, are gone
         release_memory(model.device)
+        if loading:  # no batch size makes the head fit: split, each half would load it again
+            batch.fail(
+                wanted, fault, "the device is out of memory for the model's head" if fault is Fault.MEMORY else None
+            )
+            return
         if fault is Fault.DEVICE or len(wanted) == 1:
             batch.fail(wanted, fault)
             return
-        self._on_pressure(len(wanted))
+        self._on_pressure(model.batch_rows(len(wanted)))  # the size it failed at: a padded batch's, not its images'
         half = len(wanted) // 2
         self._compute(batch, wanted[:half], model, part=True)
         self._compute(batch, wanted[half:], model, part=True)
+
+    @staticmethod
+    def _where(model: Model, wanted: Sequence[int], loading: bool) -> str:
+        """Where a device fault struck, for its log line: loading the head, or at a batch size."""
+        if loading:
+            return "loading the model's head"
+        rows = model.batch_rows(len(wanted))
+        return f"at batch {len(wanted)}" + (f" (padded to {rows})" if rows != len(wanted) else "")
 
     def _forward(self, model: Model, images: list[torch.Tensor]) -> list[TopK | ServiceError]:
         with torch.inference_mode():
@@ -307,10 +334,10 @@ class _Batch:
         assert not isinstance(image, Encoded), "an image still wanted is decoded before any attempt"
         return image
 
-    def fail(self, indices: Sequence[int], fault: Fault) -> None:
+    def fail(self, indices: Sequence[int], fault: Fault, reason: str | None = None) -> None:
         self.failed.extend(indices)
         self.lost = self.lost or fault is Fault.DEVICE
-        self.reason = "the device failed" if self.lost else "the device is out of memory even for one image"
+        self.reason = reason or ("the device failed" if self.lost else "the device is out of memory even for one image")
 
     def retry(self) -> list[int]:
         """The failed images, to try on another device: none has failed there yet."""

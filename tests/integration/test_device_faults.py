@@ -5,13 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from app.inference import loader
 from app.inference.device import Memory
-from app.inference.loader import LayeredModel
+from app.inference.loader import LayeredModel, PreparedLayer
+from app.inference.manifest import Layer, Manifest
 from tests.conftest import SettingsFactory
 from tests.faults import DeviceLost, Faulty, Unfit
 from tests.support import MODEL_NAME, metric_samples, running_app, sample_png, top_label
@@ -315,3 +320,73 @@ async def test_an_image_that_did_not_decode_keeps_its_400_when_its_batch_fails(
             (400, "undecodable_image"),
             expected,
         ]
+
+
+TOKEN = "s3cret-admin-token-0123456789"
+
+
+async def test_a_new_size_the_warm_up_has_no_memory_for_is_released_and_batches_stay_under_it(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A policy raising the max batch to 32 warms 32 in the background; out of memory there, live
+    batches would run 32 unwarmed under the same pressure (a size first set up under memory pressure
+    crashed the process on an H200): the memory is released and the ceiling caps batches below it."""
+    settings = make_settings(
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0},
+        server={"default_timeout_ms": 60_000},
+        model={"warmup": True, "pad_batches": "on"},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 8, "max_queue": 64}},
+    )
+    released: list[torch.device] = []
+    out_of_memory = "CUDA out of memory. Tried to allocate 4.00 GiB (injected)"
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        model = served.runner.model
+        assert isinstance(model, LayeredModel) and model.warmed == {1, 2, 4, 8, 16}
+        warm_up = model.warm_up
+
+        def short_of_memory(max_batch: int, rounds: int = 3, sizes: Sequence[int] | None = None) -> None:
+            if sizes is not None and max(sizes) >= 32:
+                raise torch.cuda.OutOfMemoryError(out_of_memory)
+            warm_up(max_batch, rounds, sizes)
+
+        model.warm_up = short_of_memory  # type: ignore[method-assign]
+        monkeypatch.setattr("app.rewarm.release_memory", released.append, raising=False)
+        with caplog.at_level(logging.WARNING):
+            raised = {"normal": {"max_batch": 32, "max_queue": 64}}
+            changed = await running.client.put(
+                "/admin/policy", headers={"Authorization": f"Bearer {TOKEN}"}, json=raised
+            )
+            assert changed.status_code == 200, changed.text
+            assert running.service.rewarm.task is not None
+            await asyncio.wait_for(running.service.rewarm.task, 30)
+        assert 32 not in model.warmed
+        assert released == [model.device], "what the failed warm-up took, released"
+        assert served.batcher.ceiling == 16 and served.batcher.effective_policy().normal.max_batch == 16
+        warned = [r.getMessage() for r in caplog.records if r.name == "app.rewarm"]
+        assert warned == [f"warming {MODEL_NAME}/1 at batch 32 for the new policy: {out_of_memory}"], "once"
+        assert (await running.predict_png(sample_png(4))).status_code == 200
+
+
+async def test_a_lazy_head_the_device_has_no_memory_for_fails_its_batch_once_without_a_split(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    normal = {"window_ms": 20_000.0, "max_batch": 8, "max_queue": 64}
+    settings = make_settings(model={"warmup": False}, batching={"normal": normal, "admission_headroom": 1.0})
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        assert served.model.loaded_heads == (), "the head loads on its first batch"
+        load_layer, loads = loader.load_layer, []
+
+        def short_of_memory(folder: Path, manifest: Manifest, layer: Layer, *args: Any) -> PreparedLayer:
+            if layer.name == manifest.backbone.name:
+                return load_layer(folder, manifest, layer, *args)
+            loads.append(layer.name)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB (injected: the head)")
+
+        monkeypatch.setattr(loader, "load_layer", short_of_memory)
+        answers = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(8)))
+        assert [(a.status_code, a.json()["code"]) for a in answers] == [(503, "device_unavailable")] * 8
+        assert len(loads) == 1, "one batch, one load: not once more for every half of a split"
+        assert served.batcher.ceiling is None, "no batch size is to blame"
+        assert served.runner.failures == 1

@@ -6,6 +6,7 @@ at chosen batch sizes, which is what the CUDA caching allocator raises.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
@@ -19,11 +20,13 @@ from torch import nn
 
 from app.batching import Lane
 from app.errors import BatchFailed, DeviceUnavailable, Unavailable
+from app.inference import loader
 from app.inference.device import DeviceThread, Fault, device_fault, fault_line
 from app.inference.jobs import Job, TracedRunner
-from app.inference.loader import LayeredModel, ModelLoadError
-from app.inference.manifest import Manifest, Provenance
+from app.inference.loader import LayeredModel, ModelLoadError, PreparedLayer
+from app.inference.manifest import Layer, Manifest, Provenance
 from app.inference.packaging import write_version
+from app.inference.postprocess import TopK
 from app.inference.runner import ModelRunner
 from app.training.digits import make_backbone
 from tests.faults import DeviceLost, Faulty, LostAfter, Unfit, out_of_memory_in_graph
@@ -146,6 +149,12 @@ class Broken:
 
     def batch(self, images: list[torch.Tensor]) -> torch.Tensor:
         return self.inner.batch(images)
+
+    def batch_rows(self, images: int) -> int:
+        return self.inner.batch_rows(images)
+
+    def head(self, name: str | None = None) -> torch.jit.ScriptModule:
+        return self.inner.head(name)
 
     def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
         raise ValueError("a bug")
@@ -496,3 +505,84 @@ def test_a_batch_whose_requests_all_went_does_not_reset_the_failure_count(
     assert runner.failures == 1
     answers = runner.run_sync(batch)  # the second failure in a row: the fallback takes over and answers
     assert loads == ["cpu"] and all(answer is not None for answer in answers)
+
+
+class LibraryStatus(Faulty):
+    """Batches of ``fail_at`` or more fail with ``message``, as torch raises a library's status."""
+
+    def __init__(self, inner: LayeredModel, message: str, fail_at: int = 1) -> None:
+        super().__init__(inner, fail_at=fail_at)
+        self.message = message
+
+    def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+        self.sizes.append(len(images))
+        if len(images) >= self.fail_at:
+            raise RuntimeError(self.message)
+        return self.inner.probabilities(images, head)
+
+
+def test_a_cudnn_9_allocation_failure_is_out_of_memory_and_splits_the_batch(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    # cuDNN 9 has no ALLOC_FAILED: its failed workspace allocation is an "internal error" by name
+    faulty = LibraryStatus(model, "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED", fail_at=3)
+    pressure: list[int] = []
+    runner = ModelRunner(faulty, device, top_k=3, on_pressure=pressure.append)
+    answers = runner.run_sync(images(model, 4))
+    assert all(isinstance(answer, TopK) for answer in answers)
+    assert faulty.sizes == [4, 2, 2] and pressure == [4] and runner.failures == 0
+
+
+def test_a_cublas_status_about_the_call_is_a_bug_not_a_lost_device(model: LayeredModel, device: DeviceThread) -> None:
+    # torch puts "CUDA error: " before every cuBLAS status: NOT_SUPPORTED is a shape or a dtype of ours
+    status = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmStridedBatchedEx(handle, opa, opb, ...)`"
+    loads: list[str] = []
+
+    def fallback() -> LayeredModel:
+        loads.append("cpu")
+        return model
+
+    runner = ModelRunner(LibraryStatus(model, status), device, top_k=3, fallback=fallback, fallback_after=1)
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_SUPPORTED"):  # a 500, not a 503
+        runner.run_sync(images(model, 4))
+    assert runner.failures == 0 and loads == [] and not runner.degraded, "no device failure, no fallback"
+
+
+def test_a_padded_batch_out_of_memory_lowers_the_ceiling_from_the_size_it_ran_at(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    # padded up to 16, 10 images run as 16 rows and each half of 5 as 8: the device holds 4. The
+    # ceiling is half the rows that failed (8, then 4), not half the images (5: batches of 5 padded
+    # to 8, three rows of zeros, and a cap that doubles to 10, padded to 16 again)
+    faulty = Faulty(dataclasses.replace(model, largest_batch=lambda: 16), fail_at=8)
+    pressure: list[int] = []
+    answers = ModelRunner(faulty, device, top_k=3, on_pressure=pressure.append).run_sync(images(model, 10))
+    assert all(isinstance(answer, TopK) for answer in answers)
+    assert faulty.sizes == [16, 8, 2, 4, 8, 2, 4]
+    assert pressure == [16, 8, 8]
+
+
+def test_a_head_the_device_has_no_memory_for_fails_its_batch_once_unsplit(
+    device: DeviceThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lazy = LayeredModel.load(DIGITS, Manifest.read(DIGITS), torch.device("cpu"), torch.float32)  # heads on first use
+    real, loads = loader.load_layer, []
+
+    def load_layer(folder: Path, manifest: Manifest, layer: Layer, *args: torch.device | torch.dtype) -> PreparedLayer:
+        loads.append(layer.name)
+        if len(loads) == 1:  # the first try: the device has no room for the head's weights
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB (injected: the head)")
+        return real(folder, manifest, layer, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "load_layer", load_layer)
+    pressure: list[int] = []
+    faults: list[Fault] = []
+    runner = ModelRunner(lazy, device, top_k=3, on_pressure=pressure.append, on_fault=faults.append)
+    with pytest.raises(DeviceUnavailable, match="out of memory for the model's head"):
+        runner.run_sync(images(lazy, 8))
+    assert len(loads) == 1, "split, each half loaded the head again (2N - 1 loads)"
+    assert pressure == [], "no batch size is to blame"
+    assert faults == [Fault.MEMORY] and runner.failures == 1, "one failure of the batch"
+    answers = runner.run_sync(images(lazy, 8))  # memory is back: the next batch loads it, once
+    assert all(isinstance(answer, TopK) for answer in answers)
+    assert len(loads) == 2 and lazy.head_loads == 1 and runner.failures == 0
