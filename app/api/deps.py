@@ -60,7 +60,7 @@ def predict_headers(scope: Scope, server: ServerSettings) -> PredictHeaders:
             seen = values[index]
             # a repeat of the same value (a proxy that copies headers) is harmless; two values
             # would let whichever the server happened to read decide the deadline or the lane
-            if seen is not None and seen.strip() != text.strip():
+            if seen is not None and _meaning(index, seen) != _meaning(index, text):
                 raise BadRequest(
                     f"{_HEADER_NAMES[index]} is given more than once, with different values", code="invalid_header"
                 )
@@ -70,6 +70,17 @@ def predict_headers(scope: Scope, server: ServerSettings) -> PredictHeaders:
     state["predict_headers"] = parsed
     state["lane"] = parsed.lane.value  # for the latency metric
     return parsed
+
+
+def _meaning(index: int, text: str) -> str:
+    """What a prediction header's value says, to compare a repeat with: the lane whatever its case
+    (``high`` and ``HIGH`` are one lane), the deadline as a number (``500`` and ``0500``)."""
+    text = text.strip()
+    if index == 0:
+        return text.lower()
+    if index == 1 and text.isascii() and text.isdigit():
+        return text.lstrip("0") or "0"
+    return text
 
 
 def parse_predict_headers(

@@ -32,6 +32,22 @@ def test_a_header_repeated_with_the_same_value_is_one_value() -> None:
     assert parsed.lane is Lane.URGENT
 
 
+@pytest.mark.parametrize(
+    ("name", "first", "second"),
+    [(b"x-urgency", b"high", b"HIGH"), (b"x-request-timeout", b"500", b"0500")],
+)
+def test_a_header_repeated_with_the_same_meaning_is_one_value(name: bytes, first: bytes, second: bytes) -> None:
+    """The lane is read whatever its case and the deadline as a number: two spellings of one
+    value were refused as two values."""
+    once = predict_headers(scope((name, first)), SERVER)
+    assert predict_headers(scope((name, first), (name, second)), SERVER) == once
+
+
+def test_a_version_repeated_in_another_case_is_two_versions() -> None:
+    with pytest.raises(BadRequest, match="X-Model-Version is given more than once"):
+        predict_headers(scope((b"x-model-version", b"v2"), (b"x-model-version", b"V2")), SERVER)
+
+
 def test_a_header_repeated_with_another_value_is_a_400() -> None:
     request = scope((b"x-urgency", b"high"), (b"x-urgency", b"normal"))
     with pytest.raises(BadRequest, match="X-Urgency is given more than once") as refused:
