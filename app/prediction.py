@@ -125,7 +125,8 @@ class Predictor:
         with self.tracer.start_as_current_span("postprocess", attributes=ids):
             predictions = label(top, served.labels, top_k)
         # decoded in its batch: the image's own decode is its preprocessing too, and its inference the
-        # batch's run without the decoding (as with the pool); the batch's other decodes are in neither
+        # rest of the batch's run, its batchmates' decodes included (time it spent in its batch): the
+        # stages add up to the time in the app, as with the pool, where every decode is before the queue
         decoded_s = payload.decode_s if isinstance(payload, preprocess.Encoded) else 0.0
         return Outcome(
             served.name,
@@ -135,7 +136,7 @@ class Predictor:
             done.batch_size,
             preprocessed - started + decoded_s,
             done.queued_s,
-            max(0.0, done.run_s - done.output.decode_s),
+            max(0.0, done.run_s - decoded_s),
         )
 
     def _checked(self, served: ServedModel, image: bytes | str, ids: dict[str, str], seat: Seat) -> preprocess.Encoded:

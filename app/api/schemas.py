@@ -32,10 +32,13 @@ class PredictionItem(BaseModel):
 class Timings(BaseModel):
     """Where the time went, in milliseconds."""
 
-    preprocess: float
-    queue: float
-    inference: float
-    total: float
+    preprocess: float = Field(description="reading the body and checking the image, and decoding it")
+    queue: float = Field(description="waiting for its batch to form and go to the device")
+    inference: float = Field(
+        description="its batch's run, without its own decode (where a batch decodes its images, "
+        "its batchmates' decodes are part of it)"
+    )
+    total: float = Field(description="from the request's first byte to its answer")
 
 
 class PredictResponse(BaseModel):

@@ -86,6 +86,9 @@ class Execution(Generic[P, R]):
         else:
             now = self._clock.now()
             run_s = now - started
+            # those the device ran: not the ones it left out (gone, or past their deadline)
+            computed = self._computed(outputs)
+            ran = computed or len(batch)
             for item, output in zip(batch, outputs, strict=True):
                 if item.future.done():
                     continue
@@ -95,11 +98,9 @@ class Execution(Generic[P, R]):
                     # as its timer would have answered it, not late with the result
                     item.future.set_exception(DeadlineExceeded(BATCH_RAN_PAST))
                     continue
-                item.future.set_result(
-                    Completed(output, item.lane, plan.lane, len(batch), started - item.enqueued_at, run_s)
-                )
+                item.future.set_result(Completed(output, item.lane, plan.lane, ran, started - item.enqueued_at, run_s))
             try:  # answered first: a failure in what is counted after must not cost them their answers
-                self._after_success(plan, batch, outputs, started, run_s, capacity, epoch)
+                self._after_success(plan, batch, computed, started, run_s, capacity, epoch)
             except Exception:
                 log.exception("counting a batch of %d that ran failed in %s", len(batch), self._name)
             return
@@ -121,27 +122,35 @@ class Execution(Generic[P, R]):
         self,
         plan: BatchPlan,
         batch: Sequence[Pending[P, R]],
-        outputs: Sequence[R],
+        computed: int,
         started: float,
         run_s: float,
         capacity: int,
         epoch: object,
     ) -> None:
-        """A batch ran: its time in the estimates, its report, and the ceiling's recovery."""
-        computed = self._computed(outputs)
+        """A batch ran, ``computed`` of its requests: its time in the estimates, its report, and
+        the ceiling's recovery."""
         if self._model_epoch() != epoch:  # another model now: estimates start again, from its batches
             self._intake.forget_batches()
             self._ceiling.reset()  # and the old device's memory pressure no longer caps them
         elif computed:
             self._intake.observe_batch(plan.lane, run_s)
-        self._report(plan, batch, started, run_s, capacity, ok=True)
+        self._report(plan, batch, started, run_s, capacity, ok=True, ran=computed)
         self._ceiling.calm(computed, self._policy())
 
     def _report(
-        self, plan: BatchPlan, batch: Sequence[Pending[P, R]], started: float, run_s: float, capacity: int, ok: bool
+        self,
+        plan: BatchPlan,
+        batch: Sequence[Pending[P, R]],
+        started: float,
+        run_s: float,
+        capacity: int,
+        ok: bool,
+        ran: int = 0,
     ) -> None:
+        """The batch's figures: its size is what the device ran (``ran``; 0: the batch as formed)."""
         waits = [(item.lane, started - item.enqueued_at) for item in batch]
-        self._observer.on_batch(plan.lane, len(batch), capacity, waits, run_s, ok)
+        self._observer.on_batch(plan.lane, ran or len(batch), capacity, waits, run_s, ok)
 
     @staticmethod
     def _fail(batch: Sequence[Pending[P, R]], error: BaseException) -> None:

@@ -66,7 +66,6 @@ class Answer:
     batch_span: SpanContext
     started_ns: int  # the batch's run, in wall-clock ns: every request of it shows the same times
     ended_ns: int
-    decode_s: float = 0.0  # of the batch's run, the seconds its thread spent decoding its images
 
 
 def reached_the_device(answer: Answer) -> bool:
@@ -144,5 +143,4 @@ class TracedRunner:
             if top is None:  # left out at the device: its client went, or its deadline passed
                 self._observer.on_dropped(job.lane, "cancelled" if job.gone else "deadline")
         ended_ns = time.time_ns()
-        decode_s = sum(job.image.decode_s for job in jobs if isinstance(job.image, Encoded))
-        return [Answer(top, context, started_ns, ended_ns, decode_s) for top in tops]
+        return [Answer(top, context, started_ns, ended_ns) for top in tops]

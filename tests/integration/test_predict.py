@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import SettingsFactory
-from tests.support import LABELS, MODEL_NAME, b64, reencode, running_app, top_label
+from tests.support import LABELS, MODEL_NAME, b64, reencode, running_app, sample_png, top_label
 
 ROUTES = ("/predict", f"/v1/models/{MODEL_NAME}/predict")
 
@@ -144,3 +144,31 @@ async def test_transparent_png_composites_onto_dark_ground(
         response = await running.predict_png(out.getvalue())
         assert response.status_code == 200, response.text
         assert top_label(response.json()) == "2"
+
+
+async def test_the_timings_add_up_where_a_batch_decodes_its_images(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding in its batch, a request waits while its batchmates' images decode: that time was in
+    no field, a third of the total in a batch of 16 photos. It is in ``inference`` (its time in
+    its batch), so the stages add up to about the total."""
+    import time
+
+    from app.inference import preprocess
+
+    real = preprocess.decode
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)  # a large photo's decode, on the batch's thread
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(preprocess, "decode", slow)
+    settings = make_settings(server={"decode": "batch"}, batching={"normal": {"window_ms": 100.0, "max_batch": 4}})
+    async with running_app(settings) as running:
+        answers = await asyncio.gather(*(running.predict_png(sample_png(d)) for d in range(4)))
+    for answer in answers:
+        assert answer.status_code == 200 and answer.json()["batch_size"] == 4, answer.text
+        timings = answer.json()["timings"]
+        staged = timings["preprocess"] + timings["queue"] + timings["inference"]
+        assert timings["preprocess"] >= 50, "its own decode"
+        assert staged >= 0.9 * timings["total"], timings

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -369,3 +369,32 @@ async def test_a_batch_that_ran_is_answered_though_counting_it_fails(caplog: pyt
         assert "counting a batch of 2 that ran failed" in caplog.text
     finally:
         await batcher.close(grace_s=0)
+
+
+async def test_the_batch_size_is_what_the_device_ran_not_the_requests_it_left_out() -> None:
+    """A request whose client went (or whose deadline passed) after its batch formed is left out
+    by the device: the answers and the batch histogram said the batch as formed."""
+    sizes: list[int] = []
+
+    class Sizes(NullObserver):
+        def on_batch(self, lane: Lane, size: int, *args: object) -> None:
+            sizes.append(size)
+
+    class LeavesOutTheFirst(FakeRunner):
+        async def __call__(self, payloads: Sequence[int]) -> list[int]:
+            return [-1, *(await super().__call__(payloads))[1:]]  # -1: not computed
+
+    clock, runner = FakeClock(), LeavesOutTheFirst()
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(
+        runner, policy(), clock=clock, observer=Sizes(), computed=lambda outputs: sum(o >= 0 for o in outputs)
+    )
+    batcher.start()
+    try:
+        tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+        await clock.advance(25 * MS)
+        results = await asyncio.gather(*tasks)
+    finally:
+        await batcher.close(grace_s=0)
+    assert runner.batches == [[0, 1, 2, 3]]
+    assert [r.batch_size for r in results[1:]] == [3, 3, 3]
+    assert sizes == [3]

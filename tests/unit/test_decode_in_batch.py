@@ -14,11 +14,10 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 from PIL import JpegImagePlugin, PngImagePlugin
 
-from app.batching import Lane
 from app.errors import BadRequest, BatchFailed, DeviceUnavailable, PayloadTooLarge
 from app.inference import preprocess
 from app.inference.device import DeviceThread, plan_threads
-from app.inference.jobs import Answer, Job, TracedRunner, reached_the_device
+from app.inference.jobs import Answer, reached_the_device
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Manifest
 from app.inference.postprocess import TopK
@@ -221,17 +220,6 @@ def test_a_whole_batch_failure_carries_the_errors_of_the_images_that_did_not_dec
     with pytest.raises(DeviceUnavailable) as failed:  # one left out, one refused, one failed by the device
         runner.run_sync(three, [now - 1, now + 60, now + 60])
     assert failed.value.left_out == (0,) and set(failed.value.refused) == {1}  # type: ignore[attr-defined]
-
-
-async def test_each_answer_tells_how_long_its_batch_spent_decoding(model: LayeredModel, device: DeviceThread) -> None:
-    traced = TracedRunner(ModelRunner(model, device, top_k=2), trace.NoOpTracer(), "digits", "1", "float32")
-    jobs = [Job(encoded(model, sample_png(d)), Lane.NORMAL, f"r{d}", None) for d in range(3)]
-    answers = await traced(jobs)
-    decoded = [job.image.decode_s for job in jobs if isinstance(job.image, preprocess.Encoded)]
-    assert len(decoded) == 3 and all(seconds > 0 for seconds in decoded)
-    assert {answer.decode_s for answer in answers} == {sum(decoded)}
-    plain = await traced([Job(preprocess.decode(sample_png(1), model.manifest.input, LIMITS), Lane.NORMAL, "t", None)])
-    assert plain[0].decode_s == 0.0, "decoded before its batch: the batch decoded nothing"
 
 
 def test_only_what_reached_the_device_counts_as_computed() -> None:
