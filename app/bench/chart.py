@@ -12,6 +12,9 @@ PLOT_SIZE = (960, 600)
 _BLUE, _ORANGE, _GREEN, _RED = (31, 119, 180), (230, 115, 0), (44, 160, 44), (214, 39, 40)
 _INK, _GRID, _MUTED = (30, 30, 30), (225, 225, 225), (110, 110, 110)
 Font = ImageFont.FreeTypeFont | ImageFont.ImageFont
+# the right axis reaches no higher than this many times the highest median for anything else (a
+# p90 far above every median, a latency budget far above the curve): the medians would flatten
+HEADROOM = 1.5
 
 
 def nice_ticks(high: float, count: int = 5) -> list[float]:
@@ -64,8 +67,12 @@ class _Chart:
         self.budget: float | None = report["settings"]["latency_budget_ms"]
         self.tp_ticks = nice_ticks(max((r["throughput"] for r in self.ok), default=0.0))
         top = max((r["median_ms"] for r in self.ok), default=0.0)
-        # a p90 far above every median (a stall) would flatten the medians: its whisker is clipped
-        self.ms_ticks = nice_ticks(max([min(r["p90_ms"], 1.5 * top) for r in self.ok] + [top, self.budget or 0.0]))
+        # a p90 far above every median (a stall) would flatten the medians: its whisker is clipped;
+        # a budget far above them (10 s against medians of a millisecond) is said in words instead
+        reach = HEADROOM * top
+        budget = self.budget if self.budget is not None and self.budget <= reach else 0.0
+        self.ms_ticks = nice_ticks(max([min(r["p90_ms"], reach) for r in self.ok] + [top, budget]))
+        self.budget_on_axis = self.budget is not None and self.budget <= self.ms_ticks[-1]
 
     def x(self, batch: float) -> float:
         return self.x0 + (math.log2(batch) - self.lo) / (self.hi - self.lo) * (self.x1 - self.x0)
@@ -99,6 +106,8 @@ class _Chart:
         summary = f"{knee_text(rec)}    recommended max batch: {rec['max_batch']}    torch {report['torch']}"
         if not report["memory"]["kind"].startswith("cuda"):
             summary += f", {report['host']['torch_threads']} CPU threads"
+        if self.budget is not None and not self.budget_on_axis:
+            summary += f"    latency budget {self.budget:g} ms: above the axis"
         self.text((width / 2, 50), summary, self.body, _MUTED, "mt")
         for i, tick in enumerate(self.tp_ticks):
             y = self.y1 - i / (len(self.tp_ticks) - 1) * (self.y1 - self.y0)
@@ -120,16 +129,22 @@ class _Chart:
     def marks(self) -> None:
         """The knee, the recommendation, the latency budget and any out-of-memory size."""
         rec = self.report["recommendation"]
-        if self.budget is not None:
+        labels_from: float = self.y0 + 6  # where the vertical marks' labels start
+        if self.budget is not None and self.budget_on_axis:
             y = self.y(self.budget, self.ms_ticks)
             self.dashed((self.x0, y), (self.x1, y), _ORANGE)
-            self.text((self.x1 - 6, y - 4), f"latency budget {self.budget:g} ms", self.small, _ORANGE, "rb")
+            label = f"latency budget {self.budget:g} ms"
+            if y - self.y0 < 24:  # under the line (above it is the axis's title), the marks' labels under it
+                self.text((self.x1 - 6, y + 4), label, self.small, _ORANGE, "rt")
+                labels_from = y + 26
+            else:
+                self.text((self.x1 - 6, y - 4), label, self.small, _ORANGE, "rb")
         for i, (batch, label, colour) in enumerate(knee_marks(rec)):
             x = self.x(batch)
             self.dashed((x, self.y0), (x, self.y1), colour)
             right_half = x > (self.x0 + self.x1) / 2  # label on the side with room
             self.text(
-                (x - 6 if right_half else x + 6, self.y0 + 6 + 22 * i),
+                (x - 6 if right_half else x + 6, labels_from + 22 * i),
                 label,
                 self.small,
                 colour,

@@ -153,8 +153,15 @@ class Connection:
         known by its end of stream, received (or waiting in the socket) before anything is written: the request
         then goes on a fresh connection (counted in ``retried``), since it was never sent. An end
         of stream that comes after the write is not retried: the server may have read the request.
+        A check for that end that fails itself closes the connection too (not counted): lent again,
+        it would fail the same way every time.
         """
-        if self._closed_while_idle():
+        try:
+            closed = self._closed_while_idle()
+        except Exception:  # the check itself failed: nothing is written yet, so a fresh connection is safe
+            self.close()
+            closed = False  # not counted in retried: nobody saw the server close it
+        if closed:
             self.close()
             self.retried += 1
         elif time.monotonic() - self._idle_since >= self.idle_reuse_s:
@@ -177,7 +184,10 @@ class Connection:
         """Whether the server ended (or reset) this open connection between requests. The
         event loop reads a connection's end of stream as it arrives, whether or not anyone
         waits on it, so one that came while the connection sat in the pool is seen here; the
-        socket is polled (without waiting: half a microsecond) for one that came just now."""
+        socket is polled (without waiting: about a microsecond) for one that came just now.
+
+        ``poll``, not ``select``: ``select`` takes no descriptor from 1024 up (``ValueError``), and a
+        client with a thousand connections open has them; every reuse of those failed, unsent."""
         if self._reader is None or self._writer is None:
             return False
         if self._reader.at_eof() or self._reader.exception() is not None or self._writer.is_closing():
@@ -185,12 +195,20 @@ class Connection:
         # one that came in the same loop turn as the last answer is in the socket, not read yet: a
         # server that answers and closes at once (keep-alive promised) would fail every other request
         sock = self._writer.get_extra_info("socket")
-        return sock is not None and bool(select.select([sock.fileno()], [], [], 0)[0])
+        return sock is not None and _readable(sock.fileno())
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has something to read, or has ended or failed (``POLLHUP``, ``POLLERR`` and
+    ``POLLNVAL`` are reported unasked), right now. Between requests nothing is due, so it is a close."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))
 
 
 class Pool:

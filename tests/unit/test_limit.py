@@ -128,6 +128,28 @@ def test_given_images_are_used_and_a_folder_without_jpegs_is_an_error(tmp_path: 
     assert code == 1
 
 
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [("not a JPEG", "is not an image Pillow can open"), ("truncated", "the service would refuse it")],
+)
+def test_an_image_in_the_folder_that_cannot_be_decoded_is_named(
+    kind: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "cannot identify image file <_io.BytesIO object at 0x...>": which of the folder's
+    files was not said. A truncated JPEG opens, then fails in the service's decode, named too."""
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a_good.jpg").write_bytes(synthetic_photo(0))
+    bad = images / "b_bad.jpg"
+    bad.write_bytes(b"not a JPEG at all" if kind == "not a JPEG" else synthetic_photo(1)[:2000])
+    argv = ["--repository", str(MODELS_DIR), "--model", "digits", "--images", str(images), "--seconds", "0.05"]
+    argv += ["--pipeline-seconds", "0", "--every-core-seconds", "0", "--out", str(tmp_path / "limit.json")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"ai-backend limit: {bad}" in err and says in err and "BytesIO" not in err, err
+    assert not (tmp_path / "limit.json").exists()
+
+
 class _RecordingModel:
     """Stands in for a LayeredModel: records the batch size of every forward pass."""
 

@@ -8,13 +8,16 @@ import contextlib
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +250,69 @@ async def test_a_close_that_comes_right_after_the_answer_is_seen_before_the_next
     assert connection.retried == 9 and connection.opened == 10
 
 
+@contextlib.contextmanager
+def descriptors_below_1024_taken() -> Iterator[None]:
+    """Every descriptor under 1024 in use while the block runs, so that a socket opened in it gets
+    one above: as in a client with a thousand connections open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100:
+        if hard != resource.RLIM_INFINITY and hard < 1100:
+            pytest.skip(f"a descriptor limit of {hard} leaves none above 1024")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1024:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_connection_on_a_descriptor_above_1024_is_reused() -> None:
+    """``select`` refuses a descriptor from 1024 up (``ValueError``): at a concurrency of 1100 every
+    reuse of such a connection failed before its write, and the connection went back to the pool
+    to fail again (1367 requests of 4000)."""
+    async with http_server(lambda n, _: json_answer({"n": n})) as (port, per_connection):
+        pool = rawhttp.Pool("127.0.0.1", port)
+        request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
+        try:
+            with descriptors_below_1024_taken():
+                answers = [json.loads((await pool.request(request))[1])["n"] for _ in range(3)]
+                (connection,) = pool._idle
+                assert connection._writer is not None
+                assert connection._writer.get_extra_info("socket").fileno() >= 1024
+        finally:
+            pool.close()
+    assert answers == [1, 2, 3] and per_connection == [3], "one connection, kept alive"
+    assert pool.size == 1 and pool.retried == 0
+
+
+async def test_a_check_for_a_closed_connection_that_fails_puts_the_request_on_a_fresh_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing is written before the check, so whatever goes wrong in it costs a connection, never
+    the request, and the connection is not lent again to fail the same way."""
+
+    def broken(fd: int) -> bool:
+        raise OSError("the check failed")
+
+    async with http_server(lambda n, _: json_answer({"n": n})) as (port, per_connection):
+        connection = rawhttp.Connection("127.0.0.1", port)
+        request = build_request("POST", f"127.0.0.1:{port}", "/", {}, b"{}")
+        try:
+            await connection.request(request)
+            with monkeypatch.context() as patched:
+                patched.setattr(rawhttp, "_readable", broken)
+                second = json.loads((await connection.request(request))[1])["n"]
+            third = json.loads((await connection.request(request))[1])["n"]
+        finally:
+            connection.close()
+    assert (second, third) == (2, 3) and per_connection == [1, 2]
+    assert connection.opened == 2 and connection.retried == 0, "the server closed nothing"
+
+
 SCHEDSTAT = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists()
 
 
@@ -266,6 +332,7 @@ def bench_args(**overrides: object) -> argparse.Namespace:
         "server_pid": os.getpid(),
         "server_metrics": False,
         "deadline_ms": None,
+        "api_key": None,
     }
     args = argparse.Namespace(**(defaults | overrides))
     if args.url:  # what main makes of --url
@@ -579,8 +646,45 @@ def test_the_run_goes_to_the_resolved_address_that_answers() -> None:
     assert (address, why) == ("127.0.0.1", ""), "localhost may resolve to ::1 first, the server on 127.0.0.1"
 
 
+@contextlib.contextmanager
+def threaded_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
+    """A loopback HTTP/1.1 server in a thread while the block runs, for tests that run the whole
+    command (its own event loop); its port."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    serve = threading.Thread(target=server.serve_forever, daemon=True)
+    serve.start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        serve.join(timeout=5)
+
+
+class Answering(BaseHTTPRequestHandler):
+    """Answers every POST 200 with a batch of one, keep-alive."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 (the name http.server calls)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"batch_size": 1}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 @pytest.mark.parametrize("client", ["raw", "httpx"])
-async def test_the_host_header_is_host_and_port_never_the_url_s_user_information(client: str) -> None:
+@pytest.mark.parametrize("api_key", [None, "clé-0123456789abcdef"])
+async def test_the_host_header_is_host_and_port_and_an_api_key_goes_as_a_bearer_token(
+    client: str, api_key: str | None
+) -> None:
+    """A service with ``server.api_key`` set answered every request 401: there was no way to send
+    the key. It goes as the service compares it, the UTF-8 bytes of the key, by both clients."""
     heads: list[bytes] = []
     handlers: list[asyncio.Task[None] | None] = []
 
@@ -599,14 +703,80 @@ async def test_the_host_header_is_host_and_port_never_the_url_s_user_information
             writer.close()
 
     async with serving(handle) as port:
-        args = bench_args(url=f"http://user:secret@localhost:{port}", client=client, requests=3, server_pid=None)
+        args = bench_args(url=f"http://localhost:{port}", client=client, requests=3, server_pid=None, api_key=api_key)
         await drive.bench(args, [b"x"])
         # the client closed its connections: each handler ends at their end, and closes its own
         await asyncio.wait_for(asyncio.gather(*(task for task in handlers if task)), timeout=5)
         await asyncio.sleep(0.01)
-    hosts = {line.lower() for head in heads for line in head.split(b"\r\n") if line.lower().startswith(b"host:")}
-    assert heads and hosts == {f"host: localhost:{port}".encode()}, hosts
-    assert not any(b"secret" in head or b"authorization" in head.lower() for head in heads)
+    lines = [line for head in heads for line in head.split(b"\r\n")]
+    hosts = {line.lower() for line in lines if line.lower().startswith(b"host:")}
+    assert len(heads) == 3 and hosts == {f"host: localhost:{port}".encode()}, hosts
+    keys = [line for line in lines if line.lower().startswith(b"authorization:")]
+    if api_key is None:
+        assert keys == []
+    else:
+        assert keys == [b"Authorization: Bearer " + api_key.encode()] * 3, keys
+
+
+def test_a_url_with_user_information_is_refused_without_echoing_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was dropped without a word: the run went without the credentials it seemed to be given."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--url", "http://user:hunter2-secret@127.0.0.1:9", "--duration", "0.2"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "user information" in err and "--api-key-file" in err
+    assert "hunter2" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot be read"),
+        (b" \n", "holds no key"),
+        (b"first-line\nsecond", "more than one line"),
+        (b"\xff", "cannot be read"),
+    ],
+)
+def test_an_api_key_file_that_cannot_be_sent_is_refused(
+    content: bytes | None, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key_file = tmp_path / "key"
+    if content is not None:
+        key_file.write_bytes(content)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--url", "http://127.0.0.1:9", "--api-key-file", str(key_file), "--duration", "0.2"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--api-key-file" in err and why in err, err
+
+
+def test_the_api_key_from_its_file_passes_the_service_s_check(tmp_path: Path) -> None:
+    """Whitespace around the key (the file's newline) is not part of it, as the service reads it."""
+    key = "0123456789abcdef-key"
+    seen: list[str | None] = []
+
+    class Keyed(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 (the name http.server calls)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(self.headers.get("Authorization"))
+            ok = seen[-1] == f"Bearer {key}"
+            body = b'{"batch_size": 1}' if ok else b'{"code": "unauthorized"}'
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    (tmp_path / "key").write_text(f"  {key}\n")
+    (tmp_path / "image.png").write_bytes(b"x")
+    with threaded_server(Keyed) as port:
+        argv = ["--url", f"http://127.0.0.1:{port}", "--api-key-file", str(tmp_path / "key")]
+        argv += ["--image", str(tmp_path / "image.png"), "--requests", "4", "--concurrency", "1", "--warmup", "0"]
+        assert cli.main([*argv, "--out", str(tmp_path / "report.json")]) == 0
+    assert seen == [f"Bearer {key}"] * 4
+    assert json.loads((tmp_path / "report.json").read_text())["ok"] == 4
 
 
 async def test_a_request_sent_before_its_scheduled_arrival_counts_its_latency_from_the_send() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import math
 import random
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.bench.loadgen import cli, drive, loops, summary
-from tests.unit.test_loadgen import bench_args, http_server, json_answer, serving
+from tests.unit.test_loadgen import Answering, bench_args, http_server, json_answer, serving, threaded_server
 
 
 @pytest.mark.parametrize(("n", "q"), [(100, 99), (10, 50), (10, 90), (200, 99), (4, 50), (1000, 99), (7, 50), (100, 7)])
@@ -45,6 +46,25 @@ async def test_open_loop_throughput_is_what_the_server_answered_not_what_was_off
     report = summary.summarise(run, {})
     assert report["sent_with_warmup"] > 80, "about 120 offered"
     assert report["throughput_rps"] <= 110, report["throughput_rps"]
+
+
+async def test_an_open_loop_window_ends_at_its_end_not_at_the_last_answer() -> None:
+    """At a low rate the last arrival may come well before the window's end: ended at its answer,
+    the window was short and throughput and the rate offered overstated (5 arrivals in 3 s at 2
+    a second read as 4.8 a second). A run the request cap ended first ends at its last answer."""
+
+    async def send(number: int, urgent: bool) -> tuple[int, bytes]:
+        return 200, b'{"batch_size": 1}'
+
+    run = loops.Run()
+    # seed 3 at 8 a second: 5 arrivals in the first 0.26 s of the 0.5 s, then none
+    await drive._drive(send, bench_args(rate=8.0, duration=0.5, warmup=0.0, seed=3, urgent_fraction=0.0), run)
+    report = summary.summarise(run, {"rate_rps": 8.0})
+    assert report["ok"] == 5 and report["measured_s"] == 0.5, report["measured_s"]
+    assert report["throughput_rps"] == 10.0 and report["offered_rps"] == 10.0
+    capped = loops.Run()
+    await drive._drive(send, bench_args(rate=200.0, duration=60.0, warmup=0.0, requests=3), capped)
+    assert summary.summarise(capped, {})["ok"] == 3 and capped.ended < capped.measured_from + 60
 
 
 async def test_open_loop_accounts_for_every_request_it_sent() -> None:
@@ -126,6 +146,49 @@ def test_a_200_that_is_not_json_is_a_failed_request_of_its_status() -> None:
     report = summary.summarise(run, {})
     assert report["errors"] == {"200:non_json": 3}
     assert (report["ok"], report["throughput_rps"], report["latency"]["all"]["count"]) == (1, 1.0, 1)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"batch_size": 1, "timings": {"total": "abc"}}',
+        b'{"batch_size": 1, "timings": {"total": null, "queue": 2.0}}',
+        b'{"batch_size": 1, "timings": {"total": Infinity}}',
+        b'{"batch_size": 1, "timings": {"total": NaN}}',
+        b'{"batch_size": 1, "timings": {"total": -3.0}}',
+        b'{"batch_size": 1, "timings": [1.0, 2.0]}',
+        b'{"batch_size": NaN}',
+        b'{"batch_size": -1}',
+        b'{"batch_size": 0}',
+        b'{"batch_size": 1.5}',
+        b'{"batch_size": "2"}',
+        b'{"batch_size": true}',
+    ],
+)
+async def test_a_200_with_broken_figures_is_a_failed_request_and_the_report_stays_json(body: bytes) -> None:
+    """Timings that were not numbers crashed the run with a traceback after it was measured, and
+    NaN, Infinity or a negative batch size wrote NaN (not JSON) or an absurd mean batch. Such an
+    answer is counted under ``200:bad_body``; the good answers beside it are reported as usual."""
+
+    def respond(n: int, _: bytes) -> bytes:
+        good = b'{"batch_size": 2, "timings": {"preprocess": 1, "queue": 2.5, "inference": 3, "total": 7}}'
+        answer = body if n % 2 else good
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(answer) + answer
+
+    async with http_server(respond) as (port, _):
+        args = bench_args(url=f"http://127.0.0.1:{port}", concurrency=1, requests=10, warmup=0.0, server_pid=None)
+        report = await drive.bench(args, [b"x"])
+    assert report["ok"] == 5 and report["errors"] == {"200:bad_body": 5}, report["errors"]
+    assert report["mean_batch_size"] == 2.0 and report["server_stages_ms"]["normal"]["queue"]["p99"] == 2.5
+    assert json.loads(json.dumps(report, allow_nan=False)) == report
+    assert cli._report(report, None) == 0
+
+
+def test_an_answer_without_figures_is_a_success() -> None:
+    """A rival service need not say its batch size or timings: absent is not broken."""
+    assert loops._outcome(200, b"{}") == (None, {})
+    assert loops._outcome(200, b'{"batch_size": null, "timings": {}}')[0] is None
+    assert loops._outcome(200, b'{"batch_size": 3, "timings": {"total": 0}}')[0] is None
 
 
 def test_the_mean_batch_size_is_per_batch() -> None:
@@ -259,6 +322,27 @@ def test_a_run_where_every_request_failed_exits_non_zero(capsys: pytest.CaptureF
     assert '"ok": 0' in printed.out, "the report is printed all the same"
     assert "no request in the measured window succeeded (503:queue_full x40)" in printed.err
     assert cli._report(a_report(1, {"503:queue_full": 40}), None) == 0
+
+
+def test_a_request_cap_used_up_in_the_warm_up_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "no request in the measured window succeeded (none sent)": the window was never reached."""
+    report = a_report(0, {}) | {"sent_with_warmup": 20, "warmup_s": 2.0}
+    assert cli._report(report, None, requests_cap=20) == 1
+    err = capsys.readouterr().err
+    assert "the --requests cap of 20 was used up in the 2 s of warm-up" in err and "succeeded" not in err
+    assert cli._report(a_report(0, {}) | {"sent_with_warmup": 0, "warmup_s": 0.0}, None, requests_cap=20) == 1
+    err = capsys.readouterr().err
+    assert "no request was sent in the measured window" in err and "cap" not in err
+
+
+def test_a_run_whose_cap_runs_out_in_the_warm_up_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "image.png").write_bytes(b"x")
+    with threaded_server(Answering) as port:
+        argv = ["--url", f"http://127.0.0.1:{port}", "--image", str(tmp_path / "image.png"), "--concurrency", "1"]
+        assert cli.main([*argv, "--requests", "3", "--warmup", "30", "--duration", "1"]) == 1
+    printed = capsys.readouterr()
+    assert '"sent_with_warmup": 3' in printed.out and '"sent_in_window": 0' in printed.out
+    assert "the --requests cap of 3 was used up in the 30 s of warm-up" in printed.err, printed.err
 
 
 def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(

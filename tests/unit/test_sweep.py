@@ -297,12 +297,42 @@ def test_a_knee_gain_that_is_not_a_share_is_refused(gain: str, capsys: pytest.Ca
     assert exit_.value.code == 2 and "--knee-gain" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "0", "-5"])
+def test_a_latency_budget_that_is_not_a_finite_positive_number_is_refused_before_timing(
+    budget: str, tmp_path: Path, no_model: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nan and inf passed the check: the sweep timed every size, then crashed drawing the plot
+    and left a report with NaN (not JSON) in it."""
+    out = ["--out-json", str(tmp_path / "s.json"), "--out-png", str(tmp_path / "s.png")]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--model", "m", f"--latency-budget-ms={budget}", *out])
+    assert exit_.value.code == 2 and "--latency-budget-ms" in capsys.readouterr().err
+    assert no_model == [] and not (tmp_path / "s.json").exists()
+
+
 def test_an_unknown_model_fails_with_a_clear_message(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], torch_threads: None
 ) -> None:
     repository = copy_repository(tmp_path)
     assert cli.main(["--repository", str(repository), "--model", "nope", "--out-json", str(tmp_path / "x.json")]) == 1
     assert "model 'nope' is not in" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_no_model_named_in_a_repository_of_several_asks_for_one_and_lists_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], torch_threads: None
+) -> None:
+    """It said "model None is not in models (it holds: digits, twin)"."""
+    import shutil
+
+    repository = copy_repository(tmp_path)
+    shutil.copytree(repository / "digits", repository / "twin")
+    assert cli.main(["--repository", str(repository), "--out-json", str(tmp_path / "x.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"--model is needed: {repository} holds several models (digits, twin)" in err and "None" not in err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["--repository", str(tmp_path / "empty"), "--out-json", str(tmp_path / "x.json")]) == 1
+    assert f"{tmp_path / 'empty'} holds no model" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -369,6 +399,27 @@ def test_the_plot_labels_a_knee_only_where_one_was_reached() -> None:
     assert [label for _, label, _ in knee_marks(rec(8, True, None))] == ["knee 8"]
     assert knee_marks(rec(None, False, None)) == []
     assert (knee_text(rec(4, True, 4)), knee_text(rec(16, False, 16))) == ("knee: batch 4", "no knee up to batch 16")
+
+
+def test_a_latency_budget_far_above_the_curve_does_not_flatten_it(tmp_path: Path) -> None:
+    """A budget of 5 s against medians under a millisecond set the right axis to 5,000 ms, and
+    the medians were drawn as a flat line on its floor: such a budget is said in words instead."""
+    from app.bench.chart import _Chart, plot
+
+    results = curve({1: 2000, 2: 3000, 4: 3500}, latency_ms={1: 0.5, 2: 0.7, 4: 1.1})
+    report = canned_report(results, recommend(results, 0.10, 5000.0))
+    report["settings"] = {"latency_budget_ms": 5000.0}
+    chart = _Chart(report, (960, 600))
+    assert chart.ms_ticks[-1] < 2, chart.ms_ticks
+    assert not chart.budget_on_axis
+    report["settings"] = {"latency_budget_ms": 1.4}  # within reach of the curve: drawn on the axis
+    chart = _Chart(report, (960, 600))
+    assert chart.ms_ticks[-1] >= 1.4 and chart.budget_on_axis
+    for budget in (5000.0, 1.4, None):
+        report["settings"] = {"latency_budget_ms": budget}
+        plot(report, tmp_path / "plot.png")
+        with Image.open(tmp_path / "plot.png") as image:
+            image.verify()
 
 
 @pytest.fixture

@@ -70,11 +70,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tune_runtime(args.malloc_retain_mb)
     data = [p.read_bytes() for p in paths]
     encoded = [base64.b64encode(d).decode("ascii") for d in data]
-    sizes = {Image.open(io.BytesIO(d)).size for d in data}
+    sizes = _image_sizes(paths, data)
     default_threads = torch.get_num_threads()
     load_before = os.getloadavg()[0]
     with model_repository(args.repository, args.model) as root:
         model = load_model(root, args.model, args.version)
+        _check_images(paths, encoded, model)
         measured = _measure(args, model, root, data, encoded, default_threads)
     width, height = next(iter(sizes)) if len(sizes) == 1 else (0, 0)
     return {
@@ -106,6 +107,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         **measured,
     }
+
+
+def _image_sizes(paths: Sequence[Path], data: Sequence[bytes]) -> set[tuple[int, int]]:
+    """The sizes of the images, each of ``data`` read from the path beside it. One Pillow cannot
+    open is a ``ValueError`` naming its file: Pillow's own names a ``BytesIO``, not which one."""
+    sizes = set()
+    for path, image in zip(paths, data, strict=True):
+        try:
+            with Image.open(io.BytesIO(image)) as opened:
+                sizes.add(opened.size)
+        except (OSError, ValueError) as exc:  # PIL.UnidentifiedImageError is an OSError
+            raise ValueError(f"{path} is not an image Pillow can open ({type(exc).__name__})") from None
+    return sizes
+
+
+def _check_images(paths: Sequence[Path], encoded: Sequence[str], model: LayeredModel) -> None:
+    """Each image once through the service's decode before anything is timed: one it would refuse
+    (too large, truncated) is a ``ValueError`` naming its file, not the decode's bare error."""
+    for path, text in zip(paths, encoded, strict=True):
+        try:
+            preprocess.decode_payload(text, model.manifest.input, LIMITS)
+        except ServiceError as exc:
+            raise ValueError(f"{path}: the service would refuse it ({exc.code}: {exc.message})") from None
 
 
 def _measure(

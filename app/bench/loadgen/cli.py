@@ -15,6 +15,8 @@ the server's threads (event loop, decode, device), the cores each used and the c
 time it was runnable but kept waiting for one (``server_threads``, Linux schedstat).
 ``--server-metrics`` adds the server's own account of its event loop over the window
 (``server_loop_lag``: the lag it sampled, from its ``/metrics``; ``app.bench.loadgen.scrape``).
+``--api-key-file`` measures a service with ``server.api_key`` set (a URL's ``USER:PASSWORD@`` is
+refused, never dropped: the run would measure a wall of 401s).
 
 Exit status: 0; 1 when nothing answers at the URL, when no request sent in the measured window
 succeeded (a run of errors is not a measurement), or when ``--out`` could not be written (the
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bench.loadgen.drive import bench, event_loop_run
-from app.bench.loadgen.senders import load_images
+from app.bench.loadgen.senders import load_images, read_api_key
 from app.bench.loadgen.summary import behind_schedule
 from app.bench.loadgen.target import Target, loopback_addresses, parse_url, reachable
 from app.bench.output import unwritable, write_text
@@ -50,7 +52,7 @@ def _deadline_accepted(deadline_ms: float) -> bool:
     return math.isfinite(deadline_ms) and round(deadline_ms) >= 1
 
 
-def _report(report: dict[str, Any], out: Path | None) -> int:
+def _report(report: dict[str, Any], out: Path | None, requests_cap: int | None = None) -> int:
     """Print the report (then a warning if the client fell behind its schedule) and write it to
     ``out``. 1 when no request in the window succeeded or the file could not be written."""
     text = json.dumps(report, indent=2)
@@ -58,9 +60,15 @@ def _report(report: dict[str, Any], out: Path | None) -> int:
     if (warning := behind_schedule(report)) is not None:
         print(f"ai-backend bench: {warning}", file=sys.stderr)
     code = 0
-    if not report["ok"]:
-        errors = ", ".join(f"{key} x{count}" for key, count in report["errors"].items()) or "none sent"
+    if report["errors"] and not report["ok"]:
+        errors = ", ".join(f"{key} x{count}" for key, count in report["errors"].items())
         print(f"ai-backend bench: no request in the measured window succeeded ({errors})", file=sys.stderr)
+        code = 1
+    elif not report["ok"]:
+        print(
+            f"ai-backend bench: no request was sent in the measured window{_why_none(report, requests_cap)}",
+            file=sys.stderr,
+        )
         code = 1
     if out is not None and (why := write_text(out, text + "\n")) is not None:
         print(f"ai-backend bench: could not write {out}: {why}", file=sys.stderr)
@@ -68,7 +76,18 @@ def _report(report: dict[str, Any], out: Path | None) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
+def _why_none(report: dict[str, Any], requests_cap: int | None) -> str:
+    """Why a run sent nothing in its window, when it is known: the ``--requests`` cap was used up
+    in the warm-up (the window was never reached, and "none sent" read as a service fault)."""
+    if requests_cap is None or report.get("sent_with_warmup", 0) < requests_cap:
+        return ""
+    warmup = report.get("warmup_s")
+    during = "the warm-up" if warmup is None else f"the {warmup:g} s of warm-up"
+    return f": the --requests cap of {requests_cap} was used up in {during} (raise --requests or shorten --warmup)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's arguments; ``main`` checks their bounds."""
     parser = argparse.ArgumentParser(prog="ai-backend bench", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback URL of a running service")
     parser.add_argument("--model", help="target /v1/models/NAME/predict instead of /predict")
@@ -94,8 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deadline-ms", type=float, help="send X-Request-Timeout; count answers that came later than it"
     )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="a file holding the service's server.api_key: sent as Authorization: Bearer on every prediction",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         host, port = parse_url(args.url)
@@ -127,9 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         images = load_images(Path(args.image), args.images)
     except OSError as exc:
         parser.error(str(exc))
+    try:  # once: a key rotated in its file during the run is not followed
+        args.api_key = None if args.api_key_file is None else read_api_key(args.api_key_file)
+    except ValueError as exc:
+        parser.error(f"--api-key-file {exc}")
     address, why = reachable(addresses, port)
     if address is None:
         print(f"ai-backend bench: nothing answers at {args.url}: {why}", file=sys.stderr)
         return 1
     args.target = Target(host, port, address)
-    return _report(event_loop_run(bench(args, images)), args.out)
+    return _report(event_loop_run(bench(args, images)), args.out, args.requests)

@@ -69,13 +69,21 @@ async def _drive_load(send: Send, args: argparse.Namespace, run: Run) -> dict[st
 
     watcher = asyncio.create_task(watch_cpu())
     memory = asyncio.create_task(watch_memory(args.server_pid)) if args.server_pid is not None else None
+    ran_to_stop = False  # a closed loop's clients send until stop_at, and their last answers come after it
     if args.rate is None:
         await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
         mode: dict[str, Any] = {"mode": "closed", "concurrency": args.concurrency}
     else:
-        await open_loop(send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng, args.timeout)
+        ran_to_stop = await open_loop(
+            send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng, args.timeout
+        )
         mode = {"mode": "open", "rate_rps": args.rate}
-    run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
+    # stop_at, or the last answer when the request cap ended the run first; an open loop's schedule
+    # that ran to stop_at ends there, however quiet its last seconds were (not at its last answer)
+    if ran_to_stop:
+        run.ended = stop_at
+    else:
+        run.ended = min(time.perf_counter(), stop_at) if run.samples else time.perf_counter()
     if not watcher.done():  # the window had not begun (a request cap), or its first scrape is still out
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -98,7 +106,7 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
     run = Run()
     target: Target = args.target
     if args.client == "raw":
-        send, pool = raw_sender(target, path, bodies, args.timeout, args.deadline_ms)
+        send, pool = raw_sender(target, path, bodies, args.timeout, args.deadline_ms, args.api_key)
         try:
             mode = await _drive(send, args, run)
         finally:
@@ -116,7 +124,8 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
             timeout=args.timeout,
             trust_env=False,
         ) as client:
-            mode = await _drive(httpx_sender(client, path, bodies, args.timeout, args.deadline_ms), args, run)
+            send = httpx_sender(client, path, bodies, args.timeout, args.deadline_ms, args.api_key)
+            mode = await _drive(send, args, run)
     settings = {
         **mode,
         "client": args.client,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -37,7 +38,8 @@ class Sample:
 
     @property
     def ok(self) -> bool:
-        """A success: a 200 whose body is a JSON object (a 200 that is not has the code ``non_json``)."""
+        """A success: a 200 whose body is a JSON object (a 200 that is not has the code ``non_json``)
+        with well-formed figures (one with a broken ``batch_size`` or ``timings`` has ``bad_body``)."""
         return self.status == 200 and self.code is None
 
     @property
@@ -67,14 +69,36 @@ class Run:
 def _outcome(status: int, body: bytes) -> tuple[str | None, dict[str, Any]]:
     """An answer's error code (None: a success) and its JSON object. An answer that is not a JSON
     object (a proxy's, a balancer's, a broken server's) keeps its status, with the code
-    ``non_json``: a 200 too, which is then a failed request the server answered, not the client's."""
+    ``non_json``: a 200 too, which is then a failed request the server answered, not the client's.
+
+    A 200 whose own figures are broken (a ``batch_size`` that is not a positive integer, ``timings``
+    that are not finite durations) has the code ``bad_body``: a failed request, not a success with
+    the figure dropped. Dropped, the report would show a mean batch and stage times taken from the
+    rest as if that were all, and a service that sent nothing but such answers would pass; kept, a
+    string crashed the run and NaN or a negative size wrote NaN (not JSON) or an absurd mean. Either
+    figure absent is fine: a rival service need not send them."""
     try:
         payload = json.loads(body)
     except ValueError:
         payload = None
     if not isinstance(payload, dict):
         return "non_json", {}
-    return (None if status == 200 else str(payload.get("code"))), payload
+    if status != 200:
+        return str(payload.get("code")), payload
+    return (None, payload) if _figures_well_formed(payload) else ("bad_body", {})
+
+
+def _figures_well_formed(payload: dict[str, Any]) -> bool:
+    """Whether an answer's ``batch_size`` (if any) is a positive integer and its ``timings`` (if
+    any) an object of finite durations in milliseconds, none below 0."""
+    size, timings = payload.get("batch_size"), payload.get("timings")
+    if size is not None and not (type(size) is int and size >= 1):  # not True, not 2.0
+        return False
+    if timings is None:
+        return True
+    return isinstance(timings, dict) and all(
+        type(ms) in (int, float) and math.isfinite(ms) and ms >= 0 for ms in timings.values()
+    )
 
 
 def _error_code(exc: BaseException) -> str:
@@ -151,14 +175,23 @@ async def open_loop(
     run: Run,
     rng: random.Random,
     timeout_s: float = 60.0,
-) -> None:
+) -> bool:
     """Poisson arrivals until ``stop_at``; then waits for the answers, each bounded by the
-    client's ``timeout_s``, and records what is still unanswered after that as such."""
+    client's ``timeout_s``, and records what is still unanswered after that as such.
+
+    True when the schedule ran to ``stop_at``, False when ``max_requests`` cut it short. Run to
+    its end, it returns no earlier than ``stop_at`` (a timer may fire a little early: the window
+    ends at ``stop_at`` all the same), even when its last arrival came well before and was
+    answered at once: the quiet time after it is part of what was offered. Ended at the last
+    answer, 5 arrivals in 3 s at 2 a second read as 4.8 a second."""
     tasks: set[asyncio.Task[None]] = set()
     next_at = time.perf_counter()
+    ran_to_stop = False
     for number in range(max_requests):
         next_at += rng.expovariate(rate)
         if next_at >= stop_at:
+            await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+            ran_to_stop = True
             break
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         run.sent += 1
@@ -170,3 +203,4 @@ async def open_loop(
     for task in list(tasks):
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)  # each records itself as unanswered
+    return ran_to_stop

@@ -33,19 +33,44 @@ def load_images(image: Path, folder: Path | None) -> list[bytes]:
     return [p.read_bytes() for p in paths]
 
 
-def _headers(urgent: bool, deadline_ms: float | None = None) -> dict[str, str]:
+def read_api_key(path: Path) -> str:
+    """The API key in ``path`` (UTF-8, the whitespace around it dropped, as the service reads its
+    ``server.api_key_file``), read once before a run; ``ValueError`` says why it cannot be sent."""
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read: {exc}") from None
+    if not key:
+        raise ValueError(f"{path} holds no key")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):  # a line break would end the header
+        raise ValueError(f"{path} holds more than one line, or a control character")
+    return key
+
+
+def _headers(urgent: bool, deadline_ms: float | None = None, api_key: str | None = None) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "X-Urgency": "high" if urgent else "normal"}
     if deadline_ms is not None:
         headers["X-Request-Timeout"] = str(round(deadline_ms))
+    if api_key is not None:
+        # the key's UTF-8 bytes, one character a byte: both clients write latin-1, and the
+        # service compares the header's bytes with the bytes of its key
+        headers["Authorization"] = "Bearer " + api_key.encode("utf-8").decode("latin-1")
     return headers
 
 
 def raw_sender(
-    target: Target, path: str, bodies: Sequence[bytes], timeout: float, deadline_ms: float | None = None
+    target: Target,
+    path: str,
+    bodies: Sequence[bytes],
+    timeout: float,
+    deadline_ms: float | None = None,
+    api_key: str | None = None,
 ) -> tuple[Send, rawhttp.Pool]:
     """A ``Send`` over a pool of raw keep-alive connections, every request's bytes built now."""
     requests = {
-        (index, urgent): rawhttp.build_request("POST", target.authority, path, _headers(urgent, deadline_ms), body)
+        (index, urgent): rawhttp.build_request(
+            "POST", target.authority, path, _headers(urgent, deadline_ms, api_key), body
+        )
         for index, body in enumerate(bodies)
         for urgent in (False, True)
     }
@@ -60,16 +85,23 @@ def raw_sender(
 
 
 def httpx_sender(
-    client: httpx.AsyncClient, path: str, bodies: Sequence[bytes], timeout: float, deadline_ms: float | None = None
+    client: httpx.AsyncClient,
+    path: str,
+    bodies: Sequence[bytes],
+    timeout: float,
+    deadline_ms: float | None = None,
+    api_key: str | None = None,
 ) -> Send:
     """A ``Send`` through httpx, each request bounded by ``timeout`` as a whole: httpx's own
     timeout bounds each read, and a server sending a byte now and then never trips it."""
+    # built once, as latin-1 (httpx writes str header values as ASCII: a key past it would fail)
+    headers = {
+        urgent: httpx.Headers(_headers(urgent, deadline_ms, api_key), encoding="latin-1") for urgent in (False, True)
+    }
 
     async def send(number: int, urgent: bool) -> tuple[int, bytes]:
         async with asyncio.timeout(timeout):
-            response = await client.post(
-                path, content=bodies[number % len(bodies)], headers=_headers(urgent, deadline_ms)
-            )
+            response = await client.post(path, content=bodies[number % len(bodies)], headers=headers[urgent])
         return response.status_code, response.content
 
     return send

@@ -20,7 +20,7 @@ class Target:
 
     @property
     def authority(self) -> str:
-        """``host:port`` for the ``Host`` header: never the URL's user information."""
+        """``host:port`` for the ``Host`` header."""
         return f"{_bracketed(self.host)}:{self.port}"
 
     @property
@@ -34,12 +34,19 @@ def _bracketed(host: str) -> str:
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    """The host and port of ``url``, an ``http://HOST[:PORT]`` URL; ``ValueError`` says what is wrong."""
+    """The host and port of ``url``, an ``http://HOST[:PORT]`` URL; ``ValueError`` says what is wrong.
+    User information is refused, not dropped: a run without the credentials it seemed to be given
+    measures a service that answers 401 to everything."""
     try:
         parts = urlsplit(url)
         port = parts.port  # raises for a port that is not a number from 0 to 65535
     except ValueError as exc:
         raise ValueError(f"{url!r} is not a URL ({exc})") from None
+    if parts.username is not None or parts.password is not None:  # not echoed: it may hold a password
+        raise ValueError(
+            "holds user information (USER:PASSWORD@), which the load would not send; "
+            "for a service with server.api_key set, give the key with --api-key-file"
+        )
     if parts.scheme != "http":
         raise ValueError(f"{url!r}: only http:// is supported")
     if not parts.hostname:

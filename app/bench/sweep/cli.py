@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -46,6 +47,10 @@ def _load(args: argparse.Namespace) -> tuple[Any, float]:
     entries = {entry.name: entry for entry in repository.models()}
     if args.model is None and len(entries) == 1:
         args.model = next(iter(entries))
+    if args.model is None and not entries:
+        raise LookupError(f"{args.repository} holds no model")
+    if args.model is None:  # it said "model None is not in" the repository
+        raise LookupError(f"--model is needed: {args.repository} holds several models ({', '.join(sorted(entries))})")
     if args.model not in entries:
         raise LookupError(
             f"model {args.model!r} is not in {args.repository} (it holds: {', '.join(entries) or 'none'})"
@@ -146,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     if (
         not 0 < args.seconds_per_size <= 600
         or not 0 < args.knee_gain < 1
-        or (args.latency_budget_ms is not None and args.latency_budget_ms <= 0)
+        # nan or inf passed "> 0" and crashed the plot after every size was timed (NaN in the JSON)
+        or (args.latency_budget_ms is not None and not 0 < args.latency_budget_ms < math.inf)
     ):
-        parser.error("need 0 < --seconds-per-size <= 600, 0 < --knee-gain < 1 (a share) and --latency-budget-ms > 0")
+        parser.error(
+            "need 0 < --seconds-per-size <= 600, 0 < --knee-gain < 1 (a share) and a finite --latency-budget-ms > 0"
+        )
     # the service's threads per batch (two batches side by side on a CPU of two or more cores):
     # a curve timed with every core on one batch recommended a batch for a setup it does not run
     torch.set_num_threads(args.threads or plan_threads(torch.device("cpu"), 0, 0, 0, cpu_cores()).intra_op)
