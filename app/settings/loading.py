@@ -36,14 +36,19 @@ def setting_location(location: tuple[int | str, ...]) -> tuple[int | str, ...]:
 
 def _source(location: tuple[int | str, ...], overrides: Mapping[str, object]) -> str:
     """Where a refused setting came from, for its message: the variable that holds it (its own, or
-    its group's JSON), or the config file when no variable of its has a say and it was not given
-    in code (``serve --port``, Ray's builder arguments: then its variable's name, as before)."""
+    its group's JSON), as it is spelled (pydantic-settings reads their names in any case); for a
+    rule over several settings (a group's, or one across groups), the variables set under it; or
+    the config file when no variable of its has a say and it was not given in code (``serve
+    --port``, Ray's builder arguments: then its variable's name, as before)."""
     setting = setting_location(location)
+    spelled = {name.upper(): name for name in os.environ if name.upper() != CONFIG_FILE_ENV}
     names = [env_name(setting[:length]) for length in range(len(setting), 0, -1)]
-    if held := next((name for name in names if name in os.environ), None):
+    if held := next((spelled[name] for name in names if name in spelled), None):
         return held
-    below = names[0] + "__"  # a group's own rule over values some of which are variables
-    if setting[0] in overrides or any(name.startswith(below) for name in os.environ):
+    below = names[0] + "__" if names else ENV_PREFIX
+    if under := sorted(spelled[name] for name in spelled if name.startswith(below)):
+        return ", ".join(under)
+    if setting and setting[0] in overrides:
         return names[0]
     return f"config file {config_path()}"
 
@@ -53,11 +58,12 @@ def _unparsable_variables(environ: Mapping[str, str]) -> list[str]:
     (pydantic-settings names only the group, not the variable)."""
     found = []
     for name, value in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV:
+        upper = name.upper()  # read in any case
+        if not upper.startswith(ENV_PREFIX) or upper == CONFIG_FILE_ENV:
             continue
         model: type[BaseModel] | None = Settings
         annotation: Any = None
-        for part in name[len(ENV_PREFIX) :].lower().split("__"):
+        for part in upper[len(ENV_PREFIX) :].lower().split("__"):
             field = model.model_fields.get(part) if model is not None else None
             if field is None:
                 annotation = None
@@ -101,7 +107,7 @@ def load_settings(**overrides: object) -> Settings:
         for error in exc.errors():
             location = tuple(part for part in error["loc"] if not isinstance(part, int) or part >= 0)
             named = dotted(location, "settings")  # an admin body's keys cut short too
-            where = f"{named} ({_source(location, overrides)})" if location else named
+            where = f"{named} ({_source(location, overrides)})"
             lines.append(f"  {where}: {error['msg']}")
         raise SettingsError("invalid settings:\n" + "\n".join(lines)) from exc
     except SettingsError:

@@ -119,6 +119,35 @@ def test_a_bad_entry_of_a_list_or_table_names_the_variable_that_holds_it(
 
 
 @pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        # read in any case, named as spelled (they were blamed on the config file)
+        ("ai_service_server__prot", "1", "server.prot (ai_service_server__prot)"),
+        ("ai_service_batching__normal__max_batch", "0", "(ai_service_batching__normal__max_batch): "),
+        # a rule over a group's settings, or across groups: the variables set under it (it named the
+        # group's own variable, which nobody sets, or nothing at all)
+        ("AI_SERVICE_SERVER__DEFAULT_TOP_K", "30", "server (AI_SERVICE_SERVER__DEFAULT_TOP_K): "),
+        ("AI_SERVICE_BATCHING__NORMAL__WINDOW_MS", "25000", "settings (AI_SERVICE_BATCHING__NORMAL__WINDOW_MS): "),
+        # a name the group does not have, one level too deep: the variable as given
+        ("AI_SERVICE_BATCHING__NORMAL__WINDOW__MS", "5", "(AI_SERVICE_BATCHING__NORMAL__WINDOW__MS): "),
+    ],
+)
+def test_a_refused_setting_names_the_variable_as_it_was_set(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, named: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert named in str(caught.value)
+
+
+def test_a_json_variable_in_lower_case_that_does_not_parse_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ai_service_model__names", "digits")
+    with pytest.raises(SettingsError, match=r"^ai_service_model__names cannot be read"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
     ("value", "fill"), [("true", "always"), ("False", "never"), ("backlog", "backlog"), ("never", "never")]
 )
 def test_urgent_fill_takes_a_mode_or_a_boolean(monkeypatch: pytest.MonkeyPatch, value: str, fill: str) -> None:
