@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -354,8 +355,9 @@ class TelemetrySettings(_Group):
     )
     endpoint: str | None = Field(
         default=None,
-        description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or :4318 (HTTP); unset: "
-        "OTEL_EXPORTER_OTLP_ENDPOINT, else the exporter's default on localhost",
+        description="OTLP endpoint, http(s)://HOST[:PORT], e.g. http://127.0.0.1:4317 (gRPC, which also takes "
+        "HOST:PORT) or :4318 (HTTP); checked at start; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else the exporter's "
+        "default on localhost",
     )
     sampling_ratio: float = Field(
         default=1.0,
@@ -363,6 +365,25 @@ class TelemetrySettings(_Group):
         le=1,
         description="parent-based ratio sampler (a batch span is kept when any of its requests is)",
     )
+
+    @model_validator(mode="after")
+    def _endpoint_is_a_url(self) -> TelemetrySettings:
+        """``http(s)://HOST[:PORT]`` (gRPC's exporter also takes ``HOST:PORT``): a malformed one
+        started, and every span was then dropped."""
+        if self.endpoint is None:
+            return self
+        endpoint = self.endpoint
+        bare = "://" not in endpoint and self.exporter == "otlp_grpc"
+        parsed = urlsplit("//" + endpoint if bare else endpoint)
+        try:
+            port: int | None = parsed.port  # a port that is not a number (or out of range) raises
+        except ValueError:
+            port = -1
+        if not (bare or parsed.scheme in ("http", "https")) or not parsed.hostname or port == -1:
+            form = "http(s)://HOST[:PORT] or, for otlp_grpc, HOST:PORT"
+            raise ValueError(f"telemetry.endpoint must be {form}, not {endpoint[:64]!r}")
+        return self
+
     max_queue: int = Field(default=2048, ge=1, le=1_000_000, description="spans waiting for export; more are dropped")
     batch_size: int = Field(default=256, ge=1, le=65536, description="spans per export call")
     schedule_delay_ms: float = Field(default=1000.0, gt=0, le=3_600_000, description="longest wait before an export")

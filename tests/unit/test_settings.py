@@ -340,3 +340,26 @@ def test_the_config_poll_may_be_off_or_a_tenth_of_a_second_and_more(
 ) -> None:
     monkeypatch.setenv("AI_SERVICE_ADMIN__CONFIG_WATCH_S", value)
     assert load_settings().admin.config_watch_s == seconds
+
+
+@pytest.mark.parametrize(
+    ("exporter", "endpoint", "valid"),
+    [
+        ("otlp_grpc", "http://127.0.0.1:4317", True),
+        ("otlp_http", "https://collector.example:4318/", True),
+        ("otlp_grpc", "collector:4317", True),  # gRPC's exporter takes HOST:PORT
+        ("otlp_http", "collector:4318", False),  # HTTP's does not: every export would fail
+        ("otlp_http", "::bad", False),
+        ("otlp_grpc", "http://127.0.0.1:notaport", False),
+        ("otlp_grpc", "http://:4317", False),
+        ("otlp_http", "http://collector:99999", False),
+    ],
+)
+def test_an_otlp_endpoint_that_cannot_be_reached_is_refused_at_start(exporter: str, endpoint: str, valid: bool) -> None:
+    """It started, and every span was dropped, the reason only in the export's failures."""
+    given = {"exporter": exporter, "endpoint": endpoint}
+    if valid:
+        assert load_settings(telemetry=given).telemetry.endpoint == endpoint
+    else:
+        with pytest.raises(SettingsError, match="telemetry.endpoint must be http"):
+            load_settings(telemetry=given)
