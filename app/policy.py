@@ -55,15 +55,13 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _batching_table(path: Path) -> dict[str, Any] | None:
-    """The config file's batching table as written, ``{}`` without one (blocking); None when it
-    is no TOML. What an edit changed is told from it: the settings are the environment's where
-    a variable sets a value."""
+def _config_table(path: Path) -> dict[str, Any] | None:
+    """The config file as written (blocking); None when it cannot be read or is no TOML. What an
+    edit changed is told from it: the settings are the environment's where a variable sets a value."""
     try:
-        table = tomllib.loads(path.read_text(encoding="utf-8")).get("batching", {})
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return table if isinstance(table, dict) else None
 
 
 def _edited(
@@ -83,9 +81,10 @@ def _edited(
 
 
 def _overriding(location: tuple[str, ...], environ: Mapping[str, str]) -> list[str]:
-    """The variables that set ``batching.<location>`` (or a key under it) over the file: its
-    own, one under it, or a table above it given as JSON that holds it."""
-    target = env_name(("batching", *location))
+    """The variables that set the setting at ``location`` (``("batching", "normal", "window_ms")``),
+    or a key under it, over the file: its own, one under it, or a table above it given as JSON
+    that holds it."""
+    target = env_name(location)
     found = []
     for name, value in environ.items():
         upper = name.upper()  # pydantic-settings reads them whatever their case
@@ -134,9 +133,9 @@ class PolicyManager:
         # than what the reload read, they go over it
         self._during_read: list[dict[str, Any]] | None = None
         self._settling: FileStamp = None  # a change the watcher saw once: read if the next poll sees it too
-        # the file's batching as written, to name the edits a variable overrides (blocking, as
+        # the file as written, to name the edits a variable overrides (blocking, as
         # the stamp's read: a small file, once, before serving)
-        self._table = _batching_table(self.config_file)
+        self._table = _config_table(self.config_file)
 
     def update(self, patch: dict[str, Any]) -> BatchingSettings:
         """Merge ``patch`` into the live policy; ``SchemaError`` (422) names what is wrong."""
@@ -212,18 +211,19 @@ class PolicyManager:
         return True
 
     def _read_file(self) -> tuple[Settings, dict[str, Any] | None]:
-        """Blocking: the settings, read again, and the file's batching table as written."""
-        return self._reader(), _batching_table(self.config_file)
+        """Blocking: the settings, read again, and the file as written."""
+        return self._reader(), _config_table(self.config_file)
 
     def _say_overridden(self, table: dict[str, Any] | None) -> None:
-        """Warn of the file's batching edits that a variable overrides: they change nothing (the
-        environment wins over the file), and without a word the edit looked ignored."""
+        """Warn of the file's edits that a variable overrides, in any group: they change nothing
+        (the environment wins over the file), now or after a restart, and without a word the edit
+        looked ignored (a setting that needs a restart is told so only where its value changed)."""
         if self._table is not None and table is not None:
             named = []
             for location in _edited(self._table, table):
                 variables = _overriding(location, os.environ)
                 if variables:
-                    named.append(f"batching.{'.'.join(location)} ({', '.join(variables)})")
+                    named.append(f"{'.'.join(location)} ({', '.join(variables)})")
             if named:
                 log.warning(
                     "config file edits that the environment overrides do not apply (it wins over the file): %s",

@@ -913,6 +913,26 @@ max_batch = {urgent}
 """
 
 
+async def test_an_edit_of_a_restart_only_setting_that_a_variable_overrides_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only batching edits were compared: an edit of server.max_top_k that a variable overrides
+    was dropped without a word (the settings did not change, so no restart was asked for either),
+    and it would not apply after a restart."""
+    config = tmp_path / "service.toml"
+    config.write_text("[server]\nmax_top_k = 20\n")
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    monkeypatch.setenv("ai_service_server__max_top_k", "8")  # read in any case
+    manager = PolicyManager(read_settings(), lambda b: None)
+    config.write_text("[server]\nmax_top_k = 10\n")
+    with caplog.at_level(logging.WARNING, logger="app.policy"):
+        await manager.reload(forced=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "config file edits that the environment overrides do not apply (it wins over the file): "
+        "server.max_top_k (ai_service_server__max_top_k)"
+    ]
+
+
 async def test_an_edit_of_the_file_that_a_variable_overrides_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
