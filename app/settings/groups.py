@@ -466,6 +466,9 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         config_file = config_path()
+        if CONFIG_FILE_ENV in os.environ and not os.environ[CONFIG_FILE_ENV].strip():
+            raise SettingsError(f"{CONFIG_FILE_ENV} is set but empty: name a TOML file, or unset it for {config_file}")
         if CONFIG_FILE_ENV in os.environ and not config_file.is_file():
-            raise SettingsError(f"{CONFIG_FILE_ENV}={config_file}: no such file")
+            why = "a directory, not a file" if config_file.is_dir() else "no such file"
+            raise SettingsError(f"{CONFIG_FILE_ENV}={config_file}: {why}")
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file))

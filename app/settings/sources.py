@@ -72,8 +72,10 @@ def env_name(location: tuple[int | str, ...]) -> str:
 
 
 def config_path() -> Path:
-    """The config file: ``AI_SERVICE_CONFIG_FILE``, or ``config/default.toml``."""
-    return Path(os.environ.get(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE))
+    """The config file: ``AI_SERVICE_CONFIG_FILE``, or ``config/default.toml`` (relative to the
+    working directory). Set but empty (a compose file's unset variable) is an error where it is
+    read (``Settings``), not the working directory taken for a file."""
+    return Path(os.environ.get(CONFIG_FILE_ENV) or DEFAULT_CONFIG_FILE)
 
 
 FileStamp = tuple[int, int, int, bytes] | str | None

@@ -363,3 +363,14 @@ def test_an_otlp_endpoint_that_cannot_be_reached_is_refused_at_start(exporter: s
     else:
         with pytest.raises(SettingsError, match="telemetry.endpoint must be http"):
             load_settings(telemetry=given)
+
+
+@pytest.mark.parametrize(("value", "said"), [("", "is set but empty"), (".", "a directory, not a file")])
+def test_a_config_file_variable_that_names_no_file_says_why(
+    monkeypatch: pytest.MonkeyPatch, value: str, said: str
+) -> None:
+    """Empty (a compose file's unset variable), it was read as the working directory and said
+    ``AI_SERVICE_CONFIG_FILE=.: no such file``; a directory was "no such file" too."""
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", value)
+    with pytest.raises(SettingsError, match=f"^AI_SERVICE_CONFIG_FILE.*{said}"):
+        load_settings()
