@@ -4,7 +4,8 @@ Precedence, highest first: values passed to ``Settings(...)``, environment varia
 (``AI_SERVICE_`` prefix, ``__`` between nested names, e.g.
 ``AI_SERVICE_BATCHING__NORMAL__WINDOW_MS=10``), then the TOML file named by
 ``AI_SERVICE_CONFIG_FILE`` (default ``config/default.toml``), then the defaults in
-``app.settings.groups``, which the shipped file repeats. Every field is validated; a bad
+``app.settings.groups`` (the shipped file repeats the common ones; the README's table has
+them all). Every field is validated; a bad
 value stops start-up with a message naming the setting and the rule.
 
 ``groups``: the settings themselves; ``sources``: where they come from (variables, the config

@@ -188,8 +188,9 @@ class ModelSettings(_Group):
     )
     pad_batches: Literal["auto", "on", "off"] = Field(
         default="auto",
-        description="pad each batch to the next power of two (or the max batch), so the device sees few shapes, "
-        "all warmed: auto pads on CUDA, where each new shape costs cuDNN about a second of host CPU, not on the CPU",
+        description="auto, on or off: pad each batch to the next power of two (or the max batch), so the device sees "
+        "few shapes, all warmed: auto pads on CUDA, where each new shape costs cuDNN about a second of host CPU, "
+        "not on the CPU",
     )
     cpu_fallback: bool = Field(
         default=False, description="serve from the CPU in fp32 when the device keeps failing (health: degraded)"
@@ -199,7 +200,11 @@ class ModelSettings(_Group):
     )
     min_free_memory_mb: int = Field(default=256, ge=0, description="/healthz fails below this device headroom")
     device_workers: int = Field(
-        default=0, ge=0, le=64, description="threads running batches at once; 0: 1 on CUDA, 2 on a CPU of 2+ cores"
+        default=0,
+        ge=0,
+        le=64,
+        description="threads running batches at once; 0: 1 on CUDA, 2 on a CPU of 2+ cores (cores + 1 where "
+        "batches decode their images, server.decode=auto's choice on such a CPU: 3 on 2 cores)",
     )
     urgent_workers: int | None = Field(
         default=None,
