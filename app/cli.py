@@ -70,6 +70,9 @@ def _serve_now(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"ai-backend: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    if (missing := _missing_device(settings.model.device)) is not None:  # imports torch: after the quick checks
+        print(f"ai-backend: {missing}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     # imported only now: a bad setting is reported before torch takes seconds to import
     import uvicorn
 
@@ -80,6 +83,7 @@ def _serve_now(args: argparse.Namespace) -> int:
     from app.telemetry.logging import configure_logging
 
     configure_logging(settings.logging.level, settings.logging.json_format)
+    logging.getLogger("uvicorn.error").addFilter(_reported_start_up_failure)
     warn_unknown_variables()
 
     failure: list[str] = []
@@ -118,6 +122,34 @@ def _serve_now(args: argparse.Namespace) -> int:
     if service is not None and service.unfinished:
         _exit_now(code, service.unfinished)
     return code
+
+
+def _missing_device(setting: str) -> str | None:
+    """Why ``model.device`` names a device this machine does not have (``cuda`` without CUDA);
+    None if it does. Checked as the secrets are, before the server starts: from the app's
+    start-up the one line came with uvicorn's traceback, and exit 1 as for a start that failed.
+    ``auto`` is left to the start-up, which tries the GPU out off the event loop."""
+    if setting == "auto":
+        return None
+    from app.inference.device import DeviceMissing, resolve_device
+
+    try:
+        resolve_device(setting)
+    except DeviceMissing as exc:
+        return str(exc)
+    return None
+
+
+def _reported_start_up_failure(record: logging.LogRecord) -> bool:
+    """A filter for uvicorn's log: drops its traceback of a ``StartupFailed`` (the app's start-up
+    failure it has named already, through ``on_fatal``, in one line printed again at exit)."""
+    text = record.msg
+    if record.levelno < logging.ERROR or not isinstance(text, str) or not text.startswith("Traceback"):
+        return True
+    from app.main import StartupFailed  # imported by then: the app's
+
+    named = f"{StartupFailed.__module__}.{StartupFailed.__qualname__}:"
+    return not text.rstrip().rpartition("\n")[2].startswith(named)
 
 
 def _run(server: DrainingServer, failure: list[str], address: str) -> int:

@@ -26,6 +26,7 @@ from app.api.middleware import RequestContextMiddleware
 from app.api.openapi import install_openapi
 from app.api.routes import admin, admin_models, health, models, predict
 from app.api.routes import metrics as metrics_route
+from app.inference.device import DeviceMissing, resolve_device
 from app.lifecycle.manager import LifecycleManager
 from app.policy import PolicyManager
 from app.service import InferenceService
@@ -94,7 +95,8 @@ def _reloader(
 
 
 class StartupFailed(RuntimeError):
-    """The app must not start: what it would serve is not what was configured."""
+    """The app must not start: what it would serve is not what was configured. Raised once
+    ``fatal`` has named it (``serve`` leaves uvicorn's traceback of it out)."""
 
 
 async def _secrets(settings: Settings, fatal: FatalHandler) -> tuple[bytes | None, bytes | None]:
@@ -125,10 +127,21 @@ def _on_sighup(handler: Callable[[], object]) -> Iterator[None]:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not back to its default, which ends the process
 
 
-def _new_service(settings: Settings, metrics: Metrics, tracer: trace.Tracer, fatal: FatalHandler) -> InferenceService:
+async def _new_service(
+    settings: Settings, metrics: Metrics, tracer: trace.Tracer, fatal: FatalHandler
+) -> InferenceService:
+    """The service, on the device ``model.device`` resolves to: off the event loop, as ``auto``
+    makes a CUDA context to see that the GPU works (seconds). A device this machine does not
+    have fails start-up, named (not blamed on the port): ``serve`` checked it before starting,
+    so this is every embedding that did not (a Ray replica)."""
     try:
-        return InferenceService(settings, metrics, tracer)
-    except Exception as exc:  # the device asked for is not here, say: named, not blamed on the port
+        device = await asyncio.to_thread(resolve_device, settings.model.device)
+    except DeviceMissing as exc:
+        fatal(str(exc))
+        raise StartupFailed(str(exc)) from None
+    try:
+        return InferenceService(settings, metrics, tracer, device)
+    except Exception as exc:  # a bug: named, not blamed on the port, and its traceback shown
         fatal(str(exc))
         raise
 
@@ -180,7 +193,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # first: a secret that cannot be read fails start-up before anything is made that needs closing
         app.state.admin_token, app.state.api_key = await _secrets(settings, fatal)
-        service = _new_service(settings, metrics, tracer, fatal)
+        service = await _new_service(settings, metrics, tracer, fatal)
         app.state.service = service
 
         async def start() -> None:

@@ -33,6 +33,7 @@ from app.inference.device import (
     Memory,
     cpu_cores,
     dtype_name,
+    fallback_intra_op,
     memory,
     plan_threads,
     release_memory,
@@ -66,14 +67,21 @@ class State(enum.StrEnum):
 class InferenceService:
     """Everything between a validated request and its answer."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None, tracer: trace.Tracer | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        tracer: trace.Tracer | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """``device``: ``model.device`` resolved already (off the event loop: ``auto`` tries CUDA out)."""
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.tracer = tracer or trace.NoOpTracer()
         self.state = State.STARTING
         self.failure: str | None = None
         self.unfinished: list[str] = []  # its threads a call held past ``close``'s bounded joins
-        self.device = resolve_device(settings.model.device)
+        self.device = device if device is not None else resolve_device(settings.model.device)
         self.dtype = resolve_dtype(settings.model.dtype, self.device)
         self.repository = Repository(settings.model.repository)
         self.groups: dict[str, ModelGroup[ServedModel]] = {}
@@ -83,13 +91,13 @@ class InferenceService:
         self._rng = random.Random()
         self.default_model: str | None = None
         self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
-        model = settings.model
+        model, cores = settings.model, cpu_cores()
         self.threads = plan_threads(
             self.device,
             model.device_workers,
             model.intra_op_threads,
             settings.server.preprocess_workers,
-            cpu_cores(),
+            cores,
             model.urgent_workers,
             settings.server.decode,
             model.normal_nice,
@@ -128,6 +136,7 @@ class InferenceService:
             self.tracer,
             policy=lambda: self._policy,
             release=self.release_unloaded,
+            fallback_intra_op=fallback_intra_op(self.threads, model.intra_op_threads, cores),
         )
         self.rewarm = Rewarmer(self.loader, self.all_served)  # the sizes a new max batch brings, warmed while serving
         ServedGauges(self.all_served, self._retiring, self.device).install(self.metrics)

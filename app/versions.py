@@ -1,10 +1,11 @@
 """A model version's way onto the device: read, checked and warmed on a loader thread of its
 own, within ``model.load_timeout_s``, then served by a runner and a batcher of its own.
 
-A load the device fails (out of memory beside the versions already loaded, say) is a 503
-``device_unavailable``, with what it took released; one its files or graph refuse is a
-``ModelLoadError``; one past its timeout keeps running on the loader thread (a thread cannot
-be stopped) and no other load starts until it ends.
+A load the device fails while serving (out of memory beside the versions already loaded, say)
+is a 503 ``device_unavailable``, with what it took released; at start-up it fails start-up with
+the device's own line (and, out of memory in the warm-up, the max batch to lower). One its
+files or graph refuse is a ``ModelLoadError``; one past its timeout keeps running on the loader
+thread (a thread cannot be stopped) and no other load starts until it ends.
 """
 
 from __future__ import annotations
@@ -91,9 +92,11 @@ class VersionLoader:
         tracer: trace.Tracer,
         policy: Callable[[], BatchPolicy],
         release: Callable[[], Awaitable[None]],
+        fallback_intra_op: int = 0,
     ) -> None:
         self.settings, self.repository, self.device, self.dtype = settings, repository, device, dtype
         self.threads, self._device_thread = threads, device_thread
+        self._fallback_intra_op = fallback_intra_op  # torch threads a batch gets on the CPU fallback
         self.metrics, self.tracer = metrics, tracer
         self._policy, self._release = policy, release
         # loads given up (past their timeout, or cancelled) still running on the loader thread: why
@@ -122,14 +125,40 @@ class VersionLoader:
             time.perf_counter() - started,
         )
 
-    async def _device_failed(self, label: str, fault: Fault, line: str) -> DeviceUnavailable:
-        """A load the device failed (out of memory beside the versions already loaded, say): the
-        memory it took released, a 503 ``device_unavailable`` (any other error is a bug: 500).
-        Called once the error is handled and gone: its traceback held the model's frames, and
-        with them the memory to release."""
+    async def _device_failed(
+        self, label: str, fault: Fault, line: str, *, warming: bool, serving: bool
+    ) -> DeviceUnavailable | ModelLoadError:
+        """A load the device failed: the memory it took released, and the error to raise (any
+        other error is a bug: 500). While serving, a 503 ``device_unavailable``: out of memory
+        beside the versions already loaded, say, which a later try may find freed. At start-up,
+        a ``ModelLoadError`` naming the device's own line, and for memory the warm-up ran out of,
+        the setting to lower: another start would fail the same way. Called once the error is
+        handled and gone: its traceback held the model's frames, and with them the memory to release."""
         await self._release()  # the model sits in reference cycles: collected, then released
+        if not serving:
+            return ModelLoadError(self._start_up_fault(label, fault, line, warming))
         log.error("loading %s: the device failed (%s): %s", label, fault.value, line)
         return DeviceUnavailable(f"loading {label}: the device failed ({fault.value}); try again later")
+
+    def _start_up_fault(self, label: str, fault: Fault, line: str, warming: bool) -> str:
+        """Why start-up failed, when the device failed a version's load or its warm-up."""
+        where = f"loading {label} on {self.device}"
+        if fault is Fault.DEVICE:
+            return f"{where}: the device failed: {line}"
+        if not warming:
+            return f"{where}: out of memory for the model itself, beside what the device holds already: {line}"
+        policy = self._policy()
+        biggest = policy.largest_batch  # the warm-up runs batches up to it: the lanes allowing it set it
+        lanes = [
+            name for name, lane in (("normal", policy.normal), ("urgent", policy.urgent)) if lane.max_batch >= biggest
+        ]
+        lower = " and ".join(
+            f"batching.{lane}.max_batch (AI_SERVICE_BATCHING__{lane.upper()}__MAX_BATCH)" for lane in lanes
+        )
+        return (
+            f"{where}: out of memory in the start-up warm-up, which runs batches of up to {biggest} images: "
+            f"lower {lower}, now {biggest}. The device said: {line}"
+        )
 
     def _pads(self, device: torch.device) -> bool:
         """Whether batches on ``device`` are padded to a few sizes (``model.pad_batches``)."""
@@ -252,7 +281,8 @@ class VersionLoader:
         if refused is not None:
             await self._release()  # the error, whose frames held what it built, is gone by now
             raise ModelLoadError(refused)
-        if failed is None and self.settings.model.warmup:
+        warming = failed is None and self.settings.model.warmup
+        if warming:
             # while serving, the warm-up counts in the load's time (a graph that crawls at the sizes
             # the self-check does not run is refused, as a slow load is); before serving it does not:
             # a GPU's first run of each shape takes seconds, and a start-up that always worked stays so
@@ -264,7 +294,7 @@ class VersionLoader:
             raise (
                 ModelLoadError(f"loading {folder} took longer than model.load_timeout_s={timeout:g}s {failed}")
                 if isinstance(failed, str)
-                else await self._device_failed(label, *failed)
+                else await self._device_failed(label, *failed, warming=warming, serving=not every_thread)
             )
         return model
 
@@ -313,6 +343,8 @@ class VersionLoader:
             on_fault=lambda fault: faults.labels(name, version, fault.value.replace(" ", "_")).inc(),
             fallback=cpu_fallback if self.settings.model.cpu_fallback else None,
             fallback_after=self.settings.model.fallback_after_failures,
+            intra_op=self.threads.intra_op,
+            fallback_intra_op=self._fallback_intra_op,
         )
         observer = self.metrics.observer(name, version)
         traced = TracedRunner(runner, self.tracer, name, version, dtype_name(self.dtype), observer)

@@ -25,13 +25,46 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+class DeviceMissing(RuntimeError):
+    """``model.device`` names a device this machine does not have: a setting to change."""
+
+
 def resolve_device(setting: str) -> torch.device:
-    """``auto`` is ``cuda:0`` when CUDA is usable, else the CPU."""
+    """``auto`` is ``cuda:0`` when CUDA works there, else the CPU; a device named that this
+    machine does not have raises ``DeviceMissing``.
+
+    Blocking: for ``auto`` on a machine with CUDA it makes the device's context (seconds), so
+    call it off the event loop. ``torch.cuda.is_available()`` makes none: a GPU that another
+    process holds in exclusive mode, or whose memory is full, passes it, and its first use fails.
+    """
     if setting == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        return _working_cuda() or torch.device("cpu")
     device = torch.device(setting)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={setting} but CUDA is not available on this machine")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceMissing(f"model.device={setting} but CUDA is not available on this machine")
+        if (count := torch.cuda.device_count()) <= (device.index or 0):
+            raise DeviceMissing(
+                f"model.device={setting} but this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    return device
+
+
+def _working_cuda() -> torch.device | None:
+    """``cuda:0`` if a tensor can be made and computed there; None (the CPU serves) if not, said why."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", 0)
+    try:
+        torch.ones(1, device=device).add_(1).cpu()  # the context made, memory taken, a kernel run
+    except Exception as exc:  # "busy or unavailable" (exclusive mode), out of memory, a driver's error
+        log.warning(
+            "model.device=auto: CUDA is present but %s cannot be used (%s): serving from the CPU "
+            "(model.device=cuda would fail start-up instead)",
+            device,
+            fault_line(exc),
+        )
+        return None
     return device
 
 
@@ -110,7 +143,8 @@ def plan_threads(
     On a GPU torch gets one thread: the host's share of a batch (stacking it, the copy) is
     small, and torch's default (a thread per core) spun them all: a device thread feeding an
     H200 kept 15.7 of 16 cores busy, and each decode thread's resize started its own team of
-    16 (128 threads). Served on the H200 with one, 11-14% more requests a second.
+    16 (128 threads). Served on the H200 with one, 11-14% more requests a second. Once the CPU
+    fallback serves, the device thread computes with the CPU's plan instead (``fallback_intra_op``).
 
     ``decode_mode`` ``auto`` decodes in the batch (``batch``) on a CPU whose device threads
     compute on one core each, and in the pool's threads elsewhere: a device thread with several
@@ -135,6 +169,14 @@ def plan_threads(
         planned = cores + 1
     urgent = (1 if cores >= 2 else 0) if urgent is None else urgent
     return Threads(planned, intra_op, decode, urgent, in_batch, _nice(normal_nice, in_batch))
+
+
+def fallback_intra_op(threads: Threads, intra_op: int, cores: int) -> int:
+    """The torch threads a batch gets once the CPU fallback serves: the CPU's plan (``intra_op``:
+    ``model.intra_op_threads``) for ``cores``, with the device threads ``threads`` has. A GPU's
+    plan gives its one device thread one torch thread: kept, the fallback would compute on one
+    core of a machine whose other cores idle, and refuse most of its traffic."""
+    return plan_threads(torch.device("cpu"), threads.workers, intra_op, threads.decode, cores).intra_op
 
 
 def _nice(setting: int | None, decode_in_batch: bool) -> int:

@@ -72,6 +72,8 @@ class ModelRunner:
         on_fault: Callable[[Fault], None] = lambda fault: None,
         fallback: Callable[[], Model] | None = None,
         fallback_after: int = 3,
+        intra_op: int = 0,
+        fallback_intra_op: int = 0,
     ) -> None:
         self.model = model
         self._on_fault = on_fault  # called on the device thread, once a failed forward pass
@@ -81,6 +83,9 @@ class ModelRunner:
         self._on_pressure = on_pressure
         self._fallback = fallback
         self._fallback_after = fallback_after
+        # torch threads a batch of the model serving now runs with (0: as the thread has them),
+        # the fallback's once it takes over: each device thread takes them up at its next batch
+        self._intra_op, self._fallback_intra_op = intra_op, fallback_intra_op
         self.failures = 0  # consecutive device failures
         self.degraded = False
         self._failing = threading.Lock()
@@ -125,6 +130,7 @@ class ModelRunner:
         batch runs without it, and an error raised for the whole batch carries those errors
         in ``refused`` (index to error)."""
         batch = _Batch(images, deadlines, gone)
+        self._use_intra_op()
         self._decode(batch)
         generation = self._generation
         try:
@@ -140,6 +146,7 @@ class ModelRunner:
         # several device threads may share this runner: one counts at a time, one falls back
         with self._failing:
             if self._generation != generation:  # another batch's failure brought the fallback meanwhile
+                self._use_intra_op()
                 self._compute(batch, batch.retry(), self.model, part=True)
             else:
                 self.failures += 1
@@ -292,7 +299,24 @@ class ModelRunner:
         self.degraded = True
         del failed  # nothing else holds it (the service reads the runner's model)
         release_memory(device)
+        if self._fallback_intra_op and self._fallback_intra_op != self._intra_op:
+            log.warning(
+                "the CPU fallback runs each batch on %d torch threads (the CPU's plan for this machine; "
+                "on the device: %d)",
+                self._fallback_intra_op,
+                self._intra_op,
+                extra=self._ids,
+            )
+        self._intra_op = self._fallback_intra_op or self._intra_op
+        self._use_intra_op()
         self._compute(batch, batch.retry(), fallback, part=True)
+
+    def _use_intra_op(self) -> None:
+        """This device thread computes with the torch threads the model serving now wants. Torch
+        keeps the count per thread (OpenMP's), so each device thread sets its own; another
+        model's batches on the same thread set theirs back."""
+        if self._intra_op and torch.get_num_threads() != self._intra_op:
+            torch.set_num_threads(self._intra_op)
 
 
 class _Batch:

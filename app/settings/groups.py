@@ -151,7 +151,12 @@ class ModelSettings(_Group):
     repository: Path = Field(default=Path("models"), description="model repository root")
     default: str | None = Field(default=None, description="model behind /predict; unset: the first by name")
     names: list[str] = Field(default_factory=list, description="models to load; empty loads every model")
-    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto, cpu, cuda or cuda:N")
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="auto, cpu, cuda or cuda:N; auto tries cuda:0 at start-up and serves from the CPU, with a "
+        "warning, when there is none or it does not work (held by another process, full)",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto",
         description="auto (float16 on CUDA, float32 on the CPU, where the half precisions run 20-40x slower), "
@@ -223,7 +228,8 @@ class ModelSettings(_Group):
         default=0,
         ge=0,
         le=256,
-        description="torch threads per batch; 0: on the CPU, its cores / device_workers; on CUDA, 1",
+        description="torch threads per batch; 0: on the CPU, its cores / device_workers; on CUDA, 1 (its CPU "
+        "fallback: the cores / its device threads)",
     )
     inter_op_threads: int = Field(default=0, ge=0, le=256, description="0 keeps torch's default")
     onednn_primitive_cache: int = Field(

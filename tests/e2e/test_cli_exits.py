@@ -56,16 +56,55 @@ def test_a_port_in_use_exits_with_the_clis_start_up_failure_code() -> None:
     assert "ai-backend: start-up failed" in run.stderr
 
 
-def test_a_device_that_is_not_here_exits_1_naming_it_not_the_port() -> None:
+def test_a_device_that_is_not_here_exits_2_in_one_line_before_the_server_starts() -> None:
+    """Checked as the secrets are: from the app's start-up the line came with uvicorn's 30-line
+    traceback, and exit 1 as for a start that failed, where it is a setting to change."""
     import torch  # here: the other tests need no torch in the test process
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     run = _serve({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0", "AI_SERVICE_MODEL__DEVICE": "cuda"})
+    assert run.returncode == 2, (run.returncode, run.stderr[-1500:])
+    assert run.stderr.strip().splitlines() == [
+        "ai-backend: model.device=cuda but CUDA is not available on this machine"
+    ]
+
+
+# ``serve`` with its own check of the device left out, as if the device went between that check
+# and the app's start-up: the app's start-up names it (exit 1), and uvicorn's traceback is left out
+_DEVICE_UNCHECKED = """
+import sys
+
+from app import cli
+
+cli._missing_device = lambda setting: None
+sys.exit(cli.main(["serve"]))
+"""
+
+
+def test_a_start_up_failure_the_app_named_comes_without_uvicorn_s_traceback(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    script = tmp_path / "serve.py"
+    script.write_text(_DEVICE_UNCHECKED)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        cwd=REPO_ROOT,
+        env=server_environment(
+            {"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0", "AI_SERVICE_MODEL__DEVICE": "cuda"}
+        ),
+        capture_output=True,
+        text=True,
+        timeout=SERVE_TIMEOUT_S,
+    )
     assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("ai-backend: start-up failed:") and "CUDA" in last, run.stderr[-1500:]
-    assert "could not start on" not in last, "the device named, not the address"
+    assert last == "ai-backend: start-up failed: model.device=cuda but CUDA is not available on this machine"
+    assert "could not start on" not in run.stderr, "the device named, not the address"
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from app.inference import loader
-from app.inference.device import Memory
+from app.inference.device import Memory, plan_threads
 from app.inference.loader import LayeredModel, PreparedLayer
 from app.inference.manifest import Layer, Manifest
 from tests.conftest import SettingsFactory
@@ -390,3 +390,36 @@ async def test_a_lazy_head_the_device_has_no_memory_for_fails_its_batch_once_wit
         assert len(loads) == 1, "one batch, one load: not once more for every half of a split"
         assert served.batcher.ceiling is None, "no batch size is to blame"
         assert served.runner.failures == 1
+
+
+async def test_the_cpu_fallback_computes_on_the_cpus_torch_threads_not_the_gpus_one(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU's plan gives its one device thread one torch thread (the host's share of a batch is
+    small). The fallback swapped the CPU model in on that thread and kept the one: on a 16-core
+    host the degraded service computed on one core. Here the GPU's plan on 3 cores, as a GPU host's."""
+    monkeypatch.setattr("app.service.plan_threads", lambda device, *args: plan_threads(torch.device("cuda", 0), *args))
+    monkeypatch.setattr("app.service.cpu_cores", lambda: 3)
+    settings = make_settings(model={"cpu_fallback": True, "fallback_after_failures": 1})
+    before = torch.get_num_threads()
+    try:
+        async with running_app(settings) as running:
+            service = running.service
+            assert (service.threads.workers, service.threads.intra_op, service.threads.urgent) == (1, 1, 0)
+            device_thread = service._device_thread
+            assert await device_thread.run(torch.get_num_threads) == 1, "as on a GPU"
+            served = service.models[MODEL_NAME]
+            served.runner.model = DeviceLost(served.model)  # type: ignore[assignment]
+            with caplog.at_level(logging.WARNING):
+                answer = await running.predict_png(sample_png(6))
+            assert answer.status_code == 200 and top_label(answer.json()) == "6", "the fallback answers it"
+            assert await device_thread.run(torch.get_num_threads) == 3, "the CPU's plan for 3 cores, one device thread"
+            again = await running.predict_png(sample_png(2))
+            assert again.status_code == 200 and top_label(again.json()) == "2"
+            assert await device_thread.run(torch.get_num_threads) == 3
+    finally:
+        torch.set_num_threads(before)  # torch's count for threads yet to start is process-wide
+    said = [r.getMessage() for r in caplog.records if "torch threads" in r.getMessage()]
+    assert said == [
+        "the CPU fallback runs each batch on 3 torch threads (the CPU's plan for this machine; on the device: 1)"
+    ]

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from app.inference.manifest import Manifest, Provenance
+from app.inference import loader
+from app.inference.loader import LayeredModel, PreparedLayer
+from app.inference.manifest import Layer, Manifest, Provenance
 from app.inference.packaging import write_version
+from app.main import StartupFailed
 from app.service import State
 from app.training.digits import make_backbone
 from tests.conftest import SettingsFactory
@@ -177,3 +181,65 @@ async def test_a_lazy_head_that_cannot_serve_is_503_and_never_loaded_again(
         assert "shape" not in answers[0].text, "the detail is in the log, not the answer"
     failed_loads = [r for r in caplog.records if "cannot serve" in r.getMessage()]
     assert len(failed_loads) == 1, "the head was loaded once, not once per request"
+
+
+BUSY = "CUDA error: CUDA-capable device(s) is/are busy or unavailable"
+
+
+async def test_a_device_that_fails_the_load_at_start_up_is_named_with_its_error_and_no_try_again_later(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fatal message said "the device failed (device error); try again later", the CUDA error
+    only in a log line of its own: another start fails the same way."""
+    load_layer = loader.load_layer
+
+    def busy(folder: Path, manifest: Manifest, layer: Layer, *args: Any) -> PreparedLayer:
+        if layer.name == manifest.backbone.name:
+            raise torch.AcceleratorError(f"{BUSY}\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+        return load_layer(folder, manifest, layer, *args)
+
+    monkeypatch.setattr(loader, "load_layer", busy)
+    calls: list[str] = []
+    async with running_app(make_settings(), on_fatal=calls.append) as running:
+        assert running.service.state is State.FAILED
+    assert len(calls) == 1, calls
+    assert f"{MODEL_NAME}/1" in calls[0] and BUSY in calls[0] and "the device failed" in calls[0]
+    assert "try again" not in calls[0]
+
+
+async def test_out_of_memory_in_the_start_up_warm_up_names_the_max_batch_to_lower(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out_of_memory = "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
+    warm_up = LayeredModel.warm_up
+
+    def short_of_memory(
+        model: LayeredModel, max_batch: int, rounds: int = 3, sizes: Sequence[int] | None = None
+    ) -> None:
+        if max(model.warm_up_sizes(max_batch) if sizes is None else sizes) >= 32:
+            raise torch.cuda.OutOfMemoryError(out_of_memory)
+        warm_up(model, max_batch, rounds, sizes)
+
+    monkeypatch.setattr(LayeredModel, "warm_up", short_of_memory)
+    lanes = {"normal": {"max_batch": 32}, "urgent": {"max_batch": 4}}
+    calls: list[str] = []
+    async with running_app(make_settings(model={"warmup": True}, batching=lanes), on_fatal=calls.append) as running:
+        assert running.service.state is State.FAILED
+    assert len(calls) == 1, calls
+    (message,) = calls
+    assert out_of_memory in message and "warm-up" in message and "try again" not in message
+    assert "lower batching.normal.max_batch (AI_SERVICE_BATCHING__NORMAL__MAX_BATCH), now 32" in message
+    assert "urgent" not in message, "its batches are smaller: not the setting to change"
+
+
+async def test_a_cuda_device_this_machine_does_not_have_fails_the_app_s_start(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Named through ``on_fatal`` once, and the start itself fails (a Ray replica must not come up
+    serving nothing), with ``StartupFailed``: ``serve`` leaves uvicorn's traceback of it out."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls: list[str] = []
+    with pytest.raises(StartupFailed, match="model.device=cuda but CUDA is not available"):
+        async with running_app(make_settings(model={"device": "cuda"}), on_fatal=calls.append):
+            pass
+    assert calls == ["model.device=cuda but CUDA is not available on this machine"]

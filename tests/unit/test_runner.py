@@ -586,3 +586,34 @@ def test_a_head_the_device_has_no_memory_for_fails_its_batch_once_unsplit(
     answers = runner.run_sync(images(lazy, 8))  # memory is back: the next batch loads it, once
     assert all(isinstance(answer, TopK) for answer in answers)
     assert len(loads) == 2 and lazy.head_loads == 1 and runner.failures == 0
+
+
+async def test_each_device_thread_takes_the_fallbacks_torch_threads_up_and_a_model_on_the_device_its_own(
+    model: LayeredModel,
+) -> None:
+    """The torch threads a device thread computes with once the CPU fallback serves: the CPU's plan,
+    taken up by each device thread at its next batch, not the GPU's one thread."""
+    device = DeviceThread(workers=2)
+    before = torch.get_num_threads()
+    image = model.dummy_batch(1)[0]
+    try:
+
+        def as_on_a_gpu() -> int:
+            torch.set_num_threads(1)
+            return torch.get_num_threads()  # torch takes the count up in each thread at its first use
+
+        assert await device.run_on_each(as_on_a_gpu) == [1, 1]
+        runner = ModelRunner(
+            DeviceLost(model), device, 3, fallback=lambda: model, fallback_after=1, intra_op=1, fallback_intra_op=3
+        )
+        (answer,) = await runner([image])
+        assert runner.degraded and isinstance(answer, TopK), "the fallback took over and answered"
+        assert sorted(await device.run_on_each(torch.get_num_threads)) == [1, 3], "set on the thread that fell back"
+        await device.run_on_each(lambda: runner.run_sync([image]))
+        assert await device.run_on_each(torch.get_num_threads) == [3, 3], "each took them up at its next batch"
+        on_the_device = ModelRunner(model, device, 3, intra_op=1)  # another version, still on the GPU
+        await device.run_on_each(lambda: on_the_device.run_sync([image]))
+        assert await device.run_on_each(torch.get_num_threads) == [1, 1], "its batches run as the GPU's plan says"
+    finally:
+        device.close()
+        torch.set_num_threads(before)  # torch's count for threads yet to start is process-wide

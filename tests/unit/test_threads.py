@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.inference.device import CpuLimit, Threads, cpu_cores, cpu_limit, plan_threads
+from app.inference.device import CpuLimit, Threads, cpu_cores, cpu_limit, fallback_intra_op, plan_threads
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda:0")
 
@@ -48,6 +48,27 @@ def test_the_plan_always_runs_something_and_never_oversubscribes_by_default(
         assert plan.workers <= max(1, cores)
     if intra == 0:
         assert plan.workers * plan.intra_op <= max(cores, plan.workers)
+
+
+def test_the_cpu_fallback_gets_the_cpus_plan_for_the_device_threads_there_are() -> None:
+    """On a GPU one device thread runs one torch thread; the CPU fallback it then runs gets every
+    core (one device thread), unless ``model.intra_op_threads`` says otherwise."""
+    gpu = plan_threads(GPU, 0, 0, 0, cores=16)
+    assert fallback_intra_op(gpu, 0, cores=16) == 16
+    assert fallback_intra_op(plan_threads(GPU, 2, 0, 0, cores=16), 0, cores=16) == 8, "two device threads share them"
+    assert fallback_intra_op(gpu, 4, cores=16) == 4, "explicit settings win"
+    assert fallback_intra_op(gpu, 0, cores=1) == 1
+
+
+@given(
+    cores=st.integers(1, 256),
+    workers=st.integers(0, 64),
+    intra=st.integers(0, 256),
+    decode=st.sampled_from(["pool", "batch", "auto"]),
+)
+def test_on_a_cpu_the_fallback_keeps_the_plans_torch_threads(cores: int, workers: int, intra: int, decode: str) -> None:
+    plan = plan_threads(CPU, workers, intra, 0, cores, decode_mode=decode)
+    assert fallback_intra_op(plan, intra, cores) == plan.intra_op
 
 
 def cgroup_tree(root: Path, files: dict[str, str]) -> Path:
