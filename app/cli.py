@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def _serve_now(args: argparse.Namespace) -> int:
     configure_logging(settings.logging.level, settings.logging.json_format)
     logging.getLogger("uvicorn.error").addFilter(_reported_start_up_failure)
     warn_unknown_variables()
+    _say_config_file(config_path(), stamp)
 
     failure: list[str] = []
     server: DrainingServer | None = None
@@ -122,6 +124,16 @@ def _serve_now(args: argparse.Namespace) -> int:
     if service is not None and service.unfinished:
         _exit_now(code, service.unfinished)
     return code
+
+
+def _say_config_file(path: Path, stamp: object) -> None:
+    """Which config file the settings came from, absolute: the default is relative to the working
+    directory, and started elsewhere the service ran on the built-in defaults without a word (its
+    watcher polling a path that does not exist)."""
+    if stamp is None:
+        log.warning("no config file at %s: the built-in defaults and the environment apply", path.resolve())
+    else:
+        log.info("settings read from the config file %s and the environment", path.resolve())
 
 
 def _missing_device(setting: str) -> str | None:

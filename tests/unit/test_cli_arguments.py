@@ -3,6 +3,9 @@ not a setting's environment variable that nobody set."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
 from app.cli import main
@@ -18,3 +21,23 @@ def test_a_port_out_of_range_is_refused_as_the_argument_it_is(
     err = capsys.readouterr().err
     assert "argument --port" in err and why in err, err
     assert "AI_SERVICE_SERVER__PORT" not in err
+
+
+def test_serve_says_which_config_file_it_read_or_that_none_was_there(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default is relative to the working directory: started elsewhere the service ran on the
+    built-in defaults without a word. The file is named absolute, and its absence is a warning."""
+    from app.cli import _say_config_file
+    from app.settings import file_stamp
+
+    present, absent = tmp_path / "service.toml", tmp_path / "missing.toml"
+    present.write_text("[server]\nport = 8000\n")
+    with caplog.at_level(logging.INFO, logger="app.cli"):
+        _say_config_file(present, file_stamp(present))
+        _say_config_file(absent, file_stamp(absent))
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [
+        (logging.INFO, f"settings read from the config file {present} and the environment"),
+        (logging.WARNING, f"no config file at {absent}: the built-in defaults and the environment apply"),
+    ]
