@@ -20,13 +20,15 @@ MAX_ADMIN_BODY_BYTES = 64 << 10  # a policy or a canary split: a few hundred byt
 
 
 def check_bearer(authorization: str | None, expected: bytes, what: str) -> None:
-    """401 without a bearer token, 403 with the wrong one (compared in constant time)."""
-    if authorization is None or not authorization.lower().startswith("bearer "):
+    """401 without a bearer token (an empty one included: RFC 6750 3.1, no credentials), 403
+    with the wrong one (compared in constant time)."""
+    # only spaces and tabs around the token (str.strip would take a latin-1 no-break space too)
+    token = authorization[7:].strip(" \t") if authorization is not None else ""
+    if authorization is None or not authorization.lower().startswith("bearer ") or not token:
         raise Unauthorized(f"{what} is required as Authorization: Bearer <token>")
-    # only spaces and tabs around the token (str.strip would take a latin-1 no-break space too);
     # compared as the bytes that came (header values arrive decoded as latin-1): a UTF-8 token's
     # bytes, decoded so and encoded again as UTF-8, never matched
-    if not hmac.compare_digest(authorization[7:].strip(" \t").encode("latin-1", "replace"), expected):
+    if not hmac.compare_digest(token.encode("latin-1", "replace"), expected):
         raise Forbidden(f"the bearer token is not {what}")
 
 
