@@ -180,7 +180,7 @@ class RunningApp:
         *,
         path: str = "/predict",
         headers: dict[str, str] | None = None,
-        params: dict[str, Any] | None = None,
+        params: dict[str, Any] | list[tuple[str, str]] | None = None,
     ) -> httpx.Response:
         """POST ``data`` as a raw ``image/png`` body (unless ``headers`` say another type)."""
         sent = {"Content-Type": "image/png", **(headers or {})}

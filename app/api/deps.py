@@ -125,11 +125,18 @@ class _Query(BaseModel):
 
 
 def query_top_k(scope: Scope) -> int | None:
-    """``top_k`` from the query string, validated as FastAPI would (422 ``validation_error``)."""
+    """``top_k`` from the query string, validated as FastAPI would (422 ``validation_error``).
+    Given twice with two values it is refused, as a prediction header is: whichever a server
+    happened to read (the last) decided how many classes came back."""
     if not scope.get("query_string"):
         return None
+    params = QueryParams(scope["query_string"])
+    if len(set(params.getlist("top_k"))) > 1:
+        raise RequestValidationError(
+            [{"loc": ("query", "top_k"), "msg": "given more than once, with different values", "type": "value_error"}]
+        )
     try:
-        return _Query.model_validate(dict(QueryParams(scope["query_string"]))).top_k
+        return _Query.model_validate(dict(params)).top_k
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 

@@ -110,6 +110,18 @@ async def test_top_k_defaults_and_json_wins_over_query(
         assert [p["label"] for p in one.json()["predictions"]] == ["7"]
 
 
+async def test_a_query_top_k_given_twice_is_one_value_or_a_422(make_settings: SettingsFactory) -> None:
+    """Two values for one parameter: the last was taken without a word (as two prediction
+    headers with two values, it is refused)."""
+    png = sample_png(7)
+    async with running_app(make_settings()) as running:
+        same = await running.predict_png(png, params=[("top_k", "2"), ("top_k", "2")])
+        other = await running.predict_png(png, params=[("top_k", "2"), ("top_k", "3")])
+    assert same.status_code == 200 and len(same.json()["predictions"]) == 2, same.text
+    assert other.status_code == 422 and other.json()["code"] == "validation_error", other.text
+    assert other.json()["details"][0]["loc"] == ["query", "top_k"]
+
+
 async def test_content_type_parameters_and_case_are_accepted(
     make_settings: SettingsFactory, sample_pngs: dict[str, bytes]
 ) -> None:
