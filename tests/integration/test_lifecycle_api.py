@@ -713,6 +713,7 @@ async def test_a_lazily_loaded_head_whose_file_cannot_be_read_fails_healthz_unti
     """Its requests get 503 and it is tried again on the next one; /healthz says why meanwhile
     (it said ok while every prediction failed)."""
     head = repository / "digits" / "1" / "classifier.safetensors"
+    placed = (str(repository), str(repository.resolve()))  # noqa: ASYNC240 - a stat or two, in a test
     async with running_app(settings_for(repository, warmup=False)) as running:
         saved = head.read_bytes()
         head.unlink()
@@ -721,7 +722,9 @@ async def test_a_lazily_loaded_head_whose_file_cannot_be_read_fails_healthz_unti
         health = await running.client.get("/healthz")
         assert health.status_code == 503 and health.json()["status"] == "failing"
         default = next(m for m in health.json()["models"] if m["default"])
-        assert "classifier.safetensors" in default["unreadable_heads"]["classifier"]
+        why = default["unreadable_heads"]["classifier"]
+        assert "digits/1/classifier.safetensors" in why, why
+        assert not any(path in why for path in placed), "named within the repository"
         head.write_bytes(saved)
         assert (await running.predict_png(sample_png(5))).status_code == 200
         health = await running.client.get("/healthz")

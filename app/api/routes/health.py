@@ -47,6 +47,8 @@ async def healthz(service: Service, request: Request) -> JSONResponse:
     free = await service.memory()
     min_free = service.settings.model.min_free_memory_mb << 20
     defaults = {(s.name, s.version) for s in service.models.values()}
+    repository = service.settings.model.repository
+    roots = sorted({f"{repository}/", f"{repository.resolve()}/"}, key=len, reverse=True)
     models = [
         ModelHealth(
             name=s.name,
@@ -57,8 +59,8 @@ async def healthz(service: Service, request: Request) -> JSONResponse:
             loaded=True,
             batcher_running=s.batcher.running,
             device_failures=s.runner.failures,
-            failed_heads=s.runner.model.failed_heads,
-            unreadable_heads=s.model.unreadable_heads,
+            failed_heads=_unplaced(s.runner.model.failed_heads, roots),
+            unreadable_heads=_unplaced(s.model.unreadable_heads, roots),
             queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
             batch_ceiling=s.batcher.ceiling,
         )
@@ -94,3 +96,15 @@ async def healthz(service: Service, request: Request) -> JSONResponse:
 # HEAD wherever GET is (RFC 9110, 9.1): balancers and uptime checks probe with it
 for _path, _probe in (("/livez", livez), ("/readyz", readyz), ("/healthz", healthz)):
     router.add_api_route(_path, _probe, methods=["HEAD"], include_in_schema=False)
+
+
+def _unplaced(reasons: dict[str, str], roots: list[str]) -> dict[str, str]:
+    """Why heads failed, their files named within the model repository: the probe answers anyone,
+    and the repository's place on the server's disk is no one's business there (the log has it)."""
+    return {head: _within(why, roots) for head, why in reasons.items()}
+
+
+def _within(text: str, roots: list[str]) -> str:
+    for root in roots:
+        text = text.replace(root, "")
+    return text
