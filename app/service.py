@@ -90,7 +90,10 @@ class InferenceService:
         self._drained = False
         self._rng = random.Random()
         self.default_model: str | None = None
-        self._limits = preprocess.ImageLimits(settings.server.max_image_bytes, settings.server.max_image_pixels)
+        server = settings.server
+        self._limits = preprocess.ImageLimits(
+            server.max_image_bytes, server.max_image_pixels, reduce_jpeg=server.jpeg_reduced_decode
+        )
         model, cores = settings.model, cpu_cores()
         self.threads = plan_threads(
             self.device,

@@ -62,10 +62,12 @@ UNSUPPORTED = "not a JPEG, PNG or WebP image"
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Bytes and pixels one image may have."""
+    """Bytes and pixels one image may have, and whether a large JPEG may be decoded at a reduced
+    scale (``reduce_jpeg``: ``server.jpeg_reduced_decode``)."""
 
     max_bytes: int
     max_pixels: int
+    reduce_jpeg: bool = True
 
 
 def base64_bytes(text: str) -> bytes:
@@ -273,7 +275,7 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
         # leave a small digit in a large photo a few pixels wide
         if image.format == "JPEG" and spec.resize.mode != "fit_content":
             width, height = image.size if turned < 5 else image.size[::-1]  # 5-8: a quarter turn
-            wanted = draft_size(width, height, spec, draft_tolerance)
+            wanted = draft_size(width, height, spec, draft_tolerance) if limits.reduce_jpeg else (width, height)
             # asked for the whole pixels at that scale, Pillow picks it (at 1 the draft still sets
             # the decoder's colour mode); a partial last pixel is cut off as on the fast path
             whole = reduced_size(*image.size, draft_scale(*image.size, wanted if turned < 5 else wanted[::-1]))
@@ -301,8 +303,13 @@ def _decode_reduced(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tol
         return None
     # Image.open refuses more than twice Pillow's own bomb limit, whatever max_pixels allows
     most = min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else limits.max_pixels
-    wanted = functools.partial(draft_size, spec=spec, tolerance=draft_tolerance)
+    wanted = functools.partial(draft_size, spec=spec, tolerance=draft_tolerance) if limits.reduce_jpeg else _whole
     return decode_reduced(data, spec.channels, wanted, most, padded=not _by_torch(spec))
+
+
+def _whole(width: int, height: int) -> tuple[int, int]:
+    """Every pixel: a JPEG decoded at full scale (``server.jpeg_reduced_decode=false``)."""
+    return width, height
 
 
 def _pixels(image: Image.Image) -> np.ndarray:

@@ -74,7 +74,7 @@ def _serving_limits() -> ImageLimits:
     from app.settings import ServerSettings
 
     server = ServerSettings()
-    return ImageLimits(max_bytes=server.max_image_bytes, max_pixels=server.max_image_pixels)
+    return ImageLimits(server.max_image_bytes, server.max_image_pixels, server.jpeg_reduced_decode)
 
 
 def resolve_precisions(setting: str, device: torch.device) -> tuple[Precision, ...]:

@@ -299,3 +299,18 @@ def test_a_16_bit_grey_pngs_transparent_grey_becomes_the_dark_ground() -> None:
     assert int(pixels[:, IMAGENET.height // 2, IMAGENET.width // 2].min()) > 0, "the square stays grey"
     for spec in (DIGITS, IMAGENET):
         assert torch.equal(decode(buffer.getvalue(), spec, LIMITS), decode(narrow.getvalue(), spec, LIMITS))
+
+
+@pytest.mark.parametrize("orientation", [1, 6], ids=["fast-path", "pillow-path"])
+def test_with_reduced_decoding_off_a_jpeg_is_decoded_whole(orientation: int) -> None:
+    """``server.jpeg_reduced_decode=false``: the input is the whole decode's, as torchvision's
+    reference preprocessing gives it (reduced, real photos came out 25-40 dB off it)."""
+    from app.inference.export import input_spec_for
+
+    spec = input_spec_for("mobilenet_v3_small")
+    data = _photo_jpeg(1281, 961, orientation)
+    whole = _decoded_whole(data, spec, ImageLimits(1 << 24, 4_000_000)).float()
+    exact = decode(data, spec, ImageLimits(1 << 24, 4_000_000, reduce_jpeg=False)).float()
+    reduced = decode(data, spec, ImageLimits(1 << 24, 4_000_000)).float()
+    assert float((exact - whole).abs().max()) <= 1.0
+    assert float((reduced - whole).abs().mean()) > 0.1, "the default reduces it"
