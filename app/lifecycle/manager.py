@@ -134,14 +134,17 @@ class LifecycleManager:
             if version == current:
                 return []
             candidate, default = await asyncio.gather(self._manifest(group, version), self._manifest(group, current))
-            if candidate.files != group.routing.loaded[version].model.manifest.files:
-                # its figures are another export's, and a head not loaded yet would fail its checksum
+            served = group.routing.loaded[version]
+            if not _describes(candidate, served.model.manifest):
+                # its figures are another export's (or were measured with other labels or another
+                # input), and a head not loaded yet would fail its checksum
                 raise Conflict(
                     f"version {version} of {name} changed on disk since it was loaded; "
                     "unload and load it again before promoting it",
                     code="version_changed",
                 )
-            if default.files != (serving := group.routing.loaded[current].model.manifest).files:
+            await self._head_serves(served)
+            if not _describes(default, serving := group.routing.loaded[current].model.manifest):
                 default = serving  # re-exported on disk since: its figures are not those of what serves
             reasons = self.gate(candidate, default, group.routing.loaded[version].model.dtype)
             if reasons and not force:
@@ -149,6 +152,20 @@ class LifecycleManager:
             group.routing = group.routing.promoted(version)
             log.info("promoted %s/%s (was %s)%s", name, version, current, " by force" if reasons else "")
             return reasons
+
+    @staticmethod
+    async def _head_serves(served: ServedModel) -> None:
+        """The candidate's default head, loaded now if it was not (``model.warmup`` off): one whose
+        file changed on disk since its version loaded (its manifest unchanged) failed its checksum
+        on the first request after the promotion, and every unpinned request with it (409 here)."""
+        try:
+            await asyncio.to_thread(served.model.head)
+        except ModelLoadError as exc:
+            raise Conflict(
+                f"version {served.version} of {served.name} cannot serve: its head does not load ({exc}); "
+                "unload and load it again before promoting it",
+                code="version_changed",
+            ) from exc
 
     async def _known(self, group: ModelGroup[ServedModel], version: str) -> None:
         """404 ``version_not_found`` unless the repository has ``version``."""
@@ -201,3 +218,9 @@ class LifecycleManager:
                 group.routing.default,
                 extra={"model": name},
             )
+
+
+def _describes(on_disk: Manifest, loaded: Manifest) -> bool:
+    """Whether the manifest on disk still describes the version as it was loaded: the same files,
+    labels, input and layers (its evaluation may have been recorded since: ``ai-backend eval``)."""
+    return on_disk.model_dump(exclude={"evaluation"}) == loaded.model_dump(exclude={"evaluation"})

@@ -747,6 +747,33 @@ async def test_a_version_changed_on_disk_since_its_load_is_not_promoted(reposito
         assert (await running.predict_png(sample_png(3))).json()["version"] == "1"
 
 
+async def test_a_version_whose_labels_changed_on_disk_or_whose_head_no_longer_loads_is_not_promoted(
+    repository: Path,
+) -> None:
+    """Only the files were compared: labels edited by hand (as the README tells after export
+    --num-classes) promoted a version that still served the old ones; and with the warm-up off, a
+    head file replaced under an unchanged manifest passed, then failed its checksum on the first
+    request after the promotion, every unpinned request a 503 and /readyz with them."""
+    async with running_app(settings_for(repository, warmup=False)) as running:
+        folder = repository / "digits" / "2"
+        saved = (folder / "manifest.json").read_text()
+        manifest = json.loads(saved)
+        manifest["labels"][7] = "seven"
+        (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        relabelled = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
+        (folder / "manifest.json").write_text(saved)
+        weights = folder / "classifier.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-4] + b"\x00\x00\x00\x00")  # its manifest unchanged
+        replaced = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
+        served = await running.predict_png(sample_png(3))
+        ready = await running.client.get("/readyz")
+    for refused in (relabelled, replaced):
+        assert refused.status_code == 409 and refused.json()["code"] == "version_changed", refused.text
+    assert "head does not load" in replaced.json()["message"]
+    assert served.status_code == 200 and served.json()["version"] == "1"
+    assert ready.status_code == 200
+
+
 async def test_an_unreadable_repository_is_a_503_to_the_admin_and_serving_goes_on(repository: Path) -> None:
     async with running_app(settings_for(repository)) as running:
         assert (await running.predict_png(sample_png(6))).status_code == 200  # its head loaded
