@@ -193,11 +193,16 @@ class Metrics:
     def observer(self, model: str, version: str) -> BatchMetrics:
         return BatchMetrics(self, model, version)
 
-    def version_series(self, model: str, version: str) -> list[tuple[Counter, tuple[str, ...]]]:
-        """A version's counters' series: made at 0 when it loads, removed when it is unloaded."""
+    def version_series(
+        self, model: str, version: str, buckets: Iterable[str] = ()
+    ) -> list[tuple[Counter | Histogram, tuple[str, ...]]]:
+        """A version's series: its counters' (made at 0 when it loads) and its batches' run time at
+        each of the ``buckets`` of batch size it ran (``BatchMetrics.buckets``), removed when it is
+        unloaded: each version that ever served left a histogram per bucket behind."""
         return [
             (self.batch_failures, (model, version)),
             *((self.device_faults, (model, version, fault)) for fault in DEVICE_FAULTS),
+            *((self.inference, (model, version, bucket)) for bucket in buckets),
         ]
 
 
@@ -208,6 +213,7 @@ class BatchMetrics:
         self._metrics = metrics
         self._model = model
         self._version = version
+        self.buckets: set[str] = set()  # the batch-size buckets its batches ran at: removed with it
 
     def on_batch(
         self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
@@ -217,7 +223,9 @@ class BatchMetrics:
             m.queue_wait.labels(own.value).observe(seconds)
         m.batch_size.labels(lane.value).observe(size)
         m.batch_fill.labels(lane.value).observe(min(1.0, size / capacity))
-        m.inference.labels(self._model, self._version, batch_bucket(size)).observe(run_s)
+        bucket = batch_bucket(size)
+        self.buckets.add(bucket)
+        m.inference.labels(self._model, self._version, bucket).observe(run_s)
         if not ok:
             m.batch_failures.labels(self._model, self._version).inc()
 
