@@ -48,6 +48,31 @@ def _signal_dispositions() -> Iterator[None]:
             signal.signal(number, handler)
 
 
+# the longest a test may run: one that waits for a future a broken batcher never settles would
+# otherwise hang until CI's own timeout, naming no test (the slowest test here takes under a minute)
+TEST_LIMIT_S = 300
+
+
+@pytest.fixture(autouse=True)
+def _bounded(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test that runs past ``TEST_LIMIT_S``, naming it: the alarm raises in the main thread,
+    in the test's event loop or wherever it waits (pytest-timeout's signal method, in a few lines)."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{request.node.nodeid} ran past {TEST_LIMIT_S} s: a wait that never ends?")
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TEST_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_model_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """In-process apps serve a session copy of models/ (the e2e tests serve models/ itself)."""
