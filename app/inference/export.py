@@ -195,7 +195,7 @@ def export_torchvision(
     if not is_valid_name(name):
         raise ExportError(f"invalid model name {name!r}: lowercase letters, digits, '_', '.', '-'")
     if not is_valid_version(version):
-        raise ExportError(f"invalid version {version!r}: expected 1-9 digits")
+        raise ExportError(f"invalid version {version!r}: a whole number of 1-9 digits, no leading zero")
     target = root / name / version
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists (--overwrite replaces it)")

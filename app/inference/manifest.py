@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MANIFEST_FILE = "manifest.json"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
-VERSION_PATTERN = r"^[0-9]{1,9}$"
+# a whole number as written plainly: "01" beside "1" sorted alike, and which was latest depended
+# on the order the file system listed them
+VERSION_PATTERN = r"^(0|[1-9][0-9]{0,8})$"
 _SHA256 = r"^[0-9a-f]{64}$"
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]

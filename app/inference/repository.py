@@ -6,10 +6,13 @@ system, so nothing outside the root can be reached through them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.inference.manifest import MANIFEST_FILE, Manifest, is_valid_name, is_valid_version
+
+log = logging.getLogger(__name__)
 
 
 class RepositoryError(ValueError):
@@ -49,10 +52,10 @@ class Repository:
         for folder in sorted(self.root.iterdir()):
             if not folder.is_dir() or not is_valid_name(folder.name):
                 continue
-            versions = sorted(
-                (v.name for v in folder.iterdir() if is_valid_version(v.name) and (v / MANIFEST_FILE).is_file()),
-                key=int,
-            )
+            held = [v for v in folder.iterdir() if (v / MANIFEST_FILE).is_file()]
+            for padded in (v for v in held if v.name.isdigit() and not is_valid_version(v.name)):
+                log.warning("%s is not read: a version is a whole number without leading zeros", padded)
+            versions = sorted((v.name for v in held if is_valid_version(v.name)), key=int)
             if versions:
                 entries.append(ModelEntry(folder.name, tuple(versions)))
         return entries

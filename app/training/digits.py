@@ -294,7 +294,7 @@ def build(root: Path, version: str = "1", seed: int = 0, *, epochs: int = EPOCHS
     import sklearn
 
     if not is_valid_version(version):
-        raise ValueError(f"invalid version {version!r}: expected 1-9 digits")
+        raise ValueError(f"invalid version {version!r}: a whole number of 1-9 digits, no leading zero")
     target = root / MODEL_NAME / version
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists (--overwrite replaces it)")

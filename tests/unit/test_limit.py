@@ -324,7 +324,7 @@ def test_every_core_in_one_process_runs_a_thread_per_core_at_the_services_switch
     assert result.threads == 3 == len(result.per_thread) and all(rate > 0 for rate in result.per_thread)
     assert result.images == 2 * (len(model.seen) - 3), "every batch after each thread's warm-up is counted"
     assert result.images_per_s == pytest.approx(result.images / result.seconds, rel=0.01)
-    assert 0.3 <= result.seconds < 5
+    assert result.seconds >= 0.3, "it timed at least the seconds asked"
     names = {name for name, _, _ in model.seen}
     assert len(names) == 3 and threading.current_thread().name not in names
     assert model.most_inside == 3, "the threads run their timed batches at once"
