@@ -12,6 +12,7 @@ a margin below the current default's, nor fp16 below fp32 (the FP16 gate), unles
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 
@@ -122,6 +123,10 @@ class LifecycleManager:
         del served  # the last reference here: what it held can be collected now
         await self._service.release_unloaded()
         log.info("unloaded %s/%s", name, version, extra={"model": name, "version": version})
+        # a version removed from disk before its unload is unknown from now on: pinned, a 404, not
+        # a 503 telling clients to retry a version that cannot come back (until the next listing)
+        with contextlib.suppress(ServiceError):
+            await self._known_versions(group)
 
     async def promote(self, name: str, version: str, force: bool = False) -> list[str]:
         """Make ``version`` the default if it passes the gates (or ``force``); returns the waived reasons."""

@@ -774,6 +774,20 @@ async def test_a_version_whose_labels_changed_on_disk_or_whose_head_no_longer_lo
     assert ready.status_code == 200
 
 
+async def test_a_version_removed_from_disk_then_unloaded_is_a_404_to_pin(repository: Path) -> None:
+    """The known versions were read again only by a load: pinned, it was a 503 with Retry-After,
+    telling clients to retry a version that cannot come back, until some other admin call."""
+    async with running_app(settings_for(repository)) as running:
+        await asyncio.to_thread(shutil.rmtree, repository / "digits" / "2")
+        unloaded = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        pinned = await running.predict_png(sample_png(3), headers={"X-Model-Version": "2"})
+        listed = (await running.client.get("/v1/models/digits")).json()
+    assert unloaded.status_code == 200, unloaded.text
+    assert pinned.status_code == 404 and pinned.json()["code"] == "version_not_found", pinned.text
+    assert "retry-after" not in pinned.headers
+    assert "2" not in listed["versions"], listed
+
+
 async def test_an_unreadable_repository_is_a_503_to_the_admin_and_serving_goes_on(repository: Path) -> None:
     async with running_app(settings_for(repository)) as running:
         assert (await running.predict_png(sample_png(6))).status_code == 200  # its head loaded
