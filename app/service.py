@@ -50,7 +50,7 @@ from app.rewarm import Rewarmer
 from app.routing import ModelGroup, Routing
 from app.served_gauges import ServedGauges
 from app.settings import BatchingSettings, Settings
-from app.telemetry.metrics import BatchMetrics, Metrics
+from app.telemetry.metrics import Metrics
 from app.versions import ServedModel, VersionLoader, batch_policy
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ class InferenceService:
             (self.metrics.model_info, (served.name, served.version, str(self.device), dtype_name(self.dtype))),
             (self.metrics.model_info, (served.name, served.version, "cpu", "float32")),  # after a CPU fallback
             (self.metrics.model_load, (served.name, served.version)),
-            *self.metrics.version_series(served.name, served.version, _buckets(served.batcher.observer)),
+            *served.metrics.series(),
         ):
             with contextlib.suppress(KeyError):  # never set (a fallback that did not happen)
                 gauge.remove(*labels)
@@ -397,8 +397,3 @@ class InferenceService:
         finally:
             self._tuning.restore()
         self.state = State.STOPPED
-
-
-def _buckets(observer: object) -> set[str]:
-    """The batch-size buckets a version's batches ran at (its metrics observer's), if it keeps them."""
-    return observer.buckets if isinstance(observer, BatchMetrics) else set()

@@ -32,8 +32,8 @@ from app.inference.loader import LayeredModel, ModelLoadError
 from app.inference.repository import Repository
 from app.inference.runner import ModelRunner
 from app.inference.workers import WorkerThreads
-from app.settings import BatchingSettings, LaneSettings, Settings
-from app.telemetry.metrics import Metrics
+from app.settings import BatchingSettings, LaneSettings, Settings, env_name
+from app.telemetry.metrics import BatchMetrics, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class ServedModel:
     runner: ModelRunner
     batcher: DualWindowBatcher[Job, Answer]
     load_s: float
+    metrics: BatchMetrics  # its own series, removed when it is unloaded
 
     @property
     def model(self) -> LayeredModel:
@@ -153,7 +154,7 @@ class VersionLoader:
             name for name, lane in (("normal", policy.normal), ("urgent", policy.urgent)) if lane.max_batch >= biggest
         ]
         lower = " and ".join(
-            f"batching.{lane}.max_batch (AI_SERVICE_BATCHING__{lane.upper()}__MAX_BATCH)" for lane in lanes
+            f"batching.{lane}.max_batch ({env_name(('batching', lane, 'max_batch'))})" for lane in lanes
         )
         return (
             f"{where}: out of memory in the start-up warm-up, which runs batches of up to {biggest} images: "
@@ -205,6 +206,11 @@ class VersionLoader:
             return None
         sizes = model.warm_up_sizes(self._largest_batch())
         return next((size for size in sizes if size not in model.warmed), None)
+
+    async def load_head(self, model: LayeredModel) -> None:
+        """``model``'s default head loaded, if it was not yet, on the loader thread: as a version's
+        load, at its priority and not on a device thread a batch waits for."""
+        await self._loader.run(model.head)
 
     async def warm_size(self, model: LayeredModel, size: int) -> None:
         """One warm-up batch size, one device call: batches queued meanwhile run before or after it."""
@@ -360,7 +366,7 @@ class VersionLoader:
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
-        for counter, labels in self.metrics.version_series(name, version):
+        for counter, labels in observer.series():
             counter.labels(*labels)  # at 0 from the start (see ``Metrics.rejections``)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
-        return ServedModel(name, version, runner, batcher, load_s)
+        return ServedModel(name, version, runner, batcher, load_s, observer)

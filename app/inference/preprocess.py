@@ -52,9 +52,10 @@ _TORCH_FILTERS = {
 # JPEG draft mode may decode at a scale that leaves this share of the pixels the resize
 # needs, so the resize then enlarges by at most 1/0.9. A 640x480 photo for a 256-then-224
 # crop decodes at 320x240 instead of 640x480: about half the CPU of the whole decode, and
-# the 224x224 result differs from the full decode by 40-46 dB PSNR (mean 0.6-1.3 of 255),
-# less than the JPEG quantisation at quality 90 changed the photo. 1.0 never enlarges. Only
-# a scale that divides both sides is used (``jpeg.draft_scale``).
+# the 224x224 result differs from the full decode by 40-46 dB PSNR on smooth pictures, but
+# 25-38 dB on detailed photos at some sizes (README; ``server.jpeg_reduced_decode=false``
+# decodes whole). 1.0 never enlarges. A side the scale does not divide loses its partial last
+# pixel (``jpeg.reduced_size``).
 DRAFT_TOLERANCE = 0.9
 ORIENTATION = 0x0112  # the EXIF tag
 UNSUPPORTED = "not a JPEG, PNG or WebP image"

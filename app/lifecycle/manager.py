@@ -148,7 +148,7 @@ class LifecycleManager:
                     "unload and load it again before promoting it",
                     code="version_changed",
                 )
-            await self._head_serves(served)
+            await self._head_serves(served)  # outside its files' check: it reads and checksums them
             if not _describes(default, serving := group.routing.loaded[current].model.manifest):
                 default = serving  # re-exported on disk since: its figures are not those of what serves
             reasons = self.gate(candidate, default, group.routing.loaded[version].model.dtype)
@@ -158,13 +158,12 @@ class LifecycleManager:
             log.info("promoted %s/%s (was %s)%s", name, version, current, " by force" if reasons else "")
             return reasons
 
-    @staticmethod
-    async def _head_serves(served: ServedModel) -> None:
+    async def _head_serves(self, served: ServedModel) -> None:
         """The candidate's default head, loaded now if it was not (``model.warmup`` off): one whose
         file changed on disk since its version loaded (its manifest unchanged) failed its checksum
         on the first request after the promotion, and every unpinned request with it (409 here)."""
         try:
-            await asyncio.to_thread(served.model.head)
+            await self._service.loader.load_head(served.model)
         except ModelLoadError as exc:
             raise Conflict(
                 f"version {served.version} of {served.name} cannot serve: its head does not load ({exc}); "

@@ -197,7 +197,7 @@ class Metrics:
         self, model: str, version: str, buckets: Iterable[str] = ()
     ) -> list[tuple[Counter | Histogram, tuple[str, ...]]]:
         """A version's series: its counters' (made at 0 when it loads) and its batches' run time at
-        each of the ``buckets`` of batch size it ran (``BatchMetrics.buckets``), removed when it is
+        each of the ``buckets`` of batch size it ran (``BatchMetrics.series``), removed when it is
         unloaded: each version that ever served left a histogram per bucket behind."""
         return [
             (self.batch_failures, (model, version)),
@@ -213,7 +213,12 @@ class BatchMetrics:
         self._metrics = metrics
         self._model = model
         self._version = version
-        self.buckets: set[str] = set()  # the batch-size buckets its batches ran at: removed with it
+        self._buckets: set[str] = set()  # the batch-size buckets its batches ran at: removed with it
+
+    def series(self) -> list[tuple[Counter | Histogram, tuple[str, ...]]]:
+        """The version's series (``Metrics.version_series``), its run times at each batch-size
+        bucket it ran included: made at 0 when it loads, removed when it is unloaded."""
+        return self._metrics.version_series(self._model, self._version, self._buckets)
 
     def on_batch(
         self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
@@ -224,7 +229,7 @@ class BatchMetrics:
         m.batch_size.labels(lane.value).observe(size)
         m.batch_fill.labels(lane.value).observe(min(1.0, size / capacity))
         bucket = batch_bucket(size)
-        self.buckets.add(bucket)
+        self._buckets.add(bucket)
         m.inference.labels(self._model, self._version, bucket).observe(run_s)
         if not ok:
             m.batch_failures.labels(self._model, self._version).inc()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -47,8 +49,6 @@ async def healthz(service: Service, request: Request) -> JSONResponse:
     free = await service.memory()
     min_free = service.settings.model.min_free_memory_mb << 20
     defaults = {(s.name, s.version) for s in service.models.values()}
-    repository = service.settings.model.repository
-    roots = sorted({f"{repository}/", f"{repository.resolve()}/"}, key=len, reverse=True)
     models = [
         ModelHealth(
             name=s.name,
@@ -59,8 +59,8 @@ async def healthz(service: Service, request: Request) -> JSONResponse:
             loaded=True,
             batcher_running=s.batcher.running,
             device_failures=s.runner.failures,
-            failed_heads=_unplaced(s.runner.model.failed_heads, roots),
-            unreadable_heads=_unplaced(s.model.unreadable_heads, roots),
+            failed_heads=_unplaced(s.runner.model.failed_heads, service.settings.model.repository),
+            unreadable_heads=_unplaced(s.model.unreadable_heads, service.settings.model.repository),
             queue_depth={lane.value: s.batcher.depth(lane) for lane in Lane},
             batch_ceiling=s.batcher.ceiling,
         )
@@ -98,9 +98,13 @@ for _path, _probe in (("/livez", livez), ("/readyz", readyz), ("/healthz", healt
     router.add_api_route(_path, _probe, methods=["HEAD"], include_in_schema=False)
 
 
-def _unplaced(reasons: dict[str, str], roots: list[str]) -> dict[str, str]:
+def _unplaced(reasons: dict[str, str], repository: Path) -> dict[str, str]:
     """Why heads failed, their files named within the model repository: the probe answers anyone,
-    and the repository's place on the server's disk is no one's business there (the log has it)."""
+    and the repository's place on the server's disk is no one's business there (the log has it).
+    Its resolved path (a stat or two) is looked up only when a head failed, not on every probe."""
+    if not reasons:
+        return reasons
+    roots = sorted({f"{repository}/", f"{repository.resolve()}/"}, key=len, reverse=True)
     return {head: _within(why, roots) for head, why in reasons.items()}
 
 
