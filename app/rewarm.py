@@ -18,7 +18,10 @@ A size the device has no memory for ends the version's warm-up: what the failed 
 released (off the event loop), and the version's batch ceiling drops below that size, as a
 batch out of memory drops it: live batches would otherwise run the size unwarmed under the
 same pressure, and a size first set up under memory pressure has crashed the process on CUDA
-when it ran again. The ceiling climbs back as it does after any out-of-memory batch.
+when it ran again. The ceiling climbs back as it does after any out-of-memory batch, but not past
+a size that is not warmed: before it rises, ``ready`` starts a warm-up of what the version lacks,
+and the ceiling rises at a later batch once the sizes it lets in are warmed (out of memory again,
+it stays).
 """
 
 from __future__ import annotations
@@ -96,6 +99,18 @@ class Rewarmer:
         if served is not None and served.runner.model is model:  # not since replaced by its CPU fallback
             served.batcher.lower_ceiling(size)
         return None
+
+    def ready(self, name: str, version: str, size: int) -> bool:
+        """Whether ``name/version``'s batches up to ``size`` may run: every size up to it that a
+        warm-up runs is warmed. If not, a warm-up of what the versions lack starts (unless one
+        runs): its ceiling stays until it is done (on the event loop: it starts that task)."""
+        model = self._model(name, version)
+        if model is None or self._loader.unwarmed_size(model, upto=size) is None:
+            return True
+        if self.task is None or self.task.done():
+            log.info("warming %s/%s up to batch %d before its batch ceiling rises", name, version, size)
+            self.start()
+        return False
 
     async def settled(self) -> None:
         """Until the device call a warm-up runs, if any, ended (a cancelled warm-up's too)."""

@@ -142,6 +142,7 @@ class InferenceService:
             fallback_intra_op=fallback_intra_op(self.threads, model.intra_op_threads, cores),
         )
         self.rewarm = Rewarmer(self.loader, self.all_served)  # the sizes a new max batch brings, warmed while serving
+        self.loader.sizes_ready = self._sizes_ready  # and those a batch ceiling's rise lets in
         ServedGauges(self.all_served, self._retiring, self.device).install(self.metrics)
 
     @property
@@ -293,6 +294,11 @@ class InferenceService:
         # lowered, a padded batch may take a new size too (the new largest, no power of two)
         if self.state is State.READY and self._policy.largest_batch != before.largest_batch:
             self.rewarm.start()
+
+    def _sizes_ready(self, name: str, version: str, size: int) -> bool:
+        """Whether ``name/version``'s batch ceiling may rise to ``size`` (see ``Rewarmer.ready``):
+        not while draining, which starts no warm-up (the ceiling only holds a while longer)."""
+        return self.state is State.READY and self.rewarm.ready(name, version, size)
 
     def served(self, name: str | None, version: str | None = None) -> ServedModel:
         """The version that answers: pinned, canary, or default; 404 unknown, 503 not ready/loaded."""

@@ -107,6 +107,9 @@ class VersionLoader:
         # Where normal batches run niced (a CPU with an urgent thread), a load is as low: it must
         # not take an urgent batch's core either
         self._loader = WorkerThreads("loader", nice=threads.normal_nice if threads.urgent else 0)
+        # whether a version's batches up to a size may run (warmed), its memory ceiling rising to
+        # it; the service's background warm-up answers (``Rewarmer.ready``)
+        self.sizes_ready: Callable[[str, str, int], bool] = lambda _name, _version, _size: True
 
     def close(self) -> list[str]:
         """Stop the loader thread (blocks: call it off the loop); its name if a load outlasted the join."""
@@ -197,15 +200,16 @@ class VersionLoader:
         for size in model.warm_up_sizes(biggest):
             await self.warm_size(model, size)
 
-    def unwarmed_size(self, model: LayeredModel) -> int | None:
+    def unwarmed_size(self, model: LayeredModel, upto: int | None = None) -> int | None:
         """The smallest size a warm-up under the policy now in force would run that ``model`` has
-        not run; None when there is none, or warm-ups are off. Without it the first batch at a
-        new size pays the device's set-up for that shape: about a second of host CPU on CUDA,
-        holding every batch behind it."""
+        not run (``upto``: of those up to it); None when there is none, or warm-ups are off.
+        Without it the first batch at a new size pays the device's set-up for that shape: about a
+        second of host CPU on CUDA, holding every batch behind it."""
         if not self.settings.model.warmup:
             return None
         sizes = model.warm_up_sizes(self._largest_batch())
-        return next((size for size in sizes if size not in model.warmed), None)
+        limit = sizes[-1] if upto is None else upto
+        return next((size for size in sizes if size not in model.warmed and size <= limit), None)
 
     async def load_head(self, model: LayeredModel) -> None:
         """``model``'s default head loaded, if it was not yet, on the loader thread: as a version's
@@ -363,6 +367,7 @@ class VersionLoader:
             urgent_in_flight=self.threads.urgent,
             computed=lambda answers: sum(reached_the_device(answer) for answer in answers),
             model_epoch=lambda: runner.generation,
+            ceiling_ready=lambda size: self.sizes_ready(name, version, size),
         )
         batchers.append(batcher)
         self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)

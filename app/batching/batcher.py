@@ -47,13 +47,15 @@ class DualWindowBatcher(Generic[P, R]):
         urgent_in_flight: int = 0,
         computed: Callable[[Sequence[R]], int] = len,
         model_epoch: Callable[[], int] = lambda: 0,
+        ceiling_ready: Callable[[int], bool] | None = None,
     ) -> None:
         """``computed(outputs)``: how many of a batch's requests the device computed (those gone
         before it reached the device are left out). A batch that computed none took no time and
         measures nothing; the memory ceiling climbs back on what the device ran, not on what
         the batcher sent. ``model_epoch()`` changes when the runner's model is replaced (a CPU
         fallback): the run times measured of the old one say nothing of the new one, and the
-        batch the replacement loaded in took the load's seconds."""
+        batch the replacement loaded in took the load's seconds. ``ceiling_ready(size)``: whether
+        the memory ceiling may rise to ``size`` now (see ``Ceiling``)."""
         if max_in_flight < 1 or urgent_in_flight < 0:
             raise ValueError("max_in_flight must be at least 1, urgent_in_flight at least 0")
         self._max_in_flight = max_in_flight
@@ -75,7 +77,7 @@ class DualWindowBatcher(Generic[P, R]):
         # it holds (see ``plan_batch``). (Without them, as on a GPU where a batch's time hardly
         # depends on its size, the seats fill as the rule says.)
         self._urgent_waited = False
-        self._ceiling = Ceiling(name)  # lowered under device memory pressure
+        self._ceiling = Ceiling(name, ready=ceiling_ready)  # lowered under device memory pressure
         self._intake = Intake(self, self._observer, self._clock, self._wakeup)
         self._execution = Execution(
             runner,

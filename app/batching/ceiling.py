@@ -8,12 +8,18 @@ nothing, and a larger one was formed before the cap: the batch that failed, once
 ran), and after ``recovery_batches`` of them the cap doubles, until it reaches the policy's own
 sizes. A policy lowered under the cap for a while does not lift it: its batches prove nothing of
 the sizes that failed.
+
+Before it rises, ``ready`` is asked whether the sizes the new cap lets in are set up (warmed): a
+size first set up by a live batch under the pressure that lowered the cap (the size whose warm-up
+ran out of memory, typically) has crashed the process on CUDA. Not ready, the cap stays while they
+are warmed (``Rewarmer.ready`` starts that), and the next batch full at the cap asks again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from app.batching.policy import BatchPolicy, LanePolicy
 
@@ -23,11 +29,13 @@ log = logging.getLogger(__name__)
 class Ceiling:
     """The cap on batch sizes set by memory pressure (``value``; ``None``: the policy's own)."""
 
-    def __init__(self, name: str, recovery_batches: int = 32) -> None:
+    def __init__(self, name: str, recovery_batches: int = 32, ready: Callable[[int], bool] | None = None) -> None:
         self._name = name
         self.value: int | None = None
         self.recovery_batches = recovery_batches
         self._calm = 0
+        # whether batches up to a size may run now (its warm-up done); False: not yet
+        self._ready = ready or (lambda _size: True)
 
     def lower(self, failed_size: int) -> None:
         """A batch of ``failed_size`` rows ran out of device memory: cap batches at half of it."""
@@ -48,10 +56,13 @@ class Ceiling:
         if self.value is None or size != self.value:
             return
         self._calm += 1
-        if self._calm >= self.recovery_batches:
-            self.value = None if self.value * 2 >= policy.largest_batch else self.value * 2
-            self._calm = 0
-            log.info("%s: batch ceiling raised to %s", self._name, self.value or "the policy's max")
+        if self._calm < self.recovery_batches:
+            return
+        raised = None if self.value * 2 >= policy.largest_batch else self.value * 2
+        if not self._ready(raised or policy.largest_batch):
+            return  # the sizes it would let in are being warmed: a later batch at the cap asks again
+        self.value, self._calm = raised, 0
+        log.info("%s: batch ceiling raised to %s", self._name, self.value or "the policy's max")
 
     def cap(self, policy: BatchPolicy) -> BatchPolicy:
         """``policy`` with both lanes' batches (and queues, to stay valid) under the ceiling."""

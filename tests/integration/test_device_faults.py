@@ -17,6 +17,7 @@ from app.inference import loader
 from app.inference.device import Memory, plan_threads
 from app.inference.loader import LayeredModel, PreparedLayer
 from app.inference.manifest import Layer, Manifest
+from app.service import State
 from tests.conftest import SettingsFactory
 from tests.faults import DeviceLost, Faulty, Unfit
 from tests.support import MODEL_NAME, metric_samples, running_app, sample_png, top_label
@@ -366,6 +367,66 @@ async def test_a_new_size_the_warm_up_has_no_memory_for_is_released_and_batches_
         warned = [r.getMessage() for r in caplog.records if r.name == "app.rewarm"]
         assert warned == [f"warming {MODEL_NAME}/1 at batch 32 for the new policy: {out_of_memory}"], "once"
         assert (await running.predict_png(sample_png(4))).status_code == 200
+
+
+async def test_the_ceiling_climbs_back_only_past_sizes_warmed_first(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a warm-up ran out of memory at 32, the ceiling (16) climbing back would let live
+    batches set 32 up under the pressure that failed it: it warms 32 first and rises after."""
+    settings = make_settings(
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0},
+        server={"default_timeout_ms": 60_000},
+        model={"warmup": True, "pad_batches": "on"},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 8, "max_queue": 64}},
+    )
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        model = served.runner.model
+        assert isinstance(model, LayeredModel)
+        warm_up, probabilities = model.warm_up, model.probabilities
+        short = {"of_memory": True}
+        ran: list[int] = []
+
+        def short_of_memory(max_batch: int, rounds: int = 3, sizes: Sequence[int] | None = None) -> None:
+            if short["of_memory"] and sizes is not None and max(sizes) >= 32:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+            warm_up(max_batch, rounds, sizes)
+
+        def counted(batch: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # live batches (not warm-ups)
+            ran.append(batch.shape[0])
+            return probabilities(batch, *args, **kwargs)
+
+        model.warm_up = short_of_memory  # type: ignore[method-assign]
+        monkeypatch.setattr("app.rewarm.release_memory", lambda device: None, raising=False)
+        raised = {"normal": {"max_batch": 32, "max_queue": 64}}
+        changed = await running.client.put("/admin/policy", headers={"Authorization": f"Bearer {TOKEN}"}, json=raised)
+        assert changed.status_code == 200, changed.text
+        assert running.service.rewarm.task is not None
+        await asyncio.wait_for(running.service.rewarm.task, 30)
+        assert served.batcher.ceiling == 16
+        served.batcher.recovery_batches = 1
+        model.probabilities = counted  # type: ignore[method-assign]
+
+        async def full_batch() -> None:
+            answers = await asyncio.gather(*(running.predict_png(sample_png(d % 10)) for d in range(16)))
+            assert [a.status_code for a in answers] == [200] * 16
+            task = running.service.rewarm.task
+            assert task is not None
+            await asyncio.wait_for(task, 30)
+
+        await full_batch()  # the cap would rise: 32 is warmed first, and runs out of memory again
+        assert served.batcher.ceiling == 16 and 32 not in model.warmed
+        previous, running.service.state = running.service.rewarm.task, State.DRAINING
+        assert not running.service._sizes_ready(MODEL_NAME, served.version, 32), "a drain starts no warm-up"
+        assert running.service.rewarm.task is previous
+        running.service.state = State.READY
+        short["of_memory"] = False
+        await full_batch()  # the pressure is gone: 32 warms, the cap still 16 meanwhile
+        assert 32 in model.warmed and served.batcher.ceiling == 16
+        await full_batch()  # the next batch at the cap lifts it
+        assert served.batcher.ceiling is None
+        assert ran == [16, 16, 16], "no live batch over the cap before 32 was warmed"
 
 
 async def test_a_lazy_head_the_device_has_no_memory_for_fails_its_batch_once_without_a_split(

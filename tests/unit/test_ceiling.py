@@ -57,3 +57,26 @@ def test_the_cap_never_rises_on_batches_smaller_than_it(failed: int, batches: li
             continue  # only smaller batches, under any policy: a batch at the cap may raise it
         ceiling.calm(size, _policy(max_batch))
         assert ceiling.value == cap
+
+
+def test_the_cap_rises_only_once_the_sizes_it_lets_in_are_ready() -> None:
+    asked: list[int] = []
+    warmed = {"up_to": 8}
+
+    def ready(size: int) -> bool:
+        asked.append(size)
+        return size <= warmed["up_to"]
+
+    ceiling = Ceiling("m/1", recovery_batches=2, ready=ready)
+    ceiling.lower(32)  # 16: its warm-up ran out of memory, say
+    for _ in range(5):
+        ceiling.calm(16, _policy(32))
+    assert ceiling.value == 16, "32 is not warmed: the cap waits"
+    assert asked == [32, 32, 32, 32], "asked at each batch at the cap once the calm ones were enough"
+    warmed["up_to"] = 32
+    ceiling.calm(16, _policy(32))
+    assert ceiling.value is None and asked[-1] == 32
+    ceiling.lower(8)
+    for _ in range(2):
+        ceiling.calm(4, _policy(32))
+    assert ceiling.value == 8 and asked[-1] == 8, "a rise short of the policy's size asks for that size"
