@@ -383,3 +383,18 @@ async def test_a_flood_of_refusals_logs_its_cap_and_sums_up_the_rest(
     assert sum(1 for r in lines if getattr(r, "status", None) == 200) == 3  # both predictions and the scrape
     requests_total = metric_samples(metrics, f"{PREFIX}_requests_total")
     assert sum(n for labels, n in requests_total.items() if ("status", "503") in labels) == refused
+
+
+async def test_a_body_declared_over_the_limit_is_a_413_though_admission_would_refuse_it(
+    make_settings: SettingsFactory,
+) -> None:
+    """The client's mistake first: a retry after a 503 would meet the 413 anyway. The declared
+    length is judged before admission, at the edge and at the route alike."""
+    async with served(make_settings(server={"max_image_bytes": 1 << 20})) as running:
+        await running.exchange(predict())  # a batch timed: a 1 ms deadline is refused at admission
+        (late, _), (big, body) = await running.exchange(
+            predict(X_Request_Timeout="1"),
+            predict(body=b"x" * (2 << 20), X_Request_Timeout="1"),
+        )
+        assert late.status == 503
+        assert big.status == 413 and json.loads(body)["code"] == "image_too_large"

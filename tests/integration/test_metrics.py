@@ -53,6 +53,7 @@ async def test_traffic_moves_the_histograms_and_counters(make_settings: Settings
         assert value(after, "ai_backend_batch_fill_ratio_sum", lane="normal") == 1.0
         assert total(after, "ai_backend_batch_size_count", lane="urgent") == 1
         assert total(after, "ai_backend_queue_wait_seconds_count", lane="normal") == 4
+        assert total(after, "ai_backend_queue_wait_seconds_count", lane="urgent") == 1, "under its own lane"
         assert total(after, "ai_backend_inference_seconds_count", model="digits", version="1", batch_size="3-4") == 1
         assert (
             value(after, "ai_backend_requests_total", status="200", code="ok")
@@ -154,3 +155,19 @@ async def test_the_labelled_counters_start_at_zero(make_settings: SettingsFactor
         for fault in ("out_of_memory", "device_error")
     }
     assert {key: samples.get(key) for key in zero} == dict.fromkeys(zero, 0.0)
+
+
+async def test_a_normal_request_riding_an_urgent_batch_waits_under_its_own_lane(make_settings: SettingsFactory) -> None:
+    normal = {"window_ms": 20_000.0, "max_batch": 8, "max_queue": 8}
+    settings = make_settings(batching={"normal": normal, "urgent_fill": "always", "admission_headroom": 1.0})
+    async with running_app(settings) as running:
+        riders = [asyncio.create_task(running.predict_png(sample_png(d))) for d in range(3)]
+        while running.service.models["digits"].batcher.queued(Lane.NORMAL) < 3:  # noqa: ASYNC110 (queued)
+            await asyncio.sleep(0.01)
+        urgent = await running.predict_png(sample_png(5), headers={"X-Urgency": "high"})
+        answers = [await rider for rider in riders]
+        assert [a.json()["batch_size"] for a in (urgent, *answers)] == [4] * 4, "one urgent batch took them all"
+        after = await scrape(running)
+        assert total(after, "ai_backend_batch_size_count", lane="urgent") == 1
+        assert total(after, "ai_backend_queue_wait_seconds_count", lane="normal") == 3
+        assert total(after, "ai_backend_queue_wait_seconds_count", lane="urgent") == 1
