@@ -41,7 +41,7 @@ from app.settings import (
 )
 from app.telemetry.loop_lag import watch_loop
 from app.telemetry.metrics import Metrics
-from app.telemetry.tracing import build_tracer_provider
+from app.telemetry.tracing import build_tracer_provider, query_redacted
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,10 @@ def create_app(
     _install_routes(app, settings, metrics, access_log)
     if exporting:
         FastAPIInstrumentor.instrument_app(
-            app, tracer_provider=tracer_provider, excluded_urls=UNTRACED_PATHS, exclude_spans=["receive", "send"]
+            app,
+            tracer_provider=tracer_provider,
+            excluded_urls=UNTRACED_PATHS,
+            exclude_spans=["receive", "send"],
+            server_request_hook=query_redacted,
         )
     return app

@@ -18,6 +18,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
@@ -176,6 +177,26 @@ def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_l
         access_log.line(scope["method"], scope["path"], status, code, seconds, state.get("log_fields", {}))
 
 
+def _describe_server_span(state: dict[str, Any], status: int) -> None:
+    """What a reader of the request's server span (when spans are exported) needs that the HTTP
+    attributes do not say: the service's error code of an answer in the envelope (``error.code``;
+    for a 5xx ``error.type`` too, as OpenTelemetry's HTTP conventions ask of a server error), and
+    for a prediction its lane and the version that served it. A refusal has no child span that
+    would say these. Called as the answer starts: the instrumentation ends the span as it is sent."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    code = state.get("answered_as", (status, state.get("error_code")))[1]
+    if status >= 400 and code:
+        span.set_attribute("error.code", code)
+        if status >= 500:
+            span.set_attribute("error.type", code)
+    if "lane" in state:
+        span.set_attribute("lane", state["lane"])
+    if (served := state.get("model")) is not None:
+        span.set_attributes({"model.name": served.name, "model.version": served.version})
+
+
 class RequestContextMiddleware:
     """Request id, timing, access log and the 500 of last resort."""
 
@@ -225,6 +246,7 @@ class RequestContextMiddleware:
                 ends = status == 408 or ends_connection(scope, _draining(scope))
                 extra = identity_headers(request_id, trace_id, ends)
                 message["headers"] = [*message.get("headers", []), *extra]
+                _describe_server_span(state, status)  # the span ends as the answer is sent
             await send(message)
 
         try:

@@ -47,6 +47,7 @@ def shed(state: State, scope: Scope, model: str | None) -> ServiceError | None:
     remaining = headers.timeout_s - (time.perf_counter() - since) if since else headers.timeout_s
     try:
         served = service.served(model, headers.version)  # a canary's draw: made once, here
+        scope["state"]["model"] = served  # for its server span, refused or not
         checked_top_k(top_k, server, len(served.labels))
         service.admit(served, headers.lane, remaining if remaining <= 0 else headers.timeout_s)
         scope["state"]["served"] = served  # the route serves the version this check was of

@@ -13,8 +13,11 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
@@ -245,3 +248,23 @@ def build_tracer_provider(
     )
     provider.add_span_processor(processor)
     return provider, processor
+
+
+QUERY_KEPT = frozenset({"top_k"})  # the query parameters the API reads: their values are no secret
+
+
+def query_redacted(span: trace.Span, scope: dict[str, Any]) -> None:
+    """The HTTP server span's hook: the URL it records keeps the values of the query parameters
+    the API reads, and no other (a credential a client put there by mistake, say); the access
+    log keeps no query at all."""
+    query = scope.get("query_string")
+    if not query or not span.is_recording():
+        return
+    pairs = urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    kept = "&".join(f"{name}={value if name in QUERY_KEPT else 'REDACTED'}" for name, value in pairs)
+    for key in ("http.url", "url.full"):
+        url = getattr(span, "attributes", {}).get(key)
+        if isinstance(url, str):
+            span.set_attribute(key, f"{url.partition('?')[0]}?{kept}")
+    if "url.query" in getattr(span, "attributes", {}):
+        span.set_attribute("url.query", kept)

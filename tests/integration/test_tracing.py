@@ -433,3 +433,34 @@ async def test_an_image_its_batch_cannot_decode_is_answered_alone_and_fails_no_s
     assert own["inference"].status.status_code.name != "ERROR"
     assert [event.name for event in own["inference"].events] == ["exception"]
     assert [link.context.span_id for link in own["inference"].links] == [batch.context.span_id]
+
+
+async def test_a_server_span_says_why_it_was_refused_and_what_served_it(make_settings: SettingsFactory) -> None:
+    """In Jaeger a refusal is one span, with no child to say its cause: the service's error code
+    is on it (``error.type`` too for a 5xx), with the lane and the version of a prediction; and
+    the URL keeps no query value the API does not read."""
+    settings = make_settings(telemetry={"exporter": "console"})
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        ok = await running.predict_png(sample_png(1), headers={"X-Request-ID": "ok-1", "X-Urgency": "high"})
+        assert ok.status_code == 200
+        late = await running.predict_png(sample_png(2), headers={"X-Request-ID": "late-1", "X-Request-Timeout": "1"})
+        assert late.status_code == 503
+        bad = await running.client.post(
+            "/predict?top_k=2&api_key=SHOULD-NOT-LEAK",
+            content=b"{",
+            headers={"Content-Type": "application/json", "X-Request-ID": "bad-1"},
+        )
+        assert bad.status_code == 400
+    servers = {
+        s.attributes["request.id"]: s.attributes
+        for s in exporter.get_finished_spans()
+        if s.kind is SpanKind.SERVER and "request.id" in s.attributes
+    }
+    assert servers["ok-1"]["lane"] == "urgent" and "error.code" not in servers["ok-1"]
+    assert (servers["ok-1"]["model.name"], servers["ok-1"]["model.version"]) == (MODEL_NAME, "1")
+    code = late.json()["code"]
+    assert (servers["late-1"]["error.code"], servers["late-1"]["error.type"]) == (code, code)
+    assert (servers["late-1"]["lane"], servers["late-1"]["model.name"]) == ("normal", MODEL_NAME)
+    assert servers["bad-1"]["error.code"] == bad.json()["code"] and "error.type" not in servers["bad-1"]
+    assert servers["bad-1"]["http.url"].endswith("/predict?top_k=2&api_key=REDACTED")

@@ -18,9 +18,10 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.admission import Seat
 from app.api.auth import check_api_key
 from app.api.body import OPENAPI_BODY, check_declared_body, read_image_body
-from app.api.deps import checked_top_k, predict_headers, query_top_k
+from app.api.deps import PredictHeaders, checked_top_k, predict_headers, query_top_k
 from app.api.disconnect import ClientClosed, unless_disconnected
 from app.api.errors import error_responses, service_error_response
 from app.api.openapi import PREDICT_PARAMETERS
@@ -31,6 +32,7 @@ from app.errors import Draining
 from app.prediction import Outcome
 from app.routing import VersionNotLoaded
 from app.service import InferenceService
+from app.versions import ServedModel
 
 router = APIRouter(tags=["predict"])
 
@@ -59,6 +61,32 @@ def _response(outcome: Outcome, request_id: str, started: float) -> PredictRespo
     )
 
 
+def _seated_again(
+    service: InferenceService,
+    served: ServedModel,
+    name: str | None,
+    headers: PredictHeaders,
+    remaining: float,
+    refused: Draining,
+) -> tuple[ServedModel, Seat]:
+    """A request whose body came whole to a version that no longer takes it (``refused``): dropped
+    when the close's grace ran out while its body arrived; else its version was unloaded
+    (the service is not shutting down), and it is routed again, to what serves now, and counted
+    there (a pinned version gone is 503 version_not_loaded)."""
+    dropped = functools.partial(served.batcher.observer.on_dropped, headers.lane, "cancelled")
+    if service.draining:
+        dropped()
+        raise refused
+    try:
+        again = service.served(name, headers.version)
+    except VersionNotLoaded:
+        dropped()
+        raise VersionNotLoaded(
+            f"version {served.version} of {served.name} was unloaded while this request's body arrived"
+        ) from None
+    return again, service.reserve(again, headers.lane, remaining)
+
+
 async def _predict(name: str | None, request: Request) -> Response:
     service: InferenceService = request.app.state.service
     check_api_key(request)
@@ -73,6 +101,7 @@ async def _predict(name: str | None, request: Request) -> Response:
     checked = served is not None  # the edge asked admission for it already
     if served is None:
         served = service.served(name, headers.version)
+    state["model"] = served  # for its server span (the middleware's)
     checked_top_k(top_k_asked, server, len(served.labels))  # a 422 before any 503
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     if not checked:
@@ -94,23 +123,9 @@ async def _predict(name: str | None, request: Request) -> Response:
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
     try:
         seat = service.reserve(served, headers.lane, remaining, admitted=True)
-    except Draining:
-        # the close's grace ran out while its body arrived: dropped, unless routed again
-        dropped = functools.partial(served.batcher.observer.on_dropped, headers.lane, "cancelled")
-        if service.draining:
-            dropped()
-            raise
-        # the version routed to was unloaded (the service is not shutting down): routed again, to
-        # what serves now, and counted there (a pinned version gone is 503 version_not_loaded)
-        gone = served
-        try:
-            served = service.served(name, headers.version)
-        except VersionNotLoaded:
-            dropped()
-            raise VersionNotLoaded(
-                f"version {gone.version} of {gone.name} was unloaded while this request's body arrived"
-            ) from None
-        seat = service.reserve(served, headers.lane, remaining)
+    except Draining as refused:
+        served, seat = _seated_again(service, served, name, headers, remaining, refused)
+        state["model"] = served
     try:
         work = service.predict(served, body.payload, top_k, headers.lane, remaining, state["request_id"], seat)
         outcome = await unless_disconnected(request, work)
