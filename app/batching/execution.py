@@ -112,8 +112,10 @@ class Execution(Generic[P, R]):
 
     def _bug(self, batch: Sequence[Pending[P, R]], exc: BaseException) -> BatchFailed:
         """The error a batch's requests get for what the runner raised that is no service error: a
-        generic one (their 500 shows no internals), the detail logged once for the batch."""
-        log.error("batch of %d failed in %s", len(batch), self._name, exc_info=exc)
+        generic one (their 500 shows no internals), the detail logged once for the batch, with
+        what the runner gave to lead to it (``log_fields``: its requests' ids, its trace)."""
+        extra = getattr(exc, "log_fields", None)
+        log.error("batch of %d failed in %s", len(batch), self._name, exc_info=exc, extra=extra)
         error = BatchFailed("inference failed")
         error.__cause__, error.logged = exc, True
         return error

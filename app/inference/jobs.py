@@ -46,6 +46,15 @@ class BatchTrace:
     lane: Lane
 
 
+def _batch_log_fields(ran: BatchTrace, jobs: Sequence[Job]) -> dict[str, object]:
+    """What the line logging a failed batch's traceback (``Execution``'s, once the batch's span
+    has ended) carries to lead to it: its requests' ids, and its span where spans are exported."""
+    fields: dict[str, object] = {"request_ids": [job.request_id for job in jobs]}
+    if ran.span.is_valid:
+        fields["trace_id"], fields["span_id"] = format(ran.span.trace_id, "032x"), format(ran.span.span_id, "016x")
+    return fields
+
+
 def batch_trace_of(error: BaseException) -> BatchTrace | None:
     """The batch a whole-batch failure came from (the batcher may wrap it: then its cause)."""
     for candidate in (error, error.__cause__):
@@ -126,6 +135,7 @@ class TracedRunner:
                 )
             except Exception as exc:  # the whole batch failed: each request's trace leads to it
                 exc.batch_trace = ran  # type: ignore[attr-defined]
+                exc.log_fields = _batch_log_fields(ran, jobs)  # type: ignore[attr-defined]
                 for i in getattr(exc, "left_out", ()):  # those the device left out failed with nothing
                     jobs[i].left_out = True
                     self._observer.on_dropped(jobs[i].lane, "cancelled" if jobs[i].gone else "deadline")

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from app.telemetry.logging import JsonFormatter, RequestIdFilter
 from tests.conftest import SettingsFactory
@@ -77,8 +78,35 @@ async def test_a_batch_the_model_fails_logs_its_traceback_once_not_once_more_for
     assert [(a.status_code, a.json()["code"]) for a in answers] == [(500, "internal_error")] * 3
     with_traceback = [r for r in caplog.records if r.exc_info]
     assert len(with_traceback) == 1 and "batch of 3 failed" in with_traceback[0].getMessage()
+    assert sorted(with_traceback[0].request_ids) == ["bug-0", "bug-1", "bug-2"], "the requests it failed"  # type: ignore[attr-defined]
     per_request = [r for r in caplog.records if r.getMessage().startswith("request failed")]
     assert len(per_request) == 3 and all("inference_failed" in r.getMessage() for r in per_request)
+
+
+async def test_a_failed_batchs_traceback_line_names_the_batchs_span(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each request's 500 line says its traceback is logged with its batch: that line is logged
+    once the batch's span has ended, and carries that span's ids to lead to it."""
+    settings = make_settings(telemetry={"exporter": "console"})
+
+    class Broken(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            raise ValueError("a bug in the model's code")
+
+    exporter = InMemorySpanExporter()
+    async with running_app(settings, span_exporter=exporter) as running:
+        served = running.service.models[MODEL_NAME]
+        served.runner.model = Broken(served.model)  # type: ignore[assignment]
+        with caplog.at_level(logging.ERROR):
+            answered = await running.predict_png(sample_png(1), headers={"X-Request-ID": "bug-1"})
+        assert answered.status_code == 500
+    (batch,) = [s for s in exporter.get_finished_spans() if s.name == "batch"]
+    (line,) = [r for r in caplog.records if r.exc_info]
+    assert (line.trace_id, line.span_id) == (  # type: ignore[attr-defined]
+        format(batch.context.trace_id, "032x"),
+        format(batch.context.span_id, "016x"),
+    )
 
 
 async def test_a_long_path_is_cut_in_the_access_line(
