@@ -119,6 +119,7 @@ class Predictor:
             # computed, and its task resumed past its deadline (a loop behind runs two dozen answers
             # of a batch one after another): answered as a request past its deadline, not 200 late
             late = DeadlineExceeded("the request's deadline passed before its answer could be sent")
+            served.batcher.observer.on_dropped(lane, "late")
             self._inference_span(ids, ran, late).end(end_time=ended_ns)
             raise late
         self._inference_span(ids, ran, None).end(end_time=ended_ns)

@@ -19,7 +19,7 @@ from app.batching.ceiling import Ceiling
 from app.batching.clock import Clock
 from app.batching.intake import Intake
 from app.batching.observer import BatchObserver
-from app.batching.policy import BatchPlan, BatchPolicy
+from app.batching.policy import BatchPlan, BatchPolicy, Lane
 from app.batching.queue import Completed, Pending
 from app.errors import BatchFailed, DeadlineExceeded, Draining, ServiceError
 
@@ -88,17 +88,7 @@ class Execution(Generic[P, R]):
             run_s = now - started
             # those the device ran: not the ones it left out (gone, or past their deadline)
             computed = self._computed(outputs)
-            ran = computed or len(batch)
-            for item, output in zip(batch, outputs, strict=True):
-                if item.future.done():
-                    continue
-                if item.deadline <= now:
-                    # its deadline passed while the batch ran, and its timer has not run yet (a busy loop
-                    # runs timers late, after the batch's result that came in before it): it is answered
-                    # as its timer would have answered it, not late with the result
-                    item.future.set_exception(DeadlineExceeded(BATCH_RAN_PAST))
-                    continue
-                item.future.set_result(Completed(output, item.lane, plan.lane, ran, started - item.enqueued_at, run_s))
+            self._answer(plan.lane, batch, outputs, computed or len(batch), started, now)
             try:  # answered first: a failure in what is counted after must not cost them their answers
                 self._after_success(plan, batch, computed, started, run_s, capacity, epoch)
             except Exception:
@@ -109,6 +99,26 @@ class Execution(Generic[P, R]):
             self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
         except Exception:
             log.exception("counting a batch of %d that failed failed in %s", len(batch), self._name)
+
+    def _answer(
+        self, lane: Lane, batch: Sequence[Pending[P, R]], outputs: Sequence[R], ran: int, started: float, now: float
+    ) -> None:
+        """Each request of a batch that ran its output, unless answered already or past its
+        deadline now: one the device computed for nobody is counted (``late``)."""
+        for item, output in zip(batch, outputs, strict=True):
+            if item.future.done():
+                if _expired(item) and self._computed([output]):  # its timer ran while the device computed it
+                    self._observer.on_dropped(item.lane, "late")
+                continue
+            if item.deadline <= now:
+                # its deadline passed while the batch ran, and its timer has not run yet (a busy loop
+                # runs timers late, after the batch's result that came in before it): it is answered
+                # as its timer would have answered it, not late with the result
+                item.future.set_exception(DeadlineExceeded(BATCH_RAN_PAST))
+                if self._computed([output]):  # (one the device left out is counted there)
+                    self._observer.on_dropped(item.lane, "late")
+                continue
+            item.future.set_result(Completed(output, item.lane, lane, ran, started - item.enqueued_at, now - started))
 
     def _bug(self, batch: Sequence[Pending[P, R]], exc: BaseException) -> BatchFailed:
         """The error a batch's requests get for what the runner raised that is no service error: a
@@ -173,3 +183,8 @@ class Execution(Generic[P, R]):
                 self._observer.on_dropped(item.lane, "cancelled")
             elif isinstance(item.future.exception(), DeadlineExceeded):
                 self._observer.on_dropped(item.lane, "deadline")
+
+
+def _expired(item: Pending[P, R]) -> bool:
+    """Whether ``item`` was answered ``deadline_exceeded`` (by its timer)."""
+    return not item.future.cancelled() and isinstance(item.future.exception(), DeadlineExceeded)

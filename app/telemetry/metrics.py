@@ -38,7 +38,7 @@ LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 BATCH_BUCKETS = tuple(2**i for i in range(MAX_BATCH.bit_length()))  # 1, 2, 4, ... the largest max_batch
 FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 REJECTION_REASONS = ("queue_full", "would_miss_deadline", "deadline_exceeded")
-CANCELLATION_REASONS = ("cancelled", "deadline")
+CANCELLATION_REASONS = ("cancelled", "deadline", "late")
 DEVICE_FAULTS = ("out_of_memory", "device_error")
 
 
@@ -162,7 +162,11 @@ class Metrics:
         )
         self.rejections = Counter(f"{PREFIX}_rejections", "Requests refused at admission", ["reason"], registry=r)
         self.cancellations = Counter(
-            f"{PREFIX}_cancellations", "Requests admitted, then dropped uncomputed", ["reason"], registry=r
+            f"{PREFIX}_cancellations",
+            "Requests admitted and answered no result: dropped uncomputed (cancelled, deadline), "
+            "or computed past their deadline (late)",
+            ["reason"],
+            registry=r,
         )
         # every reason from the start, at 0: rate() and increase() see the first refusal after a
         # start, which a series born with it hides, and a panel reads 0 rather than no data

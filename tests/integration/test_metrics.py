@@ -148,7 +148,7 @@ async def test_the_labelled_counters_start_at_zero(make_settings: SettingsFactor
         ("ai_backend_rejections_total", (("reason", reason),))
         for reason in ("queue_full", "would_miss_deadline", "deadline_exceeded")
     }
-    zero |= {("ai_backend_cancellations_total", (("reason", reason),)) for reason in ("cancelled", "deadline")}
+    zero |= {("ai_backend_cancellations_total", (("reason", reason),)) for reason in ("cancelled", "deadline", "late")}
     zero.add(("ai_backend_batch_failures_total", (("model", "digits"), ("version", "1"))))
     zero |= {
         ("ai_backend_device_faults_total", (("fault", fault), ("model", "digits"), ("version", "1")))

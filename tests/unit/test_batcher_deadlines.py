@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy
+from app.batching.observer import NullObserver
 from app.errors import DeadlineExceeded, Draining
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
@@ -28,7 +29,7 @@ Harness = tuple[FakeClock, FakeRunner, DualWindowBatcher[int, int], Submit]
 
 
 @contextlib.asynccontextmanager
-async def on_a_fake_clock(policy: BatchPolicy = POLICY) -> AsyncIterator[Harness]:
+async def on_a_fake_clock(policy: BatchPolicy = POLICY, observer: NullObserver | None = None) -> AsyncIterator[Harness]:
     """A started batcher on a clock the test moves (its timers run only when the test says), its
     runner recording each batch, and ``submit``, which sends a request as a task; closed at the end.
 
@@ -40,7 +41,7 @@ async def on_a_fake_clock(policy: BatchPolicy = POLICY) -> AsyncIterator[Harness
     for its summary, hypothesis) the nested parse makes the outer one fail ("AST constructor
     recursion depth mismatch"): an INTERNALERROR that hid the test's own failure."""
     clock, runner = FakeClock(), FakeRunner()
-    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock)
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, policy, clock=clock, observer=observer)
     submitted: list[asyncio.Future[Completed[int]]] = []
 
     def submit(payload: int, lane: Lane, timeout_s: float) -> asyncio.Future[Completed[int]]:
@@ -186,11 +187,21 @@ def test_on_uvloop_no_request_is_answered_before_its_deadline() -> None:
     assert max(early) <= 0, f"{sum(e > 0 for e in early)} of 30 answered up to {max(early) / MS:.2f} ms early"
 
 
+class Drops(NullObserver):
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def on_dropped(self, lane: Lane, reason: str) -> None:
+        self.reasons.append(reason)
+
+
 async def test_a_result_that_comes_after_the_deadline_is_not_the_answer_though_the_timer_is_late() -> None:
     """At twice the load a batch's result and its late requests' timers come due in the same turn
     of a lagging loop: the result's callback ran first and answered them 200 after their deadline
-    (20 of 13,142 answers in one benchmark). They get what the timer would have given them."""
-    async with on_a_fake_clock() as (clock, runner, batcher, submit):
+    (20 of 13,142 answers in one benchmark). They get what the timer would have given them, and
+    are counted once, as computed for nobody (``late``)."""
+    drops = Drops()
+    async with on_a_fake_clock(observer=drops) as (clock, runner, batcher, submit):
         runner.held = []
         late, on_time = submit(1, Lane.NORMAL, 10 * MS), submit(2, Lane.NORMAL, 1.0)
         await settle()  # a full batch of two, running
@@ -201,10 +212,12 @@ async def test_a_result_that_comes_after_the_deadline_is_not_the_answer_though_t
         with pytest.raises(DeadlineExceeded, match="while its batch ran"):
             await late
         assert (await on_time).output == 4
+        assert drops.reasons == ["late"]
 
 
 async def test_a_timer_that_runs_while_the_batch_runs_answers_at_the_deadline() -> None:
-    async with on_a_fake_clock() as (clock, runner, batcher, submit):
+    drops = Drops()
+    async with on_a_fake_clock(observer=drops) as (clock, runner, batcher, submit):
         runner.held = []
         late, on_time = submit(1, Lane.NORMAL, 10 * MS), submit(2, Lane.NORMAL, 1.0)
         await settle()
@@ -212,5 +225,7 @@ async def test_a_timer_that_runs_while_the_batch_runs_answers_at_the_deadline() 
         assert late.done() and not on_time.done()
         with pytest.raises(DeadlineExceeded, match="while its batch ran"):
             await late
+        assert drops.reasons == [], "counted once its batch is done: the device may yet leave it out"
         runner.release()
         assert (await on_time).output == 4
+        assert drops.reasons == ["late"], "computed for nobody"

@@ -209,11 +209,13 @@ async def test_an_answer_whose_task_resumes_past_the_deadline_is_deadline_exceed
 
         monkeypatch.setattr(served.batcher, "submit", behind)
         image = preprocess.blank_png(8, 8)
+        late = service.metrics.cancellations.labels("late")
         if resumed_late:
             with pytest.raises(DeadlineExceeded, match="before its answer could be sent"):
                 await service.predict(served, image, 3, Lane.NORMAL, 0.5)
         else:
             outcome = await service.predict(served, image, 3, Lane.NORMAL, 0.5)
             assert len(outcome.predictions) == 3
+        assert late._value.get() == (1 if resumed_late else 0), "computed for nobody: counted"
     finally:
         await service.close(0)
