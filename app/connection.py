@@ -48,6 +48,13 @@ HEAD_TIMEOUT_S = 15.0
 # or the connection closes (a client that sent ``Expect: 100-continue`` may never send it, and
 # nothing else would bound the wait: the request has its answer, and its deadline no longer runs).
 ANSWERED_BODY_S = HEAD_TIMEOUT_S
+# A connection that closes after an answer while its request's bytes are still coming (a 413 on
+# the declared length with ``Connection: close``, say) is not closed at once: the kernel would
+# answer the unread bytes with a reset, and a client still sending would lose the answer (RFC
+# 9112, 9.6). Its writing side is shut after the answer, and what still comes is read and
+# dropped until the client closes, or nothing has come for LINGER_QUIET_S, or LINGER_S have passed.
+LINGER_S = 10.0
+LINGER_QUIET_S = 2.0
 
 
 def _stopped(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
@@ -71,6 +78,20 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
     except (OSError, ValueError):  # closed under us, or not a socket
         return 0
     return count
+
+
+class _AnswerTransport:
+    """The transport a request's cycle writes its answer to: uvicorn closes it after an answer
+    that ends the connection, which here closes as ``ClosingProtocol.close_answered`` says."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: ClosingProtocol) -> None:
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_answered()
 
 
 class ClosingProtocol(HttpToolsProtocol):
@@ -106,6 +127,9 @@ class ClosingProtocol(HttpToolsProtocol):
     _head_timer: asyncio.TimerHandle | None = None
     _upgrade_body_left = 0  # body bytes still due to a request whose Upgrade header is ignored
     _body_timer: asyncio.TimerHandle | None = None  # bounds the body of a request answered before it came
+    _discarding = False  # answered and shut for writing: what still comes is dropped (``close_answered``)
+    _linger_ends = 0.0  # the loop's clock when a connection discarding closes whatever comes
+    _answer_transport: _AnswerTransport | None = None
 
     def shutdown(self) -> None:
         answering = self.cycle is not None and not self.cycle.response_complete
@@ -133,8 +157,37 @@ class ClosingProtocol(HttpToolsProtocol):
             return
         self.transport.close()
 
+    def close_answered(self) -> None:
+        """Close the connection after an answer that ends it: at once, unless bytes of a request
+        are still coming (its body, answered before it came, or unread in the socket). Then the
+        answer goes out followed by the end of the stream, and the connection reads and drops what
+        comes until the client closes, or nothing came for ``LINGER_QUIET_S``, or ``LINGER_S``
+        passed: closed with those bytes unread, the kernel would reset it, and the client might
+        never read the answer."""
+        transport = self.transport
+        if transport.is_closing() or self._discarding:
+            return
+        if not (self._receiving or unread_bytes(transport) > 0) or not transport.can_write_eof():
+            transport.close()
+            return
+        self._discarding = True
+        self._body_timer = _stopped(self._body_timer)
+        self._head_timer = _stopped(self._head_timer)
+        transport.write_eof()  # after what is buffered: the answer, whole
+        self.flow.resume_reading()  # paused while the app did not read the body: it is drained now
+        self._linger_ends = self.loop.time() + LINGER_S
+        self._linger_quietly()
+
+    def _linger_quietly(self) -> None:
+        """(Re)arm the close of a connection discarding: ``LINGER_QUIET_S`` from now, at most at
+        ``_linger_ends``."""
+        self._linger = _stopped(self._linger)
+        closes = min(self.loop.time() + LINGER_QUIET_S, self._linger_ends)
+        self._linger = self.loop.call_at(closes, self.transport.close)
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._answer_transport = _AnswerTransport(transport, self)
         self._active_at = self.loop.time()
         self._arm_head_timer()  # its first request's head, too, has HEAD_TIMEOUT_S to come
 
@@ -163,6 +216,8 @@ class ClosingProtocol(HttpToolsProtocol):
             )
             raise _HeadRefused  # the parser stops here: its body is not read as anything
         super().on_headers_complete()
+        if self.cycle is not None and self._answer_transport is not None:
+            self.cycle.transport = cast(asyncio.Transport, self._answer_transport)
         # closing: whether its answer says Connection: close is decided as that answer starts
         # (``_ends``), once what came behind it in the same read has been parsed too
 
@@ -210,6 +265,9 @@ class ClosingProtocol(HttpToolsProtocol):
         return request_id_from(cast("dict[str, Any]", self.scope))
 
     def on_response_complete(self) -> None:
+        if self._discarding:  # the connection ends with this answer: nothing behind it runs
+            self.server_state.total_requests += 1  # (as uvicorn's own counts it)
+            return
         self._active_at = self.loop.time()
         cycle = self.cycle
         # answered, its body still due (an ignored Upgrade's body arrives outside the parser)
@@ -229,7 +287,12 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def _ends(self, draining: bool) -> bool:
         """Whether the answer written now ends the connection: while the service drains or this
-        connection is shut down, unless a request came behind it (the last such one ends it)."""
+        connection is shut down, unless a request came behind it (the last such one ends it); and
+        an answer to a request whose client waits for ``100 Continue`` before sending its body:
+        the client may send it or not (RFC 9110, 10.1.1), and what follows could not be told
+        apart from the next request."""
+        if self.cycle is not None and self.cycle.waiting_for_100_continue:
+            return True
         return (draining or self._closing) and not self._followed()
 
     def _followed(self) -> bool:
@@ -248,6 +311,9 @@ class ClosingProtocol(HttpToolsProtocol):
         return bool(self.pipeline) or (self._started is not None and not self._started.response_complete)
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:  # the rest of a request after the answer that ended the connection
+            self._linger_quietly()
+            return
         if self._invalid:
             return  # past bytes that are not HTTP, nothing more is read as a request
         if self._upgrade_body_left:

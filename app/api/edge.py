@@ -170,7 +170,7 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                 self._started = cycle  # answered: bytes after it that are not HTTP close, not answer it again
                 self.transport.write(refusal.response)
                 if not cycle.keep_alive:
-                    self.transport.close()
+                    self.close_answered()
                 try:
                     edge.answered(scope, refusal)
                 except Exception:  # the answer is written: a failure to count it must not stop the next

@@ -469,3 +469,69 @@ async def test_admin_errors_quote_at_most_a_little_of_the_body(make_settings: Se
         for path, body in bodies:
             refused = await running.client.put(path, json=body, headers=AUTH)
             assert refused.status_code == 422 and len(refused.content) < 2000, (path, len(refused.content))
+
+
+def _send_whole_then_read(port: int, head: bytes, body_bytes: int) -> tuple[bytes, bytes]:
+    """As a blocking client such as ``http.client`` does: the request's every byte sent, then the
+    answer read to the end of the stream. (A reset on either side raises.)"""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        chunk = b"x" * 65_536
+        for start in range(0, body_bytes, len(chunk)):
+            sock.sendall(chunk[: body_bytes - start])
+        received = b""
+        while data := sock.recv(65_536):
+            received += data
+    answer_head, _, body = received.partition(b"\r\n\r\n")
+    return answer_head, body
+
+
+@pytest.mark.parametrize("closing", ["Connection: close", "HTTP/1.0"])
+async def test_an_early_answer_that_ends_the_connection_reaches_a_client_still_sending(
+    make_settings: SettingsFactory, closing: str
+) -> None:
+    """A 413 on the declared length comes while the client is still sending its body; the answer
+    ends the connection (the client asked so). Closed with the body unread, the kernel reset the
+    connection: a client sending the whole body before it reads (``http.client``) saw a reset, not
+    the 413. The body is read and dropped until the client has it and closes (RFC 9112, 9.6)."""
+    size = 3 << 20  # over the 1 MiB limit, and more than the socket buffers hold
+    head = predict().split(b"\r\n\r\n", 1)[0].replace(b"Content-Length: ", b"X-Was: ")
+    head += f"\r\nContent-Length: {size}\r\n".encode()
+    head += b"Connection: close\r\n\r\n" if closing == "Connection: close" else b"\r\n"
+    if closing == "HTTP/1.0":
+        head = head.replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+    async with served(make_settings(server={"max_image_bytes": 1 << 20})) as running:
+        answer, body = await asyncio.to_thread(_send_whole_then_read, running.port, head, size)
+        assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"413"
+        assert json.loads(body)["code"] == "image_too_large"
+        assert (await running.exchange(predict()))[0][0].status == 200, "and it serves on"
+
+
+async def test_an_early_answer_to_a_client_waiting_for_100_continue_ends_the_connection(
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asked ``Expect: 100-continue`` may send its body after a final answer or not:
+    the answer says ``Connection: close`` and the connection ends (before, it waited for a body
+    that might never come, and a reused connection lost its next request to it)."""
+    monkeypatch.setattr(connection, "ANSWERED_BODY_S", 60.0)  # what the old code waited: past the read's bound
+    head = predict().split(b"\r\n\r\n", 1)[0].replace(b"Content-Length: ", b"X-Was: ")
+    head += b"\r\nContent-Length: 2000000\r\nExpect: 100-continue\r\n\r\n"
+    async with served(make_settings(server={"max_image_bytes": 1 << 20})) as running:
+        answer, body = await asyncio.to_thread(_send_whole_then_read, running.port, head, 0)
+    lines = answer.split(b"\r\n")
+    assert lines[0].split(b" ")[1] == b"413" and b"connection: close" in [line.lower() for line in lines]
+    assert json.loads(body)["code"] == "image_too_large"
+
+
+async def test_a_refusal_at_the_edge_that_ends_the_connection_reaches_a_client_still_sending(
+    make_settings: SettingsFactory,
+) -> None:
+    size = 3 << 20  # within the limit: refused by admission at the edge, as soon as its head is read
+    head = predict(X_Request_Timeout="1").split(b"\r\n\r\n", 1)[0].replace(b"Content-Length: ", b"X-Was: ")
+    head += f"\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n".encode()
+    async with served(make_settings(server={"max_image_bytes": 8 << 20})) as running:
+        await running.exchange(predict())  # a batch timed: a 1 ms deadline is refused at admission
+        answer, body = await asyncio.to_thread(_send_whole_then_read, running.port, head, size)
+        assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"503"
+        assert json.loads(body)["code"] == "would_miss_deadline"
+        assert running.reached == ["POST /predict"], "refused by the edge, not the app"
