@@ -86,6 +86,7 @@ class _AnswerTransport:
 
     def __init__(self, transport: asyncio.Transport, protocol: ClosingProtocol) -> None:
         self._transport, self._protocol = transport, protocol
+        self.write, self.is_closing = transport.write, transport.is_closing  # each answer's: bound once
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
