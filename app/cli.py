@@ -80,11 +80,12 @@ def _serve_now(args: argparse.Namespace) -> int:
     from app.api.edge import edge_protocol
     from app.environment import warn_unknown_variables
     from app.main import create_app
-    from app.server import DrainingServer
+    from app.server import DrainingServer, shutdown_cuts_told
     from app.telemetry.logging import configure_logging
 
     configure_logging(settings.logging.level, settings.logging.json_format)
     logging.getLogger("uvicorn.error").addFilter(_reported_start_up_failure)
+    logging.getLogger("uvicorn.error").addFilter(shutdown_cuts_told)
     warn_unknown_variables()
     _say_config_file(config_path(), stamp)
 

@@ -35,6 +35,38 @@ Drain = Callable[[], Awaitable[None]]
 DRAINED_CLOSE_S = 3
 
 
+SHUTDOWN_CUT = "Task cancelled, timeout graceful shutdown exceeded"  # uvicorn's message to what it cancels
+
+
+def shutdown_cuts_told(record: logging.LogRecord) -> bool:
+    """A filter for uvicorn's log: what its shutdown cuts off once the wait for open connections
+    ends (``DRAINED_CLOSE_S`` after the drain, or at once on Ctrl-C) is a documented outcome, not
+    an error: the requests still running are answered 503 draining where their answer had not
+    started, and an answer a client was not reading is cut. uvicorn logs the first at ERROR (even
+    "Cancel 0", with nothing cut), and a traceback for the second: operators who alert on ERROR
+    were paged by every rollout that met a slow client. Each is one line of ours instead."""
+    if record.levelno < logging.ERROR:
+        return True
+    if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
+        cut = record.args[0] if isinstance(record.args, tuple) and record.args else 0
+        record.levelno, record.levelname = (logging.WARNING, "WARNING") if cut else (logging.INFO, "INFO")
+        record.msg, record.args = (
+            "shutdown: the wait for open connections ended: %s request(s) still running cut off",
+            (cut,),
+        )
+        return True
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, asyncio.CancelledError) and SHUTDOWN_CUT in error.args:
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "shutdown: an answer its client was not reading was cut off",
+            (),
+            None,
+            None,
+        )
+    return True
+
+
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose SIGTERM drains the service first and ends with exit code 0."""
 

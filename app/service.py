@@ -381,7 +381,14 @@ class InferenceService:
         started = time.perf_counter()
         batchers = [served.batcher for served in (*self.all_served(), *self._retiring)]
         await asyncio.gather(*(batcher.close(grace_s) for batcher in batchers))
-        if not self._drained:  # the close drains again after a SIGTERM's drain: nothing is left then
+        cut = sum(batcher.cut_off for batcher in batchers)
+        if cut and not self._drained:  # an operator's cue to give the drain more time
+            log.warning(
+                "the drain's grace (%s) ran out: %d queued or running request(s) answered 503 draining",
+                "none: stopping at once" if grace_s == 0 else f"{grace_s:g} s",
+                cut,
+            )
+        elif not self._drained:  # the close drains again after a SIGTERM's drain: nothing is left then
             log.info("drained in %.2fs", time.perf_counter() - started)
         self._drained = True
 

@@ -339,6 +339,11 @@ class DualWindowBatcher(Generic[P, R]):
         self._running[lane] -= 1
         self._wakeup.set()
 
+    @property
+    def cut_off(self) -> int:
+        """The requests a close has answered uncomputed so far (queued or running when its grace ran out)."""
+        return self._execution.cut
+
     async def close(self, grace_s: float | None = None) -> None:
         """Stop taking requests, run what is queued for up to ``grace_s`` (``None``: no limit), fail the rest."""
         self._accepting = False

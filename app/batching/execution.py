@@ -62,6 +62,7 @@ class Execution(Generic[P, R]):
         self._computed = computed
         self._model_epoch = model_epoch
         self.batches = 0
+        self.cut = 0  # requests the close cut off uncomputed (its grace ran out)
 
     async def run(self, plan: BatchPlan, batch: list[Pending[P, R]], capacity: int) -> None:
         """Run ``batch``, formed as ``plan`` says, and answer each of its requests once;
@@ -179,6 +180,7 @@ class Execution(Generic[P, R]):
             if not item.future.done():
                 item.future.set_exception(error)
                 self._observer.on_dropped(item.lane, "cancelled")
+                self.cut += 1
             elif item.future.cancelled():
                 self._observer.on_dropped(item.lane, "cancelled")
             elif isinstance(item.future.exception(), DeadlineExceeded):

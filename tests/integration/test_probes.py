@@ -198,6 +198,38 @@ async def test_shutdown_drains_queued_requests(make_settings: SettingsFactory) -
     assert [r.json()["batch_size"] for r in responses] == [3, 3, 3]
 
 
+async def test_a_drain_whose_grace_runs_out_says_how_many_it_cut_off(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "drained in 0.73s" read as a clean drain where 708 requests had been answered 503: the
+    operator's cue to give the drain more time was missing."""
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000, "shutdown_grace_s": 0.2},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 2, "max_queue": 64}},
+        model={"device_workers": 1},
+    )
+    release = threading.Event()
+    caplog.set_level("INFO", logger="app.service")
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        model = served.runner.model
+        assert isinstance(model, LayeredModel)
+        probabilities = model.probabilities
+
+        def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+            release.wait(10)  # held on the device thread past the grace
+            return probabilities(*args, **kwargs)
+
+        model.probabilities = slow  # type: ignore[method-assign]
+        waiting = [asyncio.create_task(running.predict_png(sample_png(d))) for d in range(3)]
+        await wait_queued(running, Lane.NORMAL, 1)  # two running, one queued behind them
+        # the lifespan ends with the block: the drain, its grace 0.2 s; the device thread let go after
+        asyncio.get_running_loop().call_later(1.0, release.set)
+    assert [task.result().json()["code"] for task in waiting] == ["draining"] * 3
+    said = [r.getMessage() for r in caplog.records if r.name == "app.service" and "drain" in r.getMessage()]
+    assert said == ["the drain's grace (0.2 s) ran out: 3 queued or running request(s) answered 503 draining"]
+
+
 async def test_the_probes_answer_head_as_get(make_settings: SettingsFactory) -> None:
     # RFC 9110: HEAD wherever GET is; balancers and uptime checks probe with it
     async with running_app(make_settings()) as running:
