@@ -286,11 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     from app.inference.device import resolve_device
     from app.inference.loader import ModelLoadError
     from app.inference.repository import Repository, RepositoryError
+    from app.settings import env_name
 
     parser = argparse.ArgumentParser(prog="ai-backend eval", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--model", required=True, help="model name")
     parser.add_argument("--version", required=True, help="version to evaluate")
-    parser.add_argument("--repository", type=Path, default=Path("models"), help="model repository root (models)")
+    served = os.environ.get(env_name(("model", "repository")))  # the one the service reads, where it is set
+    parser.add_argument(
+        "--repository",
+        type=Path,
+        default=Path(served or "models"),
+        help=f"model repository root ({env_name(('model', 'repository'))}, else models)",
+    )
     parser.add_argument("--data", type=Path, help="held-out image folder, one subfolder per label")
     parser.add_argument(
         "--precisions", default="auto", help="auto (fp32, and fp16 on CUDA), fp32, fp16 or fp32,fp16; fp32 always runs"

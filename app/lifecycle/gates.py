@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from app.inference.manifest import Manifest
+from app.settings import env_name
 
 Precision = Literal["fp32", "fp16"]
 
@@ -108,7 +109,9 @@ def check_promotion(
     if evaluation is None or not evaluation.accuracy:
         return [
             f"{_name(candidate)} has no recorded held-out accuracy: run `ai-backend eval --model {candidate.name} "
-            f"--version {candidate.version}` before promoting it."
+            f"--version {candidate.version}` before promoting it (with --repository the served repository where "
+            f"{env_name(('model', 'repository'))} is not set, and --data a held-out image folder for a model that "
+            "train-digits did not build)."
         ]
     reasons: list[str] = []
     accuracy = evaluation.accuracy.get(served_precision)

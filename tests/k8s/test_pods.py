@@ -12,8 +12,10 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
+import torch
 from pydantic import BaseModel
 
+from app.inference.device import plan_threads
 from app.settings import ENV_PREFIX, Settings, env_name
 from tests.k8s.conftest import (
     ENVOY,
@@ -132,10 +134,23 @@ def test_the_cpu_overlay_asks_for_no_gpu_and_sizes_torch_to_its_cpus() -> None:
                 assert "nvidia.com/gpu" not in resources.get(section, {}), where
     settings = settings_of("cpu")
     assert settings.model.device == "cpu"
-    cpus = float(server_container("cpu")["resources"]["limits"]["cpu"])
-    threads = settings.model.intra_op_threads * settings.model.device_workers
-    assert 0 < threads <= cpus, "torch would size its pool from the node's cores and be throttled"
-    assert threads + settings.server.preprocess_workers <= cpus
+    cpus = int(float(server_container("cpu")["resources"]["limits"]["cpu"]))
+    model = settings.model
+    # the plan the service makes in the pod, whose CPU limit it reads from its cgroup
+    plan = plan_threads(
+        torch.device("cpu"),
+        model.device_workers,
+        model.intra_op_threads,
+        settings.server.preprocess_workers,
+        cpus,
+        model.urgent_workers,
+        settings.server.decode,
+        model.normal_nice,
+    )
+    torch_threads = plan.intra_op * plan.workers
+    assert 0 < torch_threads <= cpus, "torch would size its pool from the node's cores and be throttled"
+    busy = torch_threads + (0 if plan.decode_in_batch else plan.decode)  # decode threads idle where batches decode
+    assert busy == cpus, f"{plan}: the pod's CPUs not all at work, or more threads than CPUs"
 
 
 def test_the_ray_workers_have_a_gpu_for_each_replica() -> None:

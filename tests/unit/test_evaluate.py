@@ -258,3 +258,17 @@ def test_through_the_ai_backend_command(repository: Path, capsys: pytest.Capture
     assert "digits/1 on cpu: 10 samples" in capsys.readouterr().out
     assert cli_main([*args, "--version", "7"]) == 1
     assert "digits/7/manifest.json: cannot be read" in capsys.readouterr().err
+
+
+def test_the_repository_is_the_services_where_its_variable_is_set(
+    repository: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The 409 of a promotion names ``ai-backend eval --model M --version N``: in a deployment
+    the served repository is not ./models, and the command must find it as the service does."""
+    monkeypatch.setenv("AI_SERVICE_MODEL__REPOSITORY", str(repository))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no ./models here
+    args = ["eval", "--model", "digits", "--version", "1", "--device", "cpu", "--limit", "10", "--dry-run"]
+    assert cli_main(args) == 0
+    assert "digits/1 on cpu: 10 samples" in capsys.readouterr().out

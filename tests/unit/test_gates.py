@@ -41,7 +41,8 @@ def test_a_candidate_never_evaluated_is_refused(accuracy: dict[str, float] | Non
     reasons = gate(version("2", accuracy), CURRENT)
     assert reasons == [
         "digits/2 has no recorded held-out accuracy: run `ai-backend eval --model digits --version 2` "
-        "before promoting it."
+        "before promoting it (with --repository the served repository where AI_SERVICE_MODEL__REPOSITORY is not "
+        "set, and --data a held-out image folder for a model that train-digits did not build)."
     ]
 
 
