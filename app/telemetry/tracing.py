@@ -9,8 +9,10 @@ or growing memory. Shutdown flushes what it can within a bounded time.
 from __future__ import annotations
 
 import collections
+import importlib.metadata
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -219,6 +221,18 @@ class FollowsLinks(Sampler):
         return f"FollowsLinks{{{self._ratio.get_description()}}}"
 
 
+def _resource(service_name: str) -> Resource:
+    """Who emits the spans: the service's name, and which replica and release of it, so that a
+    trace leads to the pod whose logs and metrics hold the rest (in Kubernetes the host name is the
+    pod's). ``OTEL_RESOURCE_ATTRIBUTES`` may say more, or otherwise, but for the name."""
+    try:
+        version = importlib.metadata.version("ai-backend")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree that was never installed
+        version = "unknown"
+    replica = Resource({"service.version": version, "host.name": socket.gethostname()})
+    return replica.merge(Resource.create({"service.name": service_name}))
+
+
 def build_tracer_provider(
     settings: TelemetrySettings,
     exporter: SpanExporter | None = None,
@@ -227,7 +241,7 @@ def build_tracer_provider(
     """A provider with a parent-based sampler (root spans: ``FollowsLinks``) and (unless
     ``none``) the bounded processor."""
     provider = TracerProvider(
-        resource=Resource.create({"service.name": settings.service_name}),
+        resource=_resource(settings.service_name),
         sampler=ParentBased(FollowsLinks(settings.sampling_ratio)),
         # a batch span links each of its requests: the SDK's default of 128 links would leave
         # the rest of a larger batch with no way back from it

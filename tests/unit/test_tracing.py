@@ -194,3 +194,24 @@ def test_spans_dropped_on_a_full_queue_are_told_in_the_log(caplog: pytest.LogCap
     assert processor.dropped == 40
     (record,) = caplog.records
     assert "span queue full (telemetry.max_queue=10): 40 spans dropped" in record.getMessage()
+
+
+def test_the_resource_names_the_replica_and_the_release_and_the_environment_may_say_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Several pods export to one Jaeger: a trace must lead to the pod whose logs hold the rest."""
+    import importlib.metadata
+    import socket
+
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    provider, _ = build_tracer_provider(TelemetrySettings(exporter="none"))
+    attributes = provider.resource.attributes
+    assert attributes["service.name"] == TelemetrySettings().service_name
+    assert attributes["host.name"] == socket.gethostname()
+    assert attributes["service.version"] == importlib.metadata.version("ai-backend")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "host.name=pod-7,k8s.namespace.name=serving")
+    provider, _ = build_tracer_provider(TelemetrySettings(exporter="none"))
+    assert (provider.resource.attributes["host.name"], provider.resource.attributes["k8s.namespace.name"]) == (
+        "pod-7",
+        "serving",
+    )
