@@ -96,7 +96,7 @@ async def test_other_formats_are_classified_right(
         )
 
 
-async def test_top_k_defaults_and_json_wins_over_query(
+async def test_top_k_defaults_and_a_json_bodys_own(
     make_settings: SettingsFactory, sample_pngs: dict[str, bytes]
 ) -> None:
     async with running_app(make_settings(server={"default_top_k": 4})) as running:
@@ -108,6 +108,21 @@ async def test_top_k_defaults_and_json_wins_over_query(
         assert len(raw_default.json()["predictions"]) == 4
         one = await running.client.post("/predict", json={"image_base64": b64(png), "top_k": 1})
         assert [p["label"] for p in one.json()["predictions"]] == ["7"]
+
+
+async def test_a_top_k_in_the_query_and_the_body_is_one_value_or_a_422(make_settings: SettingsFactory) -> None:
+    """The body's silently won over the query's: as two values of one header, which the server
+    read would decide how many classes came back."""
+    body = {"image_base64": b64(sample_png(7)), "top_k": 2}
+    async with running_app(make_settings()) as running:
+        same = await running.client.post("/predict", params={"top_k": 2}, json=body)
+        other = await running.client.post("/predict", params={"top_k": 3}, json=body)
+        unnamed = {"image_base64": body["image_base64"]}
+        query_only = await running.client.post("/predict", params={"top_k": 3}, json=unnamed)
+    assert same.status_code == 200 and len(same.json()["predictions"]) == 2, same.text
+    assert other.status_code == 422 and other.json()["code"] == "validation_error", other.text
+    assert "top_k is 3 in the query and 2 in the body" in other.json()["message"]
+    assert query_only.status_code == 200 and len(query_only.json()["predictions"]) == 3
 
 
 async def test_a_query_top_k_given_twice_is_one_value_or_a_422(make_settings: SettingsFactory) -> None:

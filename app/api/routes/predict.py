@@ -28,7 +28,7 @@ from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
 from app.deadline import within
-from app.errors import Draining
+from app.errors import Draining, SchemaError
 from app.prediction import Outcome
 from app.routing import VersionNotLoaded
 from app.service import InferenceService
@@ -118,6 +118,9 @@ async def _predict(name: str | None, request: Request) -> Response:
         if "answered_as" not in state:  # not a body that broke, answered 400 by the protocol
             served.batcher.observer.on_dropped(headers.lane, "cancelled")
         raise
+    if body.top_k is not None and top_k_asked is not None and body.top_k != top_k_asked:
+        # as a repeated header or query parameter: which one a server reads must not decide
+        raise SchemaError(f"top_k is {top_k_asked} in the query and {body.top_k} in the body")
     asked = checked_top_k(body.top_k, server, len(served.labels)) or top_k_asked
     top_k = asked or min(server.default_top_k, server.max_top_k, len(served.labels))  # fewer classes: all
     remaining = headers.timeout_s - (time.perf_counter() - state["started"])
