@@ -103,8 +103,9 @@ def body_limit(content_type: str, max_image_bytes: int, max_json_bytes: int) -> 
 
 def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int) -> None:
     """What a prediction's headers alone say is wrong with its body, before it is admitted or
-    read: a Content-Type or a Content-Encoding not taken (415), a declared Content-Length past its limit (413)
-    or of 0 (400). No retry mends these, so none may hide behind a 503 with a Retry-After."""
+    read: a Content-Type, a Content-Encoding or a Transfer-Encoding not taken (415), a declared
+    Content-Length past its limit (413) or of 0 (400). No retry mends these, so none may hide
+    behind a 503 with a Retry-After."""
     content_type: str | None = None
     length: str | None = None
     for key, value in scope["headers"]:
@@ -116,6 +117,13 @@ def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int)
             # a gzipped body read as it came would fail as bad JSON or a bad image: say why (RFC 9110, 8.4.1)
             raise UnsupportedMediaType(
                 f"Content-Encoding {value.decode('latin-1').strip()} is not taken: send the body unencoded"
+            )
+        elif key == b"transfer-encoding" and value.strip().lower() != b"chunked":
+            # the HTTP parser undoes chunked alone: a gzip coding before it would reach us still gzipped
+            # (RFC 9112, 6.1 answers a coding not understood with a 501: the service answers no 5xx
+            # for a client's request, and a 415 says as well what to change)
+            raise UnsupportedMediaType(
+                f"Transfer-Encoding {value.decode('latin-1').strip()} is not taken: only chunked is"
             )
     kind = media_type(content_type or "")
     limit, code = body_limit(kind, max_image_bytes, max_json_bytes)

@@ -535,3 +535,20 @@ async def test_a_refusal_at_the_edge_that_ends_the_connection_reaches_a_client_s
         assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"503"
         assert json.loads(body)["code"] == "would_miss_deadline"
         assert running.reached == ["POST /predict"], "refused by the edge, not the app"
+
+
+async def test_a_transfer_coding_other_than_chunked_is_refused_not_misread(make_settings: SettingsFactory) -> None:
+    """The parser undoes ``chunked`` alone: a gzip coding before it reached the app still gzipped,
+    and a valid image was answered "not a JPEG, PNG or WebP"."""
+    import gzip
+
+    coded = gzip.compress(sample_png(3))
+    chunked = f"{len(coded):x}\r\n".encode() + coded + b"\r\n0\r\n\r\n"
+    head = predict().split(b"\r\n\r\n", 1)[0].replace(b"Content-Length: ", b"X-Was: ")
+    async with served(make_settings()) as running:
+        ((answer, body),) = await running.exchange(head + b"\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + chunked)
+        assert answer.status == 415 and json.loads(body)["code"] == "unsupported_media_type"
+        assert "Transfer-Encoding gzip, chunked" in json.loads(body)["message"]
+        plain = f"{len(sample_png(3)):x}\r\n".encode() + sample_png(3) + b"\r\n0\r\n\r\n"
+        ((answer, _),) = await running.exchange(head + b"\r\nTransfer-Encoding: chunked\r\n\r\n" + plain)
+        assert answer.status == 200, "chunked alone is read as ever"
