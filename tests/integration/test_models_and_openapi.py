@@ -191,3 +191,18 @@ async def test_the_shipped_config_serves_a_repository_without_the_bundled_model(
         assert running.service.default_model == "mnist"
         answer = await running.predict_png(sample_png(7))
         assert answer.status_code == 200 and answer.json()["model"] == "mnist"
+
+
+async def test_head_is_answered_wherever_get_is(make_settings: SettingsFactory) -> None:
+    """RFC 9110, 9.1: a general-purpose server supports HEAD wherever GET is; these were 405."""
+    token = "s3cret-admin-token-0123456789"
+    settings = make_settings(admin={"enabled": True, "token": token, "config_watch_s": 0})
+    auth = {"Authorization": f"Bearer {token}"}
+    async with running_app(settings) as running:
+        for path, headers in (("/v1/models", {}), (f"/v1/models/{MODEL_NAME}", {}), ("/admin/policy", auth)):
+            got = await running.client.get(path, headers=headers)
+            head = await running.client.head(path, headers=headers)
+            assert head.status_code == got.status_code == 200 and head.content == b"", path
+            assert head.headers["content-length"] == got.headers["content-length"], path
+        assert (await running.client.head("/admin/policy")).status_code == 401, "as guarded as GET"
+        assert (await running.client.head("/v1/models/nope")).status_code == 404

@@ -26,6 +26,9 @@ async def get_policy(request: Request) -> BatchingSettings:
     return _policy(request).current
 
 
+router.add_api_route("/policy", get_policy, methods=["HEAD"], include_in_schema=False)  # wherever GET is
+
+
 @router.put(
     "/policy",
     response_model=BatchingSettings,

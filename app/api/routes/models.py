@@ -57,3 +57,8 @@ def describe_model(service: InferenceService, name: str) -> ModelVersion:
 )
 async def get_model(name: str, service: Service) -> ModelVersion:
     return describe_model(service, name)
+
+
+# HEAD wherever GET is (RFC 9110, 9.1), as the probes and /metrics have it
+router.add_api_route("/v1/models", list_models, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/v1/models/{name}", get_model, methods=["HEAD"], include_in_schema=False)
