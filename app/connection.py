@@ -216,6 +216,10 @@ class ClosingProtocol(HttpToolsProtocol):
                 431, "headers_too_large", f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
             )
             raise _HeadRefused  # the parser stops here: its body is not read as anything
+        if self.parser.get_http_version() == "1.1" and sum(name == b"host" for name, _ in self.headers) != 1:
+            # RFC 9112, 3.2: a 400 (two Hosts give a proxy and this server two views of one request)
+            self._refuse_head(400, "invalid_http", "an HTTP/1.1 request must have exactly one Host header")
+            raise _HeadRefused
         super().on_headers_complete()
         if self.cycle is not None and self._answer_transport is not None:
             self.cycle.transport = cast(asyncio.Transport, self._answer_transport)

@@ -552,3 +552,15 @@ async def test_a_transfer_coding_other_than_chunked_is_refused_not_misread(make_
         plain = f"{len(sample_png(3)):x}\r\n".encode() + sample_png(3) + b"\r\n0\r\n\r\n"
         ((answer, _),) = await running.exchange(head + b"\r\nTransfer-Encoding: chunked\r\n\r\n" + plain)
         assert answer.status == 200, "chunked alone is read as ever"
+
+
+@pytest.mark.parametrize("hosts", [[], ["a", "b"]], ids=["none", "two"])
+async def test_an_http_1_1_request_without_one_host_is_a_400(make_settings: SettingsFactory, hosts: list[str]) -> None:
+    """RFC 9112, 3.2: MUST be a 400 (it was served)."""
+    request = b"GET /livez HTTP/1.1\r\n" + b"".join(f"Host: {h}\r\n".encode() for h in hosts) + b"\r\n"
+    async with served(make_settings()) as running:
+        ((head, body),) = await answers_then_close(running, request, 1)
+        assert head.status == 400 and json.loads(body)["code"] == "invalid_http"  # type: ignore[attr-defined]
+        assert "Host" in json.loads(body)["message"]
+        ((head, _),) = await running.exchange(b"GET /livez HTTP/1.0\r\n\r\n")
+        assert head.status == 200, "HTTP/1.0 needs none"
