@@ -98,6 +98,12 @@ class LifecycleManager:
             raise Conflict(f"version {version} of {name} was refused at load: {exc}", code="model_load_failed") from exc
         async with self._lock:
             if not self._service.ready:  # the drain began while it loaded: it would never be closed
+                log.warning(
+                    "the load of %s/%s ended after the shutdown began: not served, released",
+                    name,
+                    version,
+                    extra={"model": name, "version": version},
+                )
                 await self._service.retire(served)
                 del served
                 await self._service.release_unloaded()

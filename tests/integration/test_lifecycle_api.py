@@ -420,7 +420,10 @@ async def test_a_request_still_uploading_when_its_versions_grace_runs_out_is_tol
         assert 'ai_backend_cancellations_total{reason="cancelled"} 1.0' in metrics.splitlines()
 
 
-async def test_a_version_whose_load_ends_after_the_drain_began_is_not_served(repository: Path) -> None:
+async def test_a_version_whose_load_ends_after_the_drain_began_is_not_served(
+    repository: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     async with running_app(settings_for(repository)) as running:
         add_version(repository, "3")
         service = running.service
@@ -441,6 +444,8 @@ async def test_a_version_whose_load_ends_after_the_drain_began_is_not_served(rep
         with pytest.raises(ServiceError) as refused:
             await load
         assert (refused.value.status, refused.value.code) == (503, "draining")  # as every other call in a drain
+        said = [r.getMessage() for r in caplog.records if r.name == "app.lifecycle.manager"]
+        assert said == ["the load of digits/3 ended after the shutdown began: not served, released"], said
         assert [s.version for s in service.all_served() if s.batcher.running] == []
         assert 'version="3"' not in (await running.client.get("/metrics")).text
         later = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
