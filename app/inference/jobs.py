@@ -81,7 +81,10 @@ def reached_the_device(answer: Answer) -> bool:
     """Whether the device took ``answer``'s image, computed or failed there: not one left out,
     nor one that did not decode (a 4xx; a batch of those alone ran no forward pass, and its time
     would drag the lane's run-time estimate down)."""
-    top = answer.top
+    return _reached(answer.top)
+
+
+def _reached(top: TopK | ServiceError | None) -> bool:
     return top is not None and (not isinstance(top, ServiceError) or fails_the_service(top))
 
 
@@ -145,6 +148,8 @@ class TracedRunner:
             if self.runner.degraded:  # the CPU fallback may have taken over during this batch: it computed it
                 span.set_attributes(self._served_by())
             context = span.get_span_context()
+            if span.is_recording():  # the requests' own spans and answers give this, not batch.size
+                span.set_attribute("batch.computed", sum(_reached(top) for top in tops))
             # an image that did not decode is its client's mistake (4xx): not the batch's failure
             failed = sum(isinstance(top, ServiceError) and fails_the_service(top) for top in tops)
             if failed:

@@ -424,6 +424,8 @@ async def test_an_image_its_batch_cannot_decode_is_answered_alone_and_fails_no_s
     assert batch.status.status_code.name != "ERROR" and batch.attributes["batch.size"] == 3
     assert batch.attributes["batch.decoded"] == 2 and batch.attributes["batch.decode_ms"] > 0
     assert batch.attributes["batch.refused"] == 1
+    # what its requests' spans and answers give as batch.size: those its device ran
+    assert batch.attributes["batch.computed"] == 2 == answers[0].json()["batch_size"]
     # each answer's preprocessing counts its image's decode: together they are the batch's decoding
     # (which adds only the loop around them), not the microseconds of the checks up front
     preprocessed_ms = sum(a.json()["timings"]["preprocess"] for a in (answers[0], answers[2]))
