@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
+from opentelemetry import trace
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.admission import Seat
@@ -117,6 +118,7 @@ async def _predict(name: str | None, request: Request) -> Response:
     except ClientClosed:  # admitted, and gone before its image was whole
         if "answered_as" not in state:  # not a body that broke, answered 400 by the protocol
             served.batcher.observer.on_dropped(headers.lane, "cancelled")
+            trace.get_current_span().add_event("client went", {"while": "its body was arriving"})
         raise
     if body.top_k is not None and top_k_asked is not None and body.top_k != top_k_asked:
         # as a repeated header or query parameter: which one a server reads must not decide
