@@ -195,7 +195,11 @@ class VersionLoader:
         batches queued meanwhile run between them, urgent ones first: a GPU has one thread."""
         biggest = self._largest_batch()
         if every_thread:
-            await self._device_thread.run_on_each(functools.partial(model.warm_up, biggest))
+            # a size a call, on each thread at once: a start-up stopped meanwhile (a SIGTERM, a
+            # Ctrl-C) waits for the size under way, not for the rest of the warm-up (seconds a
+            # shape on a GPU), which no request would ever use
+            for size in model.warm_up_sizes(biggest):
+                await self._device_thread.run_on_each(functools.partial(model.warm_up, biggest, sizes=(size,)))
             return
         for size in model.warm_up_sizes(biggest):
             await self.warm_size(model, size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import threading
@@ -155,7 +156,8 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
     await service.start()
     try:
         threads = ["device-0", "device-1", "device-urgent-0"]
-        assert sorted(warmed) == [("2", thread, 8, None) for thread in threads]
+        # a size a call on each thread, ascending: a stopped start-up waits for one size, not all
+        assert sorted(warmed) == sorted(("2", thread, 8, (size,)) for thread in threads for size in (1, 4, 8))
         warmed.clear()
         await service.load_version("digits", "1")
         assert [(version, sizes) for version, _, _, sizes in warmed] == [("1", (1,)), ("1", (4,)), ("1", (8,))]
@@ -173,6 +175,39 @@ async def test_start_up_warms_every_device_thread_and_a_version_loaded_while_ser
         assert sorted(layers_on) == [("backbone", "loader"), ("backbone", "loader")] + [("classifier", "loader")] * 2
     finally:
         await service.close(1.0)
+
+
+async def test_a_start_up_stopped_during_its_warm_up_waits_for_the_size_under_way_not_the_rest(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM during the start-up warm-up let it run to its end (seconds a shape on a GPU),
+    for nothing: the sizes after the one under way are not run."""
+    from app.inference.loader import LayeredModel
+
+    calls: list[tuple[int, ...] | None] = []
+    started, release = threading.Event(), threading.Event()
+
+    def held_warm_up(model: LayeredModel, max_batch: int, rounds: int = 3, sizes: Sequence[int] | None = None) -> None:
+        calls.append(None if sizes is None else tuple(sizes))
+        started.set()
+        release.wait(10)
+
+    monkeypatch.setattr(LayeredModel, "warm_up", held_warm_up)
+    settings = Settings(
+        model={"repository": repository, "warmup": True, "device_workers": 1, "urgent_workers": 0},  # type: ignore[arg-type]
+        batching={"normal": {"max_batch": 8}, "urgent": {"max_batch": 4}},  # type: ignore[arg-type]
+    )
+    service = InferenceService(settings)
+    start = asyncio.ensure_future(service.start())
+    try:
+        assert await asyncio.to_thread(started.wait, 30)
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+    finally:
+        release.set()
+        await service.close(1.0)
+    assert calls == [(1,)], calls
 
 
 async def test_a_close_after_a_drain_says_drained_once(repository: Path, caplog: pytest.LogCaptureFixture) -> None:
