@@ -58,6 +58,9 @@ def _serve(args: argparse.Namespace) -> int:
     except _StoppedEarly:
         print("ai-backend: SIGTERM before the server started: stopped", file=sys.stderr)
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn took it over (torch importing, say): no traceback
+        print("ai-backend: interrupted before the server started", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _serve_now(args: argparse.Namespace) -> int:

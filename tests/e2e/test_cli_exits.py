@@ -217,6 +217,34 @@ def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
     assert "SIGTERM before the server started" in stderr, stderr[-2000:]
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to see the handler set")
+def test_ctrl_c_before_the_server_starts_exits_130_without_a_traceback() -> None:
+    """A Ctrl-C while torch imports printed a 40-line KeyboardInterrupt traceback, and the process
+    died by the signal rather than exiting 130 as a Ctrl-C while serving does."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve"],
+        cwd=REPO_ROOT,
+        env=server_environment({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0"}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches_sigterm(process.pid):  # start-up has begun: torch's import comes next
+            assert process.poll() is None and time.monotonic() < deadline, "serve never set its handler"
+            time.sleep(0.005)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=SERVE_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    assert process.returncode == 130, (process.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert "interrupted before the server started" in stderr, stderr[-2000:]
+
+
 # ``serve``, with a warm-up that stays inside torch (the GIL released) until the process ends, as
 # a large model's warm-up at a large batch does on a CPU, and the shutdown's joins of the
 # service's threads giving up at once instead of after their 10 s
