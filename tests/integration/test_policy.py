@@ -833,7 +833,7 @@ async def test_a_405_names_every_method_the_path_takes(make_settings: SettingsFa
     async with running_app(admin_settings(make_settings)) as running:
         refused = await running.client.delete("/admin/policy", headers=AUTH)
         assert refused.status_code == 405 and refused.json()["code"] == "method_not_allowed"
-        assert refused.headers["allow"] == "GET, PUT", "Starlette's named the first route's method only"
+        assert refused.headers["allow"] == "GET, HEAD, PUT", "Starlette's named the first route's method only"
         wrong = await running.client.get("/predict")
         assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
 
