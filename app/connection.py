@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import logging
 import struct
 import termios
@@ -193,9 +194,11 @@ class ClosingProtocol(HttpToolsProtocol):
         self._arm_head_timer()  # its first request's head, too, has HEAD_TIMEOUT_S to come
 
     def on_message_begin(self) -> None:
+        if self._discarding:  # pipelined behind the answer that ended the connection: not served
+            raise _HeadRefused  # (RFC 9112, 9.6) and the rest of this read not parsed
         super().on_message_begin()
         self.scope["state"][ARRIVED] = time.perf_counter()  # the request's clock (and deadline) start here
-        self.scope["state"][ENDS] = self._ends
+        self.scope["state"][ENDS] = functools.partial(self._ends, self.scope)
         self._receiving = True
         self._in_head, self._head_bytes, self._head_size, self._head_began = True, 0, 0, True
         self._arm_head_timer()
@@ -290,13 +293,14 @@ class ClosingProtocol(HttpToolsProtocol):
         self._started = cycle
         super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
 
-    def _ends(self, draining: bool) -> bool:
-        """Whether the answer written now ends the connection: while the service drains or this
-        connection is shut down, unless a request came behind it (the last such one ends it); and
-        an answer to a request whose client waits for ``100 Continue`` before sending its body:
-        the client may send it or not (RFC 9110, 10.1.1), and what follows could not be told
-        apart from the next request."""
-        if self.cycle is not None and self.cycle.waiting_for_100_continue:
+    def _ends(self, scope: object, draining: bool) -> bool:
+        """Whether the answer written now to the request of ``scope`` ends the connection: while
+        the service drains or this connection is shut down, unless a request came behind it (the
+        last such one ends it); and an answer to a request whose client still waits for ``100
+        Continue`` to send its body: it may send it or not (RFC 9110, 10.1.1), and what follows
+        could not be told apart from the next request."""
+        answered = next((c for c in (self._started, self.cycle) if c is not None and c.scope is scope), None)
+        if answered is not None and answered.waiting_for_100_continue and self._completed is not answered:
             return True
         return (draining or self._closing) and not self._followed()
 
@@ -336,7 +340,7 @@ class ClosingProtocol(HttpToolsProtocol):
                 self._ignore_upgrade(data[exc.args[0] :])  # what follows is read, and counted, there
             return
         except httptools.HttpParserError:
-            if self._invalid:  # refused already (a head too large): nothing more to say
+            if self._invalid or self._discarding:  # refused already (a head too large), or closing
                 return
             # uvicorn's warning, but at DEBUG: any client can send bytes that are not HTTP, and the
             # access line (code invalid_http, the id the client was given) already says it

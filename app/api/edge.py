@@ -152,10 +152,11 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                 self.loop.call_soon(self._start_after_read, cycle, app)
                 return
             while True:
-                if self.transport.is_closing():
+                if self.transport.is_closing() or self._discarding:
                     return  # a request pipelined behind a closing answer is not served (RFC 9112, 9.6)
                 scope = cast(Scope, cycle.scope)
                 refusal = None
+                self._started = cycle  # the request answered next, whoever answers it (``_ends`` asks)
                 if app is self.app:  # not uvicorn's own 503 past ``limit_concurrency``
                     try:
                         refusal = edge.refusal(scope, self.server_state.default_headers, cycle.keep_alive)
@@ -167,7 +168,7 @@ def edge_protocol(app: FastAPI) -> type[asyncio.Protocol]:
                     return
                 cycle.keep_alive = refusal.keep_alive
                 cycle.response_started = cycle.response_complete = True  # the body that follows is dropped
-                self._started = cycle  # answered: bytes after it that are not HTTP close, not answer it again
+                # answered (``_started``): bytes after it that are not HTTP close, not answer it again
                 self.transport.write(refusal.response)
                 if not cycle.keep_alive:
                     self.close_answered()

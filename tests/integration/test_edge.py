@@ -401,3 +401,46 @@ async def test_a_body_declared_over_the_limit_is_a_413_though_admission_would_re
         )
         assert late.status == 503
         assert big.status == 413 and json.loads(body)["code"] == "image_too_large"
+
+
+async def test_a_request_pipelined_behind_a_refusal_that_ends_the_connection_is_not_served(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refusal to a client waiting for 100 Continue ends the connection; a request pipelined
+    behind it in the same read was parsed on, admitted and computed for nobody, its answer
+    written after the end of the stream (an ERROR from uvloop, a 200 in the access log)."""
+    async with served(make_settings()) as running:
+        await running.exchange(predict())  # a batch timed: a 1 ms deadline is refused at admission
+        reader, writer = await running.connect()
+        try:
+            writer.write(predict(X_Request_Timeout="1", Expect="100-continue") + predict(X_Request_ID="behind"))
+            refused, _ = await read_response(reader)
+            assert refused.status == 503 and refused.headers["connection"] == "close"
+            assert await asyncio.wait_for(reader.read(), 10) == b"", "nothing after the refusal"
+        finally:
+            writer.close()
+        await asyncio.sleep(0.2)
+        assert running.reached == ["POST /predict"], "the one behind never reached the app"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "nothing written after the end"
+
+
+async def test_a_request_waiting_for_100_continue_behind_another_is_served_on_the_same_connection(
+    make_settings: SettingsFactory,
+) -> None:
+    """The 100-continue close is for the request answered before its body came, not for the one
+    answered while another waits for its 100 Continue behind it (that one was lost, as a 499)."""
+    body = sample_png(3)
+    waiting = predict(X_Request_ID="waiting", Expect="100-continue")[: -len(body)]
+    async with served(make_settings()) as running:
+        reader, writer = await running.connect()
+        try:
+            writer.write(predict(X_Request_ID="first") + waiting)
+            first, _ = await read_response(reader)
+            assert first.status == 200 and first.headers.get("connection") != "close"
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert interim.startswith(b"HTTP/1.1 100 Continue")
+            writer.write(body)
+            second, _ = await read_response(reader)
+            assert second.status == 200 and second.headers["x-request-id"] == "waiting"
+        finally:
+            writer.close()
