@@ -385,7 +385,7 @@ class InferenceService:
         if cut and not self._drained:  # an operator's cue to give the drain more time
             log.warning(
                 "the drain's grace (%s) ran out: %d queued or running request(s) answered 503 draining",
-                "none: stopping at once" if grace_s == 0 else f"{grace_s:g} s",
+                "none: stopping at once" if grace_s == 0 else "no limit" if grace_s is None else f"{grace_s:g} s",
                 cut,
             )
         elif not self._drained:  # the close drains again after a SIGTERM's drain: nothing is left then

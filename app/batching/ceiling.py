@@ -13,6 +13,7 @@ Before it rises, ``ready`` is asked whether the sizes the new cap lets in are se
 size first set up by a live batch under the pressure that lowered the cap (the size whose warm-up
 ran out of memory, typically) has crashed the process on CUDA. Not ready, the cap stays while they
 are warmed (``Rewarmer.ready`` starts that), and the next batch full at the cap asks again.
+A failure where the cap tried to rise (the pressure is still there) doubles the batches it waits for.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from app.batching.policy import BatchPolicy, LanePolicy
 
 log = logging.getLogger(__name__)
 
+MAX_BACKOFF_DOUBLINGS = 6  # a size failing again and again is tried again every 64 x recovery_batches at most
+
 
 class Ceiling:
     """The cap on batch sizes set by memory pressure (``value``; ``None``: the policy's own)."""
@@ -36,18 +39,38 @@ class Ceiling:
         self._calm = 0
         # whether batches up to a size may run now (its warm-up done); False: not yet
         self._ready = ready or (lambda _size: True)
+        self._strikes = 0  # the same size failed again when the cap tried to rise: each doubles the wait
+        self._tried = False  # the cap tried to rise (or rose) since it was last lowered
 
     def lower(self, failed_size: int) -> None:
-        """A batch of ``failed_size`` rows ran out of device memory: cap batches at half of it."""
+        """A batch of ``failed_size`` rows ran out of device memory: cap batches at half of it. A
+        failure where the cap tried to rise (the pressure has not gone) doubles the batches it waits
+        for before it tries again, up to ``MAX_BACKOFF_DOUBLINGS`` times: each try is another
+        out-of-memory error, and on CUDA another set-up under pressure. Back at the policy's own
+        sizes, it starts afresh."""
+        if self._tried:  # it failed where the cap tried to rise to (not the halves of one split)
+            self._strikes = min(self._strikes + 1, MAX_BACKOFF_DOUBLINGS)
+        self._tried = False
         self.value = max(1, min(failed_size // 2, self.value or failed_size))
         self._calm = 0
-        log.warning("%s: batch ceiling lowered to %d after a failure at %d", self._name, self.value, failed_size)
+        log.warning(
+            "%s: batch ceiling lowered to %d after a failure at %d; it rises after %d batches at it",
+            self._name,
+            self.value,
+            failed_size,
+            self._needed,
+        )
+
+    @property
+    def _needed(self) -> int:
+        """The batches full at the cap before it may rise."""
+        return self.recovery_batches << self._strikes
 
     def reset(self) -> None:
         """Another model serves now (the CPU fallback): the old device's pressure says nothing of it."""
         if self.value is not None:
             log.info("%s: batch ceiling lifted: another model serves", self._name)
-        self.value, self._calm = None, 0
+        self.value, self._calm, self._strikes, self._tried = None, 0, 0, False
 
     def calm(self, size: int, policy: BatchPolicy) -> None:
         """A batch of ``size`` ran without failing."""
@@ -56,12 +79,15 @@ class Ceiling:
         if self.value is None or size != self.value:
             return
         self._calm += 1
-        if self._calm < self.recovery_batches:
+        if self._calm < self._needed:
             return
         raised = None if self.value * 2 >= policy.largest_batch else self.value * 2
+        self._tried = True
         if not self._ready(raised or policy.largest_batch):
             return  # the sizes it would let in are being warmed: a later batch at the cap asks again
         self.value, self._calm = raised, 0
+        if raised is None:  # at the policy's own sizes again: a later failure starts afresh
+            self._strikes, self._tried = 0, False
         log.info("%s: batch ceiling raised to %s", self._name, self.value or "the policy's max")
 
     def cap(self, policy: BatchPolicy) -> BatchPolicy:

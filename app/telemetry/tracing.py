@@ -268,14 +268,16 @@ QUERY_KEPT = frozenset({"top_k"})  # the query parameters the API reads: their v
 
 
 def query_redacted(span: trace.Span, scope: dict[str, Any]) -> None:
-    """The HTTP server span's hook: the URL it records keeps the values of the query parameters
-    the API reads, and no other (a credential a client put there by mistake, say); the access
-    log keeps no query at all."""
+    """The HTTP server span's hook: the URL it records keeps the query parameters the API reads,
+    and of the rest only the mark ``REDACTED`` (a credential a client put there by mistake, as a
+    value or as a name); the access log keeps no query at all."""
     query = scope.get("query_string")
     if not query or not span.is_recording():
         return
     pairs = urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True)
-    kept = "&".join(f"{name}={value if name in QUERY_KEPT else 'REDACTED'}" for name, value in pairs)
+    kept = urllib.parse.urlencode([(name, value) for name, value in pairs if name in QUERY_KEPT])
+    if len(kept.split("&")) < len(pairs) or not kept:  # the rest, names too (a token may be one), as one mark
+        kept = f"{kept}&REDACTED" if kept else "REDACTED"
     for key in ("http.url", "url.full"):
         url = getattr(span, "attributes", {}).get(key)
         if isinstance(url, str):

@@ -80,3 +80,31 @@ def test_the_cap_rises_only_once_the_sizes_it_lets_in_are_ready() -> None:
     for _ in range(2):
         ceiling.calm(4, _policy(32))
     assert ceiling.value == 8 and asked[-1] == 8, "a rise short of the policy's size asks for that size"
+
+
+def test_a_size_that_fails_again_and_again_is_tried_ever_more_rarely() -> None:
+    """A warm-up of the failed size, tried each time the cap would rise, failed each time under a
+    pressure that stayed: every try another out-of-memory error (on CUDA another set-up under
+    pressure). Each failure where the cap tried to rise doubles the wait, up to a bound."""
+    batches, asked_at = 0, []
+
+    def ready(size: int) -> bool:  # the warm-up of 32 starts, and runs out of memory again
+        asked_at.append(batches)
+        return False
+
+    ceiling = Ceiling("m/1", recovery_batches=2, ready=ready)
+    ceiling.lower(32)
+    while len(asked_at) < 9:
+        batches += 1
+        ceiling.calm(16, _policy(32))
+        if asked_at and asked_at[-1] == batches:
+            ceiling.lower(32)  # its warm-up failed: the cap stays, and waits longer
+    waits = [b - a for a, b in zip([0, *asked_at], asked_at, strict=False)]
+    assert waits == [2, 4, 8, 16, 32, 64, 128, 128, 128]
+    ceiling.reset()  # another model serves (the CPU fallback): its count starts afresh
+    ceiling.lower(16)
+    ceiling.lower(8)  # the halves of one split failing: no try of the cap's, no longer wait
+    asked_at.clear()
+    for _ in range(2):
+        ceiling.calm(4, _policy(32))
+    assert len(asked_at) == 1

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy
+from app.batching.ceiling import MAX_BACKOFF_DOUBLINGS
 from app.errors import DeviceUnavailable
 from app.inference.device import DeviceThread
 from app.inference.jobs import Answer, Job, TracedRunner
@@ -94,7 +95,9 @@ async def _play(inner: LayeredModel, fail_at: int, max_batch: int, requests: int
                 assert ceiling is not None and 1 <= ceiling <= size // 2, f"{ceiling} after a failure at {size}"
             assert batcher.ceiling is None or 1 <= batcher.ceiling < max_batch
             faulty.fail_at = 10**9  # the pressure passes
-            for _ in range(recovery * max_batch + 1):
+            # each doubling of the cap waits for recovery batches at it, twice as many for each time
+            # the pressure failed a rise before (at most MAX_BACKOFF_DOUBLINGS times)
+            for _ in range(recovery * (1 << MAX_BACKOFF_DOUBLINGS) * max_batch.bit_length() + 1):
                 if batcher.ceiling is None:
                     break
                 size = batcher.ceiling

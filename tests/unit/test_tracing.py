@@ -215,3 +215,22 @@ def test_the_resource_names_the_replica_and_the_release_and_the_environment_may_
         "pod-7",
         "serving",
     )
+
+
+@pytest.mark.parametrize(
+    ("query", "kept"),
+    [
+        (b"top_k=2", "top_k=2"),
+        (b"top_k=a%26b", "top_k=a%26b"),  # written back encoded, not as two parameters
+        (b"sk_live_51abc", "REDACTED"),  # a bare token: a name with no value
+        (b"top_k=3&api_key=secret&sk_live_51abc=", "top_k=3&REDACTED"),
+    ],
+)
+def test_a_spans_url_keeps_top_k_and_marks_the_rest_without_names(query: bytes, kept: str) -> None:
+    from opentelemetry.sdk.trace import TracerProvider as Provider
+
+    from app.telemetry.tracing import query_redacted
+
+    span = Provider().get_tracer("t").start_span("s", attributes={"http.url": "http://h/predict?" + query.decode()})
+    query_redacted(span, {"query_string": query})  # type: ignore[arg-type]
+    assert span.attributes["http.url"] == f"http://h/predict?{kept}"  # type: ignore[index]
