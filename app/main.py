@@ -34,6 +34,7 @@ from app.settings import (
     FileStamp,
     Settings,
     SettingsError,
+    file_stamp,
     load_settings,
     read_each_secret,
     read_secrets,
@@ -56,33 +57,59 @@ def _log_fatal(message: str) -> None:
     log.critical("start-up failed: %s", message)
 
 
-async def _reread_secrets(app: FastAPI, settings: Settings, one_at_a_time: asyncio.Lock) -> None:
-    """SIGHUP: the admin token and the API key read again from their files (a rotated Kubernetes
-    Secret, say), so a rotation needs no restart. A file that cannot be used keeps its old secret,
-    and the other is rotated all the same. Re-reads run one at a time: two SIGHUPs around a
-    rotation must not let the older read land last and bring a revoked secret back."""
+async def _reread_secrets(app: FastAPI, settings: Settings, one_at_a_time: asyncio.Lock, why: str = "SIGHUP") -> None:
+    """The admin token and the API key read again from their files (a rotated Kubernetes Secret,
+    say), on SIGHUP or when a file changed (``_watch_secrets``), so a rotation needs no restart. A
+    file that cannot be used keeps its old secret, and the other is rotated all the same. Re-reads
+    run one at a time: two around a rotation must not let the older read land last and bring a
+    revoked secret back."""
     async with one_at_a_time:
         read = await asyncio.to_thread(read_each_secret, settings)
         kept = (app.state.admin_token, app.state.api_key)
         fresh = []
         for secret, old in zip(read, kept, strict=True):
             if isinstance(secret, SettingsError):
-                log.error("SIGHUP: that secret stays as it was: %s", secret)
+                log.error("%s: that secret stays as it was: %s", why, secret)
                 fresh.append(old)
             else:
                 fresh.append(secret)
         if tuple(fresh) != kept:
             app.state.admin_token, app.state.api_key = fresh
-            log.info("SIGHUP: the admin token or the API key changed in its file and is in use from now on")
+            log.info("%s: the admin token or the API key changed in its file and is in use from now on", why)
+
+
+def _secret_files(settings: Settings) -> list[Path]:
+    return [path for path in (settings.admin.token_file, settings.server.api_key_file) if path is not None]
+
+
+def _stamps(paths: list[Path]) -> list[FileStamp]:
+    return [file_stamp(path) for path in paths]
+
+
+async def _watch_secrets(app: FastAPI, settings: Settings, one_at_a_time: asyncio.Lock) -> None:
+    """The secrets' files polled every ``admin.config_watch_s`` (0: only SIGHUP reads them): a
+    rotated Kubernetes Secret is swapped into its volume with no signal sent, and a Ray replica
+    cannot take one (its event loop is not on the main thread, and SIGHUP's default ends it)."""
+    paths, interval = _secret_files(settings), settings.admin.config_watch_s
+    if not paths or not interval:
+        return
+    stamps = await asyncio.to_thread(_stamps, paths)
+    while True:
+        await asyncio.sleep(interval)
+        now = await asyncio.to_thread(_stamps, paths)
+        if now != stamps:
+            stamps = now
+            await _reread_secrets(app, settings, one_at_a_time, why="a secret's file changed")
 
 
 def _reloader(
     app: FastAPI, settings: Settings, policy: PolicyManager, tasks: set[asyncio.Task[None]]
-) -> Callable[[], None]:
+) -> tuple[Callable[[], None], asyncio.Task[None]]:
     """What SIGHUP does: the config file re-read (by the policy's watch) and the secrets' files
-    (a task of ``tasks``, which the lifespan awaits on close)."""
-
+    (a task of ``tasks``, which the lifespan awaits on close); and the task that watches those
+    files (``_watch_secrets``), their re-reads one at a time with SIGHUP's."""
     one_at_a_time = asyncio.Lock()
+    watch = asyncio.get_running_loop().create_task(_watch_secrets(app, settings, one_at_a_time), name="secrets-watch")
 
     def on_sighup() -> None:
         policy.wake()
@@ -91,7 +118,7 @@ def _reloader(
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    return on_sighup
+    return on_sighup, watch
 
 
 class StartupFailed(RuntimeError):
@@ -203,16 +230,15 @@ def create_app(
                 fatal(str(exc))
 
         app.state.lifecycle = LifecycleManager(service)
-        policy = PolicyManager(settings, service.set_policy, config_stamp, reread, config_file)
-        app.state.policy = policy
-        starting = asyncio.create_task(start(), name="model-start")
-        app.state.starting = starting
+        app.state.policy = policy = PolicyManager(settings, service.set_policy, config_stamp, reread, config_file)
+        app.state.starting = starting = asyncio.create_task(start(), name="model-start")
         watching = asyncio.create_task(policy.watch(settings.admin.config_watch_s), name="config-watch")
         lag = watch_loop(metrics.loop_lag, settings.telemetry.loop_lag_interval_ms, settings.telemetry.loop_lag_warn_ms)
         summaries = [asyncio.create_task(access_log.report_every(), name="access-log")] if access_log else []
-        background = [starting, watching, *lag, *summaries]
         rereads: set[asyncio.Task[None]] = set()
-        with _on_sighup(_reloader(app, settings, policy, rereads)):
+        on_sighup, secrets = _reloader(app, settings, policy, rereads)
+        with _on_sighup(on_sighup):
+            background = [starting, watching, secrets, *lag, *summaries]
             try:
                 yield
             finally:

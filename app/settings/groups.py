@@ -333,7 +333,7 @@ class AdminSettings(_Group):
         default=2.0,
         ge=0,
         le=86_400,
-        description="poll the config file this often and apply batching changes (0: off; else at least 0.1)",
+        description="poll the config file and the secrets' files this often (0: off; else at least 0.1)",
     )
 
     @field_validator("config_watch_s")

@@ -1,5 +1,5 @@
-"""SIGHUP reads the admin token and the API key from their files again: each on its own, one
-re-read at a time."""
+"""SIGHUP, or a change of their files, reads the admin token and the API key from their files
+again: each on its own, one re-read at a time."""
 
 from __future__ import annotations
 
@@ -53,14 +53,14 @@ async def test_a_read_begun_before_a_rotation_never_lands_after_one_begun_after_
 
     monkeypatch.setattr(main_module, "read_each_secret", slow_first)
     tasks: set[asyncio.Task[None]] = set()
-    on_sighup = main_module._reloader(app, settings, _Policy(), tasks)  # type: ignore[arg-type]
+    on_sighup, watch = main_module._reloader(app, settings, _Policy(), tasks)  # type: ignore[arg-type]
     on_sighup()  # before the rotation
     await asyncio.to_thread(first_read.wait, 5)
     token_file.write_text(NEW)  # noqa: ASYNC240 - a few bytes, in a test
     on_sighup()  # after it
     await asyncio.sleep(0.05)  # the second re-read has had its chance to start and read
     rotated.set()
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*tasks, watch)  # (config_watch_s=0: the watch has ended at once)
     assert reads == [OLD, NEW]
     assert app.state.admin_token == NEW.encode(), "the revoked token came back"
 
@@ -84,3 +84,37 @@ async def test_a_file_that_cannot_be_used_keeps_its_secret_and_the_other_rotates
     assert app.state.admin_token == NEW.encode(), "the good rotation was held back by the other file"
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "api_key_file" in errors[0] and "short" not in errors[0], errors
+
+
+async def test_a_rotated_file_is_read_again_with_no_signal(
+    make_settings: SettingsFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Kubernetes swaps a rotated Secret into its volume and sends no signal, and a Ray replica
+    cannot take one (SIGHUP ended it): the files are watched as the config file is."""
+    token_file, key_file = tmp_path / "token", tmp_path / "key"
+    token_file.write_text(OLD)
+    key_file.write_text(KEY)
+    settings = make_settings(
+        admin={"enabled": True, "token_file": str(token_file), "config_watch_s": 0.1},
+        server={"api_key_file": str(key_file)},
+    )
+    app = _app(OLD, KEY)
+    tasks: set[asyncio.Task[None]] = set()
+    _, watch = main_module._reloader(app, settings, _Policy(), tasks)  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.INFO, logger="app.main"):
+            await asyncio.sleep(0.05)  # its first look at the files
+            renamed = tmp_path / "token.new"
+            renamed.write_text(NEW)  # noqa: ASYNC240 - as a Secret's volume swaps it in: a rename
+            renamed.replace(token_file)
+            async with asyncio.timeout(10):
+                while app.state.admin_token != NEW.encode():  # noqa: ASYNC110 (a plain attribute)
+                    await asyncio.sleep(0.05)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    assert app.state.api_key == KEY.encode()
+    said = [r.getMessage() for r in caplog.records if r.name == "app.main"]
+    assert said == [
+        "a secret's file changed: the admin token or the API key changed in its file and is in use from now on"
+    ]
