@@ -31,6 +31,18 @@ def _app(token: str, key: str | None = None) -> Any:
     )
 
 
+def _both_in_files(make_settings: SettingsFactory, tmp_path: Path, watch_s: float) -> tuple[Path, Path, Any]:
+    """The admin token and the API key in files (OLD and KEY), and settings naming them."""
+    token_file, key_file = tmp_path / "token", tmp_path / "key"
+    token_file.write_text(OLD)
+    key_file.write_text(KEY)
+    settings = make_settings(
+        admin={"enabled": True, "token_file": str(token_file), "config_watch_s": watch_s},
+        server={"api_key_file": str(key_file)},
+    )
+    return token_file, key_file, settings
+
+
 async def test_a_read_begun_before_a_rotation_never_lands_after_one_begun_after_it(
     make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -68,13 +80,7 @@ async def test_a_read_begun_before_a_rotation_never_lands_after_one_begun_after_
 async def test_a_file_that_cannot_be_used_keeps_its_secret_and_the_other_rotates(
     make_settings: SettingsFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    token_file, key_file = tmp_path / "token", tmp_path / "key"
-    token_file.write_text(OLD)
-    key_file.write_text(KEY)
-    settings = make_settings(
-        admin={"enabled": True, "token_file": str(token_file), "config_watch_s": 0},
-        server={"api_key_file": str(key_file)},
-    )
+    token_file, key_file, settings = _both_in_files(make_settings, tmp_path, watch_s=0)
     app = _app(OLD, KEY)
     token_file.write_text(NEW)  # noqa: ASYNC240 - the admin token rotated (a leaked one revoked)
     key_file.write_text("short")  # noqa: ASYNC240 - and the key's file is broken meanwhile
@@ -91,13 +97,7 @@ async def test_a_rotated_file_is_read_again_with_no_signal(
 ) -> None:
     """Kubernetes swaps a rotated Secret into its volume and sends no signal, and a Ray replica
     cannot take one (SIGHUP ended it): the files are watched as the config file is."""
-    token_file, key_file = tmp_path / "token", tmp_path / "key"
-    token_file.write_text(OLD)
-    key_file.write_text(KEY)
-    settings = make_settings(
-        admin={"enabled": True, "token_file": str(token_file), "config_watch_s": 0.1},
-        server={"api_key_file": str(key_file)},
-    )
+    token_file, key_file, settings = _both_in_files(make_settings, tmp_path, watch_s=0.1)
     app = _app(OLD, KEY)
     tasks: set[asyncio.Task[None]] = set()
     _, watch = main_module._reloader(app, settings, _Policy(), tasks)  # type: ignore[arg-type]
