@@ -34,8 +34,8 @@ from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.ray.options import deployment_options, gpus_per_replica, read_settings, split_args
-from app.settings import config_path, file_stamp
+from app.ray.options import deployment_options, gpus_per_replica, read_settings, secrets_for_replicas, split_args
+from app.settings import config_path, env_name, file_stamp
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +72,22 @@ class OneRequestIdHeader:
         await self.app(scope, receive, send_once)
 
 
-def replica_app(overrides: Mapping[str, Any], config_file: Path | None) -> FastAPI:
+def replica_app(overrides: Mapping[str, Any], config_file: Path | None, expects_api_key: bool = False) -> FastAPI:
     """A replica's app: the builder's overrides over the environment and its config file, at
-    start and at every reload (admin API, SIGHUP, an edit of that file)."""
+    start and at every reload (admin API, SIGHUP, an edit of that file). ``expects_api_key``:
+    the builder's settings had an API key inline, which a replica must find in its own
+    environment: with none, it refuses to start rather than serve the API open."""
     from app.main import create_app  # torch comes in here, in the replica, not at import
 
     stamp = file_stamp(config_file or config_path())  # before the read: an edit meanwhile is a change
     settings = read_settings(overrides, config_file)
+    if expects_api_key and settings.server.api_key is None and settings.server.api_key_file is None:
+        variable = env_name(("server", "api_key"))
+        raise RuntimeError(
+            f"the deployment was built with an API key ({variable} where it was built) that this replica "
+            f"cannot see: its environment is the Ray node's. Set {variable} where `ray start` runs, or pass "
+            "server.api_key_file=PATH to the builder; the API is not served without its key"
+        )
     reread = functools.partial(read_settings, overrides, config_file)
     return create_app(settings, reread=reread, config_file=config_file, config_stamp=stamp)
 
@@ -95,11 +104,16 @@ class Classifier:
     """One replica: the service's FastAPI app, its lifespan, its health and its metrics copy."""
 
     def __init__(
-        self, overrides: Mapping[str, Any], config_file: str | None = None, metrics_interval_s: float = 5.0
+        self,
+        overrides: Mapping[str, Any],
+        config_file: str | None = None,
+        metrics_interval_s: float = 5.0,
+        expects_api_key: bool = False,
     ) -> None:
         self._overrides = dict(overrides)
         self._config_file = Path(config_file) if config_file else None
         self._metrics_interval_s = metrics_interval_s
+        self._expects_api_key = expects_api_key
         self._app: FastAPI | None = None
         self._lifespan_starts = 0
 
@@ -110,7 +124,7 @@ class Classifier:
         from app.environment import warn_unknown_variables
         from app.telemetry.logging import configure_logging
 
-        app = replica_app(self._overrides, self._config_file)
+        app = replica_app(self._overrides, self._config_file, self._expects_api_key)
         logging_settings = app.state.settings.logging
         configure_logging(logging_settings.level, logging_settings.json_format)
         warn_unknown_variables()
@@ -184,5 +198,7 @@ def build(args: dict[str, Any]) -> Application:
     options = deployment_options(own, settings, gpus_per_replica(own, settings))
     config_file = str(own.config_file) if own.config_file else None
     log.info("Classifier options: %s", options)
+    # the secrets the builder's settings name reach the replicas as files, or are required of them
+    overrides, expects_api_key = secrets_for_replicas(settings, overrides)
     deployment: Any = Classifier  # a serve.Deployment once decorated; mypy keeps seeing the class
-    return deployment.options(**options).bind(overrides, config_file, own.metrics_interval_s)
+    return deployment.options(**options).bind(overrides, config_file, own.metrics_interval_s, expects_api_key)

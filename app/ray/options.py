@@ -159,3 +159,20 @@ def deployment_options(args: BuildArgs, settings: Settings, num_gpus: float) -> 
     else:
         options["num_replicas"] = args.num_replicas
     return options
+
+
+def secrets_for_replicas(settings: Settings, overrides: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """What the replicas need to find the secrets the builder's settings name, and no secret:
+    the overrides with the files of the API key and the admin token that the builder read from
+    its environment or its config file (a path is no secret; Ray shows a deployment's arguments),
+    and whether an API key given inline there must be found by each replica in its own (the
+    replicas read the environment of the node they run on, not of ``serve run``). A replica that
+    finds no key then fails its start-up: never served open where its deployer set a key."""
+    overrides = {group: dict(values) if isinstance(values, dict) else values for group, values in overrides.items()}
+    server, admin = overrides.get("server", {}), overrides.get("admin", {})
+    if settings.server.api_key_file is not None and not {"api_key", "api_key_file"} & set(server):
+        overrides["server"] = {**server, "api_key_file": str(settings.server.api_key_file)}
+    if settings.admin.enabled and settings.admin.token_file is not None and not {"token", "token_file"} & set(admin):
+        overrides["admin"] = {**admin, "token_file": str(settings.admin.token_file)}
+    inline_key = settings.server.api_key is not None and "api_key" not in server
+    return overrides, inline_key

@@ -156,3 +156,29 @@ async def test_the_health_check_fails_when_not_ready_or_a_batcher_died() -> None
         await check(_replica(ready=True, running=False))
     with pytest.raises(RuntimeError, match="not started"):
         await check(SimpleNamespace(_app=None))
+
+
+KEY = "a-deployers-api-key-0123456789"
+
+
+def test_the_secrets_the_builder_reads_reach_the_replicas_as_files_or_are_required_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve run`` in a shell with the key set: the builder saw it, the replicas (the Ray node's
+    environment) did not, and served the API open. A file's path is handed over (no secret); a key
+    inline cannot be (Ray shows a deployment's arguments), so each replica is told to find one."""
+    from app.ray.options import secrets_for_replicas
+
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    monkeypatch.setenv("AI_SERVICE_SERVER__API_KEY_FILE", str(key_file))
+    _, overrides = split_args({"batching.normal.window_ms": "10"})
+    handed, expects = secrets_for_replicas(read_settings(overrides, None), overrides)
+    assert handed == {"batching": {"normal": {"window_ms": "10"}}, "server": {"api_key_file": str(key_file)}}
+    assert not expects
+    monkeypatch.delenv("AI_SERVICE_SERVER__API_KEY_FILE")
+    monkeypatch.setenv("AI_SERVICE_SERVER__API_KEY", KEY)
+    handed, expects = secrets_for_replicas(read_settings(overrides, None), overrides)
+    assert handed == overrides and expects, "no key in the arguments: each replica must find its own"
+    _, given = split_args({"server.api_key": KEY})  # an argument reaches the replicas as it is
+    assert secrets_for_replicas(read_settings(given, None), given) == (given, False)

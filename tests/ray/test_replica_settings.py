@@ -90,7 +90,7 @@ def test_a_replica_logs_in_its_settings_level_and_format(monkeypatch: pytest.Mon
     monkeypatch.setattr(telemetry_logging, "configure_logging", lambda *args: configured.append(args))
     _, overrides = split_args({"logging.level": "WARNING", "logging.json_format": "false"})
     # the replica's own build step, on a stand-in for the replica (Serve's ingress wraps __init__)
-    stand_in = SimpleNamespace(_overrides=merge(TEST_DEFAULTS, overrides), _config_file=None)
+    stand_in = SimpleNamespace(_overrides=merge(TEST_DEFAULTS, overrides), _config_file=None, _expects_api_key=False)
     built = Classifier.func_or_class.__serve_build_asgi_app__(stand_in)
     assert isinstance(built, FastAPI)
     assert configured == [("WARNING", False)]
@@ -123,3 +123,14 @@ async def test_a_replica_picks_up_an_edit_made_while_it_starts(tmp_path: Path) -
                     await asyncio.sleep(0.01)
         except TimeoutError:
             pytest.fail("the edit made while it started was missed")
+
+
+def test_a_replica_built_to_need_an_api_key_it_cannot_see_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never served open where the deployer set a key: the builder saw it, this replica's
+    environment (the Ray node's) does not have it."""
+    test = merge(TEST_DEFAULTS, {"admin": {"enabled": True, "token": TOKEN, "config_watch_s": 0}})
+    monkeypatch.delenv("AI_SERVICE_SERVER__API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="AI_SERVICE_SERVER__API_KEY"):
+        replica_app(test, None, expects_api_key=True)
+    monkeypatch.setenv("AI_SERVICE_SERVER__API_KEY", "the-replicas-own-key-0123456789")
+    assert replica_app(test, None, expects_api_key=True).state.settings.server.api_key is not None
