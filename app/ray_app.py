@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -81,6 +82,11 @@ def replica_app(overrides: Mapping[str, Any], config_file: Path | None, expects_
 
     stamp = file_stamp(config_file or config_path())  # before the read: an edit meanwhile is a change
     settings = read_settings(overrides, config_file)
+    if not settings.model.cores and (given := _assigned_cpus()):
+        # Ray packs replicas onto a node by the CPUs each asked for (num_cpus), and each would plan
+        # its threads for every core of the node: four replicas of 1 CPU on 4 cores ran 4 plans of 4
+        overrides = {**overrides, "model": {**overrides.get("model", {}), "cores": given}}
+        settings = read_settings(overrides, config_file)
     if expects_api_key and settings.server.api_key is None and settings.server.api_key_file is None:
         variable = env_name(("server", "api_key"))
         raise RuntimeError(
@@ -90,6 +96,19 @@ def replica_app(overrides: Mapping[str, Any], config_file: Path | None, expects_
         )
     reread = functools.partial(read_settings, overrides, config_file)
     return create_app(settings, reread=reread, config_file=config_file, config_stamp=stamp)
+
+
+def _assigned_cpus() -> int:
+    """The CPUs Ray gave this replica (``num_cpus``, rounded up), or 0 outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():  # not in a Ray worker (a test builds the replica's app alone): asked,
+        return 0  # Ray would start a local cluster for the question
+    try:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    except Exception:  # a driver, not a worker, or an older Ray
+        return 0
+    return max(1, math.ceil(cpus)) if cpus else 0
 
 
 @serve.deployment(

@@ -94,7 +94,8 @@ class InferenceService:
         self._limits = preprocess.ImageLimits(
             server.max_image_bytes, server.max_image_pixels, reduce_jpeg=server.jpeg_reduced_decode
         )
-        model, cores = settings.model, cpu_cores()
+        model = settings.model
+        cores = model.cores or cpu_cores()
         self.threads = plan_threads(
             self.device,
             model.device_workers,

@@ -231,6 +231,13 @@ class ModelSettings(_Group):
         description="OS priority offset (nice) of the threads running normal batches, where urgent-only ones exist; "
         "unset: 10, or 2 where the device threads decode (server.decode=batch)",
     )
+    cores: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        description="the cores the thread plan is made for; 0: the process's own (its CPU affinity and its "
+        "cgroup's CPU quota). A Ray replica sets it to the CPUs Ray gave it (num_cpus)",
+    )
     intra_op_threads: int = Field(
         default=0,
         ge=0,

@@ -134,3 +134,17 @@ def test_a_replica_built_to_need_an_api_key_it_cannot_see_refuses_to_start(monke
         replica_app(test, None, expects_api_key=True)
     monkeypatch.setenv("AI_SERVICE_SERVER__API_KEY", "the-replicas-own-key-0123456789")
     assert replica_app(test, None, expects_api_key=True).state.settings.server.api_key is not None
+
+
+def test_a_replica_plans_its_threads_for_the_cpus_ray_gave_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas reserving 1 CPU each planned their threads for every core of the node: packed
+    onto it by their reservations, they oversubscribed it (49 threads a GPU replica on 96 cores)."""
+    import app.ray_app as ray_app
+
+    test = merge(TEST_DEFAULTS, {"admin": {"enabled": True, "token": TOKEN, "config_watch_s": 0}})
+    monkeypatch.setattr(ray_app, "_assigned_cpus", lambda: 1)
+    assert replica_app(test, None).state.settings.model.cores == 1
+    chosen = merge(test, {"model": {"cores": 3}})  # the deployer's own choice stands
+    assert replica_app(chosen, None).state.settings.model.cores == 3
+    monkeypatch.setattr(ray_app, "_assigned_cpus", lambda: 0)  # outside Ray: the process's own
+    assert replica_app(test, None).state.settings.model.cores == 0

@@ -254,3 +254,11 @@ async def test_an_answer_whose_task_resumes_past_the_deadline_is_deadline_exceed
         assert late._value.get() == (1 if resumed_late else 0), "computed for nobody: counted"
     finally:
         await service.close(0)
+
+
+async def test_the_thread_plan_is_made_for_model_cores_where_set(repository: Path) -> None:
+    service = InferenceService(settings_for(repository, cores=1))
+    try:
+        assert (service.threads.workers, service.threads.intra_op) == (1, 1), service.threads
+    finally:
+        await service.close(0)
