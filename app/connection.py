@@ -177,6 +177,7 @@ class ClosingProtocol(HttpToolsProtocol):
         self._head_timer = _stopped(self._head_timer)
         transport.write_eof()  # after what is buffered: the answer, whole
         self.flow.resume_reading()  # paused while the app did not read the body: it is drained now
+        transport.resume_reading()  # (or by a refused head, which paused the transport itself)
         self._linger_ends = self.loop.time() + LINGER_S
         self._linger_quietly()
 
@@ -285,7 +286,7 @@ class ClosingProtocol(HttpToolsProtocol):
         super().on_response_complete()  # starts the next pipelined request, if any
         if self._invalid and not self._unanswered():
             self._answer_invalid()
-            self.transport.close()
+            self.close_answered()
             return
         self._close_if_answered()
 
@@ -424,11 +425,11 @@ class ClosingProtocol(HttpToolsProtocol):
             self._answer_invalid()  # its own answer: the app, still waiting for the body, is cut off
             broken.disconnected = True  # nothing it sends goes out; its receive says the client went
             broken.message_event.set()
-            self.transport.close()
+            self.close_answered()
             return
         if not self._unanswered():
             self._answer_invalid()
-            self.transport.close()
+            self.close_answered()
 
     def _answer_invalid(self) -> None:
         if self.transport.is_closing():

@@ -590,3 +590,14 @@ async def test_a_client_gone_while_its_body_arrived_is_an_event_on_its_server_sp
     assert [(e.name, dict(e.attributes or {})) for e in server.events] == [
         ("client went", {"while": "its body was arriving"})
     ]
+
+
+async def test_a_431_reaches_a_client_still_sending_its_head(make_settings: SettingsFactory) -> None:
+    """A head refused past its limit while the client still sends it: the socket closed with those
+    bytes unread, the kernel reset the connection and the client saw the reset, not the 431."""
+    head = predict(X_Request_ID="huge").split(b"\r\n\r\n", 1)[0] + b"\r\n"
+    padding = b"X-Padding: " + b"x" * (3 << 20) + b"\r\n\r\n"  # far past the limit, more than the buffers hold
+    async with served(make_settings()) as running:
+        answer, body = await asyncio.to_thread(_send_whole_then_read, running.port, head + padding, 0)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"431"
+    assert json.loads(body)["code"] == "headers_too_large"
