@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from app.errors import MAX_LISTED_ERRORS, SchemaError, dotted, not_listed
@@ -253,7 +254,10 @@ class PolicyManager:
     def _set(self, batching: BatchingSettings, source: str) -> None:
         self._apply(batching)
         self.current = batching
-        log.info("batching policy changed by %s: %s", source, batching.model_dump(mode="json"))
+        applied = batching.model_dump(mode="json")
+        log.info("batching policy changed by %s: %s", source, applied)
+        # on the span of the admin call (or none: a file watch's reload is in no request)
+        trace.get_current_span().add_event("batching policy changed", {"source": source, "policy": json.dumps(applied)})
 
     def wake(self) -> None:
         """Re-read the config file now, as asked (SIGHUP): ``watch`` does it."""

@@ -229,6 +229,9 @@ class VersionLoader:
     ) -> tuple[Fault, str] | str | None:
         """Warm ``model`` up within ``within_s`` (None: however long it takes); the device's
         failure (its fault and line) if the device failed it, or what ran late if it ran late."""
+        # a load's phases on the span of the call that asked for it (an admin load; start-up has none)
+        trace.get_current_span().add_event("model read and checked", {"model.version": model.manifest.version})
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(within_s):
                 await self._warm_up(model, every_thread)
@@ -238,6 +241,7 @@ class VersionLoader:
             if (fault := device_fault(exc)) is None:
                 raise
             return fault, fault_line(exc)
+        trace.get_current_span().add_event("model warmed", {"seconds": _since(started)})
         return None
 
     async def _load_model(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
@@ -327,6 +331,9 @@ class VersionLoader:
             time.perf_counter() - started,
             extra={"model": name, "version": version},
         )
+        trace.get_current_span().add_event(
+            "model ready", {"model.name": name, "model.version": version, "seconds": _since(started)}
+        )
         loop = asyncio.get_running_loop()
         batchers: list[DualWindowBatcher[Job, Answer]] = []
 
@@ -379,3 +386,7 @@ class VersionLoader:
             counter.labels(*labels)  # at 0 from the start (see ``Metrics.rejections``)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
         return ServedModel(name, version, runner, batcher, load_s, observer)
+
+
+def _since(started: float) -> float:
+    return round(time.perf_counter() - started, 3)

@@ -180,6 +180,24 @@ async def test_batches_of_a_version_loaded_through_the_admin_api_join_no_admin_t
     assert batch.parent is None, "a batch is a trace of its own, linked to its requests"
     assert batch.context.trace_id != servers["load"].context.trace_id
     assert [link.context.span_id for link in batch.links] == [servers["predict"].context.span_id]
+    # the load's phases on its own span (it was one bare span of half a second)
+    events = [e.name for e in servers["load"].events]
+    assert events[-1] == "model ready" and servers["load"].events[-1].attributes["model.version"] == "2", events
+
+
+async def test_a_policy_change_is_on_its_admin_calls_span(make_settings: SettingsFactory) -> None:
+    settings = make_settings(
+        admin={"enabled": True, "token": TOKEN, "config_watch_s": 0}, telemetry={"exporter": "console"}
+    )
+    async with traced_app(settings) as (client, exporter, provider):
+        changed = await client.put(
+            "/admin/policy", headers={**AUTH, "X-Request-ID": "put"}, json={"normal": {"window_ms": 7}}
+        )
+        assert changed.status_code == 200, changed.text
+        provider.force_flush()  # type: ignore[attr-defined]
+    (server,) = [s for s in exporter.get_finished_spans() if s.attributes.get("request.id") == "put"]
+    (event,) = [e for e in server.events if e.name == "batching policy changed"]
+    assert event.attributes["source"] and '"window_ms": 7.0' in event.attributes["policy"]
 
 
 def _traceparent(sampled: bool) -> str:
