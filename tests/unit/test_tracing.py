@@ -231,6 +231,9 @@ def test_a_spans_url_keeps_top_k_and_marks_the_rest_without_names(query: bytes, 
 
     from app.telemetry.tracing import query_redacted
 
-    span = Provider().get_tracer("t").start_span("s", attributes={"http.url": "http://h/predict?" + query.decode()})
+    # the older attribute, and the stable one (OTEL_SEMCONV_STABILITY_OPT_IN=http)
+    attributes = {"http.url": "http://h/predict?" + query.decode(), "url.query": query.decode()}
+    span = Provider().get_tracer("t").start_span("s", attributes=attributes)
     query_redacted(span, {"query_string": query})  # type: ignore[arg-type]
     assert span.attributes["http.url"] == f"http://h/predict?{kept}"  # type: ignore[index]
+    assert span.attributes["url.query"] == kept  # type: ignore[index]
