@@ -170,9 +170,10 @@ def secrets_for_replicas(settings: Settings, overrides: dict[str, Any]) -> tuple
     finds no key then fails its start-up: never served open where its deployer set a key."""
     overrides = {group: dict(values) if isinstance(values, dict) else values for group, values in overrides.items()}
     server, admin = overrides.get("server", {}), overrides.get("admin", {})
+    # absolute: a replica runs in the directory `ray start` ran in, not the builder's
     if settings.server.api_key_file is not None and not {"api_key", "api_key_file"} & set(server):
-        overrides["server"] = {**server, "api_key_file": str(settings.server.api_key_file)}
+        overrides["server"] = {**server, "api_key_file": str(settings.server.api_key_file.absolute())}
     if settings.admin.enabled and settings.admin.token_file is not None and not {"token", "token_file"} & set(admin):
-        overrides["admin"] = {**admin, "token_file": str(settings.admin.token_file)}
+        overrides["admin"] = {**admin, "token_file": str(settings.admin.token_file.absolute())}
     inline_key = settings.server.api_key is not None and "api_key" not in server
     return overrides, inline_key

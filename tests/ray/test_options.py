@@ -182,3 +182,8 @@ def test_the_secrets_the_builder_reads_reach_the_replicas_as_files_or_are_requir
     assert handed == overrides and expects, "no key in the arguments: each replica must find its own"
     _, given = split_args({"server.api_key": KEY})  # an argument reaches the replicas as it is
     assert secrets_for_replicas(read_settings(given, None), given) == (given, False)
+    monkeypatch.delenv("AI_SERVICE_SERVER__API_KEY")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AI_SERVICE_SERVER__API_KEY_FILE", "key")  # relative to where the builder runs
+    handed, _ = secrets_for_replicas(read_settings({}, None), {})
+    assert handed == {"server": {"api_key_file": str(key_file)}}, "named for a replica in another directory"
