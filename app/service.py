@@ -20,7 +20,7 @@ import torch
 from opentelemetry import trace
 
 from app.admission import DecodeBacklog, Seat
-from app.batching import Lane
+from app.batching import BatchPolicy, Lane
 from app.errors import (
     Draining,
     NotFound,
@@ -267,7 +267,10 @@ class InferenceService:
             self._retiring.discard(served)
         group = self.groups.get(served.name)
         if group is not None and served.version in group.routing.loaded:
-            return  # loaded again while this copy drained: the labels are the new copy's
+            # loaded again while this copy drained: the labels are the new copy's, which removes
+            # them, this copy's batch-size buckets among them, when it goes
+            group.routing.loaded[served.version].metrics.adopt(served.metrics)
+            return
         for gauge, labels in (
             (self.metrics.model_info, (served.name, served.version, str(self.device), dtype_name(self.dtype))),
             (self.metrics.model_info, (served.name, served.version, "cpu", "float32")),  # after a CPU fallback
@@ -285,6 +288,11 @@ class InferenceService:
         await self.rewarm.settled()
         await asyncio.to_thread(self._tuning.collect_unloaded)
         await asyncio.to_thread(release_memory, self.device)
+
+    @property
+    def policy(self) -> BatchPolicy:
+        """The batching policy in force (a batcher made meanwhile takes it as it starts)."""
+        return self._policy
 
     def set_policy(self, batching: BatchingSettings) -> None:
         """Every batcher takes the new policy from its next batch; batch sizes it newly allows are

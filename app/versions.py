@@ -381,11 +381,19 @@ class VersionLoader:
             ceiling_ready=lambda size: self.sizes_ready(name, version, size),
         )
         batchers.append(batcher)
-        self.metrics.model_load.labels(name, version).set(time.perf_counter() - started)
-        for counter, labels in observer.series():
+        served = ServedModel(name, version, runner, batcher, load_s, observer)
+        self.publish(served)
+        return served
+
+    def publish(self, served: ServedModel) -> None:
+        """``served``'s own series, at their values as it starts: set as its load ends, and set
+        again as it joins the routing (a copy of the same version that drained meanwhile removed
+        the series it shares with it)."""
+        name, version = served.name, served.version
+        self.metrics.model_load.labels(name, version).set(served.load_s)
+        for counter, labels in served.metrics.series():
             counter.labels(*labels)  # at 0 from the start (see ``Metrics.rejections``)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
-        return ServedModel(name, version, runner, batcher, load_s, observer)
 
 
 def _since(started: float) -> float:

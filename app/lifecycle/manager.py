@@ -108,8 +108,14 @@ class LifecycleManager:
                 del served
                 await self._service.release_unloaded()
                 raise self._not_serving()
+            # a policy changed while it loaded or waited for the lock never reached its batcher,
+            # and a copy of the same version that drained meanwhile removed the series they share
+            served.batcher.set_policy(self._service.policy)
+            self._service.loader.publish(served)
             served.batcher.start()
             group.routing = group.routing.with_loaded(version, served)
+            if self._service.loader.unwarmed_size(served.model) is not None:
+                self._service.rewarm.start()  # the sizes that policy brought, warmed in the background
             log.info("loaded %s/%s", name, version, extra={"model": name, "version": version})
             return served
 

@@ -224,6 +224,11 @@ class BatchMetrics:
         bucket it ran included: made at 0 when it loads, removed when it is unloaded."""
         return self._metrics.version_series(self._model, self._version, self._buckets)
 
+    def adopt(self, other: BatchMetrics) -> None:
+        """Take on the run-time buckets of ``other``, a copy of the same version that drained
+        while this one was loaded: their series are this copy's to remove when it goes."""
+        self._buckets |= other._buckets
+
     def on_batch(
         self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
     ) -> None:

@@ -543,26 +543,109 @@ async def test_unloading_during_shutdown_lets_that_versions_requests_finish(repo
         assert {r.status_code for r in responses} == {200}, [r.json() for r in responses if r.status_code != 200][:2]
 
 
+async def _unloading_held(running: RunningApp, version: str) -> tuple[asyncio.Event, asyncio.Future[Any]]:
+    """``version`` unloaded through the admin API, its drain held until the event is set: once
+    it has left the routing, the event and the unload's call."""
+    served = running.service.groups["digits"].routing.loaded[version]
+    release, close = asyncio.Event(), served.batcher.close
+
+    async def slow_close(grace_s: float | None = None) -> None:  # its queue takes a while to drain
+        await release.wait()
+        await close(grace_s)
+
+    served.batcher.close = slow_close  # type: ignore[method-assign]
+    path = f"/admin/models/digits/versions/{version}/unload"
+    unload = asyncio.ensure_future(running.client.post(path, headers=AUTH))
+    async with asyncio.timeout(10):
+        while version in running.service.groups["digits"].routing.loaded:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+    return release, unload
+
+
+def _loads_held(service: Any) -> tuple[asyncio.Event, asyncio.Event]:
+    """Each version load's model ready and then held, not yet routed, until the second event is
+    set; the first is set as one is ready."""
+    loaded, release, original = asyncio.Event(), asyncio.Event(), service.load_version
+
+    async def held_load(name: str, version: str):  # type: ignore[no-untyped-def]
+        served = await original(name, version)
+        loaded.set()
+        await release.wait()
+        return served
+
+    service.load_version = held_load
+    return loaded, release
+
+
 async def test_reloading_a_version_while_its_last_copy_drains_keeps_its_model_info(repository: Path) -> None:
     async with running_app(settings_for(repository)) as running:
-        served = running.service.groups["digits"].routing.loaded["2"]
-        release = asyncio.Event()
-        close = served.batcher.close
-
-        async def slow_close(grace_s: float | None = None) -> None:  # its queue takes a while to drain
-            await release.wait()
-            await close(grace_s)
-
-        served.batcher.close = slow_close  # type: ignore[method-assign]
-        unload = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH))
-        async with asyncio.timeout(10):
-            while "2" in running.service.groups["digits"].routing.loaded:  # noqa: ASYNC110
-                await asyncio.sleep(0.005)
+        release, unload = await _unloading_held(running, "2")
         assert (await running.client.post("/admin/models/digits/versions/2/load", headers=AUTH)).status_code == 200
         release.set()
         assert (await unload).status_code == 200
         info = [line for line in (await running.client.get("/metrics")).text.splitlines() if "model_info{" in line]
         assert any('version="2"' in line for line in info), info
+
+
+async def test_a_version_reloaded_while_its_copy_drains_leaves_no_series_once_unloaded(repository: Path) -> None:
+    """The drained copy left its run-time series alone (the labels were the new copy's), and the
+    new copy, unloaded in turn, removed only the buckets it had run itself: the rest stayed."""
+    async with running_app(settings_for(repository)) as running:
+        pinned = await running.predict_png(sample_png(3), headers={"X-Model-Version": "2"})
+        assert pinned.status_code == 200  # a batch of 1 on the first copy: its bucket's series
+        release, unload = await _unloading_held(running, "2")
+        assert (await running.client.post("/admin/models/digits/versions/2/load", headers=AUTH)).status_code == 200
+        release.set()
+        assert (await unload).status_code == 200
+        again = await running.client.post("/admin/models/digits/versions/2/unload", headers=AUTH)
+        assert again.status_code == 200, again.text
+        page = (await running.client.get("/metrics")).text
+    left = [line for line in page.splitlines() if 'version="2"' in line and not line.startswith("#")]
+    assert left == [], left
+
+
+async def test_a_version_that_joins_the_routing_takes_the_policy_and_series_of_that_moment(
+    repository: Path,
+) -> None:
+    """A policy change made while a load waited for the lifecycle's lock never reached the new
+    version's batcher (it kept the old windows and bounds until the next change); and a copy of
+    the same version that finished draining meanwhile removed the new copy's model_info."""
+    async with running_app(settings_for(repository)) as running:
+        service = running.service
+        drained, unload = await _unloading_held(running, "2")
+        loaded, release = _loads_held(service)
+        load = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/2/load", headers=AUTH))
+        await asyncio.wait_for(loaded.wait(), 30)
+        changed = await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_queue": 77}})
+        assert changed.status_code == 200, changed.text
+        drained.set()  # the old copy's drain ends now: it finds no copy of version 2 in the routing
+        assert (await unload).status_code == 200
+        release.set()
+        assert (await load).status_code == 200
+        new = service.groups["digits"].routing.loaded["2"]
+        assert new.batcher.policy.normal.max_queue == 77 == service.policy.normal.max_queue
+        info = [line for line in (await running.client.get("/metrics")).text.splitlines() if "model_info{" in line]
+        assert any('version="2"' in line for line in info), info
+
+
+async def test_a_version_loaded_across_a_larger_max_batch_warms_the_sizes_it_brought(repository: Path) -> None:
+    """Warmed under the policy of its load's start, a version that joined after a larger max batch
+    came in would set the new sizes up in live batches (on CUDA, a second each, batches held)."""
+    async with running_app(settings_for(repository, warmup=True)) as running:
+        service = running.service
+        add_version(repository, "3")
+        loaded, release = _loads_held(service)
+        load = asyncio.ensure_future(running.client.post("/admin/models/digits/versions/3/load", headers=AUTH))
+        await asyncio.wait_for(loaded.wait(), 30)
+        largest = service.policy.largest_batch
+        raised = {"normal": {"max_batch": 2 * largest, "max_queue": 4 * largest}}
+        assert (await running.client.put("/admin/policy", headers=AUTH, json=raised)).status_code == 200
+        release.set()
+        assert (await load).status_code == 200
+        assert service.rewarm.task is not None
+        await asyncio.wait_for(service.rewarm.task, 30)
+        model = service.groups["digits"].routing.loaded["3"].model
+        assert 2 * largest in model.warmed, model.warmed
 
 
 async def test_promotion_gates_on_the_loaded_manifest_when_the_file_is_gone(repository: Path) -> None:
