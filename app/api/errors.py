@@ -27,6 +27,7 @@ _DESCRIPTIONS = {
     403: "Wrong credentials",
     404: "Unknown model or version",
     409: "Conflicts with the current state (e.g. unloading the default, a refused promotion)",
+    411: "A body sent chunked, with no Content-Length",
     413: "Body or image over its limit, or too many pixels",
     415: "Content-Type not accepted",
     422: "Body violates the schema",

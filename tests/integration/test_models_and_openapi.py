@@ -206,3 +206,35 @@ async def test_head_is_answered_wherever_get_is(make_settings: SettingsFactory) 
             assert head.headers["content-length"] == got.headers["content-length"], path
         assert (await running.client.head("/admin/policy")).status_code == 401, "as guarded as GET"
         assert (await running.client.head("/v1/models/nope")).status_code == 404
+
+
+async def test_the_document_declares_the_credentials_bounds_and_headers_the_server_has(
+    make_settings: SettingsFactory,
+) -> None:
+    """A client generated from the document could not log in: the token was an ``Authorization``
+    header parameter (which OpenAPI 3.1 ignores), optional, where the server requires it; and it
+    knew no Retry-After to back off with, no bound on the deadline, no lanes' names."""
+    token = "s3cret-admin-token-0123456789"
+    for keyed in (False, True):
+        server = {"api_key": "a-prediction-api-key-0123456789"} if keyed else {}
+        settings = make_settings(admin={"enabled": True, "token": token, "config_watch_s": 0}, server=server)
+        async with running_app(settings) as running:
+            headers = {"Authorization": "Bearer a-prediction-api-key-0123456789"} if keyed else {}
+            document = (await running.client.get("/openapi.json", headers=headers)).json()
+        assert set(document["components"]["securitySchemes"]) == {"adminToken", "apiKey"}
+        for path, operations in document["paths"].items():
+            for method, operation in operations.items():
+                names = {p["name"].lower() for p in operation.get("parameters", [])}
+                assert "authorization" not in names, (path, method)
+                for status, response in operation["responses"].items():
+                    assert "X-Request-ID" in response["headers"], (path, method, status)
+                    assert ("Retry-After" in response["headers"]) == (status == "503"), (path, method, status)
+                if path.startswith("/admin"):
+                    assert operation["security"] == [{"adminToken": []}], (path, method)
+        predict = document["paths"]["/predict"]["post"]
+        assert predict.get("security") == ([{"apiKey": []}] if keyed else None)
+        params = {p["name"]: p["schema"] for p in predict["parameters"]}
+        assert params["X-Urgency"]["enum"] == ["high", "normal"]
+        assert params["X-Request-Timeout"]["maximum"] == settings.server.max_timeout_ms
+        assert "X-Request-ID" in params
+        assert set(document["paths"]["/admin/policy"]["put"]["responses"]) >= {"400", "411", "413", "415"}

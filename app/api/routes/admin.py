@@ -13,7 +13,8 @@ from app.settings import BatchingSettings
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 _ERRORS = error_responses(401, 403, 422)
-_BODY_ERRORS = {**_ERRORS, **error_responses(415)}  # a body not declared JSON (the admin gate)
+# a body that is not JSON, sent chunked, over its limit, or not declared JSON (the admin gate)
+_BODY_ERRORS = {**_ERRORS, **error_responses(400, 411, 413, 415)}
 
 
 def _policy(request: Request) -> PolicyManager:
