@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import Scope
 
-from app.api.schemas import ErrorResponse
+from app.api.schemas import ErrorDetail, ErrorResponse
 from app.errors import MAX_LISTED_ERRORS, ServiceError, not_listed, shown
 from app.telemetry.logging import request_id_var
 
@@ -51,7 +51,8 @@ def envelope(
     details: list[dict[str, Any]] | None = None,
 ) -> JSONResponse:
     request.scope.setdefault("state", {})["error_code"] = code  # for the requests metric
-    body = ErrorResponse(code=code, message=message, request_id=request_id_var.get(), details=details)
+    listed = None if details is None else [ErrorDetail.model_validate(detail) for detail in details]
+    body = ErrorResponse(code=code, message=message, request_id=request_id_var.get(), details=listed)
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
 

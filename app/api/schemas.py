@@ -51,13 +51,21 @@ class PredictResponse(BaseModel):
     timings: Timings
 
 
+class ErrorDetail(BaseModel):
+    """One way a query parameter or an admin body did not match its schema (a 422)."""
+
+    loc: list[str | int] = Field(description="where: the body's or the query's path to the value")
+    msg: str
+    type: str = Field(description="pydantic's error type, e.g. missing, int_parsing, extra_forbidden")
+
+
 class ErrorResponse(BaseModel):
     """The one error envelope."""
 
     code: str = Field(description="stable, machine-readable error code")
     message: str
     request_id: str | None
-    details: list[dict[str, object]] | None = None
+    details: list[ErrorDetail] | None = Field(default=None, description="a 422's mismatches, at most ten")
 
 
 class ModelVersion(BaseModel):

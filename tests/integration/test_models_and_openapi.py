@@ -238,3 +238,18 @@ async def test_the_document_declares_the_credentials_bounds_and_headers_the_serv
         assert params["X-Request-Timeout"]["maximum"] == settings.server.max_timeout_ms
         assert "X-Request-ID" in params
         assert set(document["paths"]["/admin/policy"]["put"]["responses"]) >= {"400", "411", "413", "415"}
+
+
+async def test_the_documents_error_details_and_metrics_are_typed(running: RunningApp) -> None:
+    document = (await running.client.get("/openapi.json")).json()
+    schemas = document["components"]["schemas"]
+    detail = schemas["ErrorDetail"]
+    assert set(detail["required"]) == {"loc", "msg", "type"}
+    assert schemas["ErrorResponse"]["properties"]["details"]["anyOf"][0]["items"] == {
+        "$ref": "#/components/schemas/ErrorDetail"
+    }
+    assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    refused = await running.predict_png(sample_png(1), params={"top_k": "x"})
+    assert refused.status_code == 422
+    (listed,) = refused.json()["details"]
+    assert set(listed) == {"loc", "msg", "type"} and listed["loc"] == ["query", "top_k"], listed

@@ -9,7 +9,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", response_class=Response, summary="Prometheus metrics in the text exposition format")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    summary="Prometheus metrics in the text exposition format",
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "the metrics"}},
+)
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
