@@ -26,7 +26,7 @@ from app.batching.policy import BatchPolicy, LanePolicy
 
 log = logging.getLogger(__name__)
 
-MAX_BACKOFF_DOUBLINGS = 6  # a size failing again and again is tried again every 64 x recovery_batches at most
+MAX_BACKOFF_DOUBLINGS = 6  # a rise failing again and again is tried every 64 x recovery_batches at most
 
 
 class Ceiling:
@@ -39,7 +39,7 @@ class Ceiling:
         self._calm = 0
         # whether batches up to a size may run now (its warm-up done); False: not yet
         self._ready = ready or (lambda _size: True)
-        self._strikes = 0  # the same size failed again when the cap tried to rise: each doubles the wait
+        self._strikes = 0  # failures where the cap tried to rise (the pressure stayed): each doubles the wait
         self._tried = False  # the cap tried to rise (or rose) since it was last lowered
 
     def lower(self, failed_size: int) -> None:

@@ -188,10 +188,9 @@ def _catches_sigterm(pid: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to see the handler set")
-def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
-    """A deploy may stop a pod that is still importing torch: the process says so and exits 0,
-    as a drain with nothing to drain does (it died by the signal, -15, with no word)."""
+def _signalled_as_it_starts(signum: int) -> tuple[int, str]:
+    """``serve`` sent ``signum`` once start-up has begun (its SIGTERM handler set, before torch's
+    seconds-long import): its exit code and its stderr."""
     process = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve"],
         cwd=REPO_ROOT,
@@ -205,13 +204,21 @@ def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
         while not _catches_sigterm(process.pid):  # its handler set: start-up has begun
             assert process.poll() is None and time.monotonic() < deadline, "serve never set its handler"
             time.sleep(0.005)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         _, stderr = process.communicate(timeout=SERVE_TIMEOUT_S)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
-    assert process.returncode == 0, (process.returncode, stderr[-2000:])
+    return process.returncode, stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to see the handler set")
+def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
+    """A deploy may stop a pod that is still importing torch: the process says so and exits 0,
+    as a drain with nothing to drain does (it died by the signal, -15, with no word)."""
+    code, stderr = _signalled_as_it_starts(signal.SIGTERM)
+    assert code == 0, (code, stderr[-2000:])
     assert "Traceback" not in stderr
     # the handler is set before torch's seconds-long import: the signal comes well before uvicorn's
     assert "SIGTERM before the server started" in stderr, stderr[-2000:]
@@ -221,26 +228,8 @@ def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
 def test_ctrl_c_before_the_server_starts_exits_130_without_a_traceback() -> None:
     """A Ctrl-C while torch imports printed a 40-line KeyboardInterrupt traceback, and the process
     died by the signal rather than exiting 130 as a Ctrl-C while serving does."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve"],
-        cwd=REPO_ROOT,
-        env=server_environment({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0"}),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not _catches_sigterm(process.pid):  # start-up has begun: torch's import comes next
-            assert process.poll() is None and time.monotonic() < deadline, "serve never set its handler"
-            time.sleep(0.005)
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=SERVE_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-    assert process.returncode == 130, (process.returncode, stderr[-2000:])
+    code, stderr = _signalled_as_it_starts(signal.SIGINT)
+    assert code == 130, (code, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
     assert "interrupted before the server started" in stderr, stderr[-2000:]
 
