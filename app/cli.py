@@ -25,11 +25,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 class _StoppedEarly(Exception):
-    """SIGTERM came before the server was up (torch importing, say): nothing to drain yet."""
+    """SIGTERM (or SIGQUIT) came before the server was up (torch importing, say): nothing to drain yet."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.name = signal.Signals(signum).name
 
 
 def _stop_early(signum: int, frame: object) -> None:
-    raise _StoppedEarly
+    raise _StoppedEarly(signum)
 
 
 def _port(text: str) -> int:
@@ -51,12 +55,15 @@ def _serve(args: argparse.Namespace) -> int:
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # until uvicorn takes SIGTERM over (a drain), one ends start-up quietly with exit 0, as a drain
-    # with nothing to drain would: its default action killed the process mid-import, exit -15
-    signal.signal(signal.SIGTERM, _stop_early)
+    # with nothing to drain would: its default action killed the process mid-import, exit -15.
+    # SIGQUIT drains as SIGTERM does (``app.server``); its default action dumps core
+    for name in ("SIGTERM", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _stop_early)
     try:
         return _serve_now(args)
-    except _StoppedEarly:
-        print("ai-backend: SIGTERM before the server started: stopped", file=sys.stderr)
+    except _StoppedEarly as stopped:
+        print(f"ai-backend: {stopped.name} before the server started: stopped", file=sys.stderr)
         return 0
     except KeyboardInterrupt:  # Ctrl-C before uvicorn took it over (torch importing, say): no traceback
         print("ai-backend: interrupted before the server started", file=sys.stderr)

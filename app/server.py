@@ -4,7 +4,10 @@ Plain uvicorn stops accepting connections the moment SIGTERM arrives, then re-ra
 signal so the process dies by it. A deploy wants the opposite order: readiness turns 503
 and new predictions get 503 ``draining`` while queued and running requests finish (within
 the grace period), and only then does the listener close and the process exit 0.
-A second SIGTERM, or SIGINT, stops at once (what still runs is answered 503 ``draining``).
+SIGQUIT does the same (nginx's graceful quit: a supervisor or ``docker stop`` with a
+``STOPSIGNAL SIGQUIT`` asks for a stop, and unhandled it killed the process at once with a core
+dump, every accepted request lost without an answer). A second SIGTERM or SIGQUIT, or SIGINT,
+stops at once (what still runs is answered 503 ``draining``).
 
 As it stops, a request that had just arrived is answered, not cut off: on an open connection
 (``app.connection.ClosingProtocol``), or on one still waiting in the listener's backlog, which
@@ -14,11 +17,13 @@ As it stops, a request that had just arrived is answered, not cut off: on an ope
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -28,6 +33,10 @@ from app.listeners import close_listeners
 log = logging.getLogger(__name__)
 
 Drain = Callable[[], Awaitable[None]]
+
+# the signals that drain before the server stops: SIGTERM (Kubernetes, docker stop) and SIGQUIT
+# (nginx's graceful quit); a second one of either stops at once
+DRAINING_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGTERM", "SIGQUIT") if hasattr(signal, name))
 
 # uvicorn's wait for open connections once the drain is over: the answers being written, and a
 # closing connection's wait for a request begun (``app.connection``'s QUIET_S, LAST_REQUEST_S),
@@ -68,10 +77,10 @@ def shutdown_cuts_told(record: logging.LogRecord) -> bool:
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose SIGTERM drains the service first and ends with exit code 0."""
+    """A uvicorn server whose SIGTERM (or SIGQUIT) drains the service first and ends with exit code 0."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain, halt: Callable[[], None] = lambda: None) -> None:
-        """``drain``: SIGTERM's, awaited before the server stops. ``halt``: SIGINT's, called on
+        """``drain``: SIGTERM's and SIGQUIT's, awaited before the server stops. ``halt``: SIGINT's, called on
         the event loop as the server stops at once (what it cuts off is then answered 503)."""
         super().__init__(config)
         self._drain = drain
@@ -79,7 +88,7 @@ class DrainingServer(uvicorn.Server):
         self.interrupted = False  # a Ctrl-C (SIGINT) stopped it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
-        self._sigterm = False
+        self._drain_asked = False
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -95,27 +104,45 @@ class DrainingServer(uvicorn.Server):
                 url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
                 log.info("listening on %s", url, extra={"host": host, "port": port})
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's handlers (SIGINT, SIGTERM), and SIGQUIT's: its default action dumps core."""
+        with super().capture_signals():
+            quit_signal = getattr(signal, "SIGQUIT", None)
+            if quit_signal is None or threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = signal.signal(quit_signal, self.handle_exit)
+            try:
+                yield
+            finally:
+                signal.signal(quit_signal, previous)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or self._loop is None:
+        if sig not in DRAINING_SIGNALS or self._loop is None:
             self.config.timeout_graceful_shutdown = 0  # Ctrl-C: what still runs is answered 503 now
             self.interrupted = self.interrupted or sig == signal.SIGINT
             if self._loop is not None:  # the service says so first: 503 draining, not uvicorn's 500
                 self._loop.call_soon_threadsafe(contextvars.Context().run, self._halt)
+            if sig in DRAINING_SIGNALS and sig != signal.SIGTERM:
+                self.should_exit = True  # not recorded: raised again at exit, SIGQUIT would dump core
+                return
             super().handle_exit(sig, frame)
             return
         # A signal handler runs in whatever context the main thread was in, a request's among
         # them: its log lines and the drain belong to no request and to no request's trace.
-        contextvars.Context().run(self._on_sigterm, self._loop)
+        contextvars.Context().run(self._on_stop_signal, self._loop, signal.Signals(sig).name)
 
-    def _on_sigterm(self, loop: asyncio.AbstractEventLoop) -> None:
-        # not recorded in _captured_signals: uvicorn would re-raise it and the exit code would be 143
-        if self._sigterm or self.should_exit:
-            log.warning("second SIGTERM: stopping without waiting for the drain")
+    def _on_stop_signal(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        # not recorded in _captured_signals: uvicorn would re-raise it and the process would die by
+        # it (SIGTERM: exit code 143; SIGQUIT: a core dump)
+        if self._drain_asked or self.should_exit:
+            log.warning("second %s: stopping without waiting for the drain", name)
             self.config.timeout_graceful_shutdown = 0  # what still runs is answered 503 draining now
             self.should_exit = True
             return
-        self._sigterm = True
-        log.info("SIGTERM: draining before shutdown")
+        self._drain_asked = True
+        log.info("%s: draining before shutdown", name)
         loop.call_soon_threadsafe(self._start_drain)  # in this context: a new one
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
