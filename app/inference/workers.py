@@ -112,7 +112,12 @@ class WorkerThreads:
             raise ValueError(f"{name} needs at least one worker thread")
         self._queues: tuple[deque[Call], deque[Call]] = (deque(), deque())  # URGENT, NORMAL
         self._own: list[deque[Call]] = [deque() for _ in range(workers + urgent_workers)]  # for one thread each
-        self._ready = threading.Condition()
+        self._lock = threading.Lock()
+        # one wake-up a thread, on the one lock: a call wakes one idle thread that takes it, not every
+        # thread (each of which would take the GIL only to go back to sleep: an urgent-only thread woke
+        # for every normal batch). ``_idle``: the threads waiting for a call, in the order they began
+        self._wakes = [threading.Condition(self._lock) for _ in self._own]
+        self._idle: dict[int, None] = {}
         self._closing = False
         self._normal_nice = normal_nice
         self._nice = nice  # every thread's, whatever it takes (a pool of background work: loads)
@@ -120,11 +125,9 @@ class WorkerThreads:
         kind = NORMAL_ONLY if normal_nice and urgent_workers else ANY
         names = [name if workers == 1 else f"{name}-{i}" for i in range(workers)]
         names += [f"{name}-urgent-{i}" for i in range(urgent_workers)]
+        self._kinds = [kind if i < workers else URGENT_ONLY for i in range(len(names))]
         self._threads = [
-            threading.Thread(
-                target=self._work, args=(kind if i < workers else URGENT_ONLY, self._own[i]), name=names[i], daemon=True
-            )
-            for i in range(len(names))
+            threading.Thread(target=self._work, args=(i,), name=names[i], daemon=True) for i in range(len(names))
         ]
         self.urgent_workers = urgent_workers
         for thread in self._threads:
@@ -142,16 +145,28 @@ class WorkerThreads:
         return future
 
     def _put(self, fn: Callable[[], Any], outcome: Outcome, urgent: bool) -> None:
-        with self._ready:
+        priority = URGENT if urgent else NORMAL
+        with self._lock:
             if self._closing:
                 raise RuntimeError("the worker threads are closed")
-            self._queues[URGENT if urgent else NORMAL].append((fn, outcome))
-            # every thread wakes when threads differ in what they take: one woken for a call it
-            # does not take would go back to sleep and the call would wait
-            if self.urgent_workers:
-                self._ready.notify_all()
-            else:
-                self._ready.notify()
+            self._queues[priority].append((fn, outcome))
+            self._wake_one(priority)
+
+    def _wake_one(self, priority: int) -> None:
+        """Wake one idle thread that takes calls of ``priority``, if any: the one idle last (its
+        caches the warmest), an urgent-only one first for an urgent call, so the others stay free
+        for normal ones. None idle, the call waits for the first thread that takes it to finish
+        its own: a thread looks at the queues before it waits. Under the lock."""
+        chosen = None
+        for index in reversed(self._idle):
+            kind = self._kinds[index]
+            if priority in kind and (chosen is None or kind == URGENT_ONLY):
+                chosen = index
+                if priority != URGENT or kind == URGENT_ONLY:
+                    break
+        if chosen is not None:
+            del self._idle[chosen]  # woken: not picked again for the next call before it runs
+            self._wakes[chosen].notify()
 
     async def run(self, fn: Callable[[], T], urgent: bool = False) -> T:
         """Run ``fn`` on a worker, in the caller's context (what it logs carries the request's
@@ -171,12 +186,12 @@ class WorkerThreads:
         arena, grown to the largest batch it has run) is made by running there."""
         loop = asyncio.get_running_loop()
         outcomes = [LoopOutcome(loop) for _ in self._own]
-        with self._ready:
+        with self._lock:
             if self._closing:
                 raise RuntimeError("the worker threads are closed")
             for own, outcome in zip(self._own, outcomes, strict=True):
                 own.append((functools.partial(contextvars.copy_context().run, fn), outcome))
-            self._ready.notify_all()
+            self._wake_all()
         try:
             return list(await asyncio.gather(*(outcome.future for outcome in outcomes)))
         except BaseException:
@@ -194,7 +209,14 @@ class WorkerThreads:
                 return self._queues[priority].popleft()
         return None
 
-    def _work(self, kind: tuple[int, ...], own: deque[Call]) -> None:
+    def _wake_all(self) -> None:
+        """Wake every idle thread (each has a call of its own, or the threads close). Under the lock."""
+        for index in self._idle:
+            self._wakes[index].notify()
+        self._idle.clear()
+
+    def _work(self, index: int) -> None:
+        kind, own, wake = self._kinds[index], self._own[index], self._wakes[index]
         name_os_thread(threading.current_thread().name)
         offset = self._nice + (self._normal_nice if kind == NORMAL_ONLY else 0)
         if offset and hasattr(os, "setpriority"):
@@ -202,9 +224,11 @@ class WorkerThreads:
                 priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the process's, inherited
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, priority + offset))
         while True:
-            with self._ready:
+            with self._lock:
                 while (call := self._next(kind, own)) is None and not self._closing:
-                    self._ready.wait()
+                    self._idle[index] = None
+                    wake.wait()
+                    self._idle.pop(index, None)  # woken by a call another thread took first: idle again above
                 if call is None:
                     return
             _run(call)  # its own frame: nothing of the call stays referenced while this thread waits
@@ -216,14 +240,14 @@ class WorkerThreads:
         Joined rather than left to die with the interpreter: a thread still inside torch at
         interpreter exit can abort the process ("terminate called without an active exception").
         """
-        with self._ready:
+        with self._lock:
             self._closing = True
             if cancel_waiting:
                 for queue in (*self._queues, *self._own):
                     for _, future in queue:
                         future.cancel()
                     queue.clear()
-            self._ready.notify_all()
+            self._wake_all()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             if thread is not threading.current_thread():

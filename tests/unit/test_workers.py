@@ -371,3 +371,62 @@ def test_nice_lowers_every_threads_priority_urgent_calls_included() -> None:
         assert workers.submit(priority, urgent=True).result(10) == min(19, own + 3)
     finally:
         workers.close()
+
+
+class _CountedWakes(threading.Condition):
+    """A condition that counts, by thread name, how often a wait returned (the thread woke)."""
+
+    woken: dict[str, int] = {}
+
+    def wait(self, timeout: float | None = None) -> bool:
+        result = super().wait(timeout)
+        name = threading.current_thread().name
+        self.woken[name] = self.woken.get(name, 0) + 1
+        return result
+
+
+@pytest.mark.parametrize("normal_nice", [0, 5])
+def test_a_call_wakes_one_thread_that_takes_it_and_no_other(monkeypatch: pytest.MonkeyPatch, normal_nice: int) -> None:
+    """A normal call never wakes the urgent-only thread (it woke for every normal batch, taking the
+    GIL to go back to sleep), and an urgent call wakes the urgent-only thread, not a general one."""
+    monkeypatch.setattr(_CountedWakes, "woken", {})
+    monkeypatch.setattr(threading, "Condition", _CountedWakes)
+    workers = WorkerThreads("test", 2, urgent_workers=1, normal_nice=normal_nice)
+    try:
+        time.sleep(0.05)  # every thread waiting
+        for _ in range(20):
+            assert workers.submit(lambda: threading.current_thread().name).result(10).startswith("test-")
+        assert _CountedWakes.woken.get("test-urgent-0", 0) == 0
+        woken_general = sum(_CountedWakes.woken.get(f"test-{i}", 0) for i in range(2))
+        assert woken_general <= 20, "one general thread woken a call at most"
+        before = dict(_CountedWakes.woken)
+        for _ in range(10):
+            assert workers.submit(lambda: threading.current_thread().name, urgent=True).result(10) == "test-urgent-0"
+        assert all(_CountedWakes.woken.get(f"test-{i}", 0) == before.get(f"test-{i}", 0) for i in range(2))
+    finally:
+        workers.close()
+
+
+def test_calls_from_many_threads_at_once_all_run() -> None:
+    """Wake-ups aimed at one idle thread lose no call: producers race the threads finishing."""
+    workers = WorkerThreads("test", 3, urgent_workers=1, normal_nice=2)
+    results: list[Future[int]] = []
+    lock = threading.Lock()
+
+    def produce(offset: int) -> None:
+        for i in range(500):
+            future = workers.submit(lambda i=i: offset + i, urgent=i % 7 == 0)
+            with lock:
+                results.append(future)
+
+    producers = [threading.Thread(target=produce, args=(k * 1000,)) for k in range(4)]
+    try:
+        for producer in producers:
+            producer.start()
+        for producer in producers:
+            producer.join(30)
+        assert sorted(future.result(30) for future in results) == sorted(
+            k * 1000 + i for k in range(4) for i in range(500)
+        )
+    finally:
+        workers.close()
