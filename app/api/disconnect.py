@@ -12,6 +12,8 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from app.errors import ServiceError
 
@@ -23,6 +25,17 @@ class ClientClosed(ServiceError):
 
     status = 499
     code = "client_closed_request"
+
+
+class NothingSent(Response):
+    """The answer to a request whose client went: nothing is sent, as nobody would read it. Its
+    499 is nginx's convention for the access log and the metrics, never a status on the wire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        return None
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -9,10 +9,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry import trace
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import Scope
 
+from app.api.disconnect import ClientClosed, NothingSent
 from app.api.schemas import ErrorDetail, ErrorResponse
 from app.errors import MAX_LISTED_ERRORS, ServiceError, not_listed, shown
 from app.telemetry.logging import request_id_var
@@ -77,6 +80,24 @@ async def service_error_response(request: Request, exc: Exception) -> JSONRespon
     return response
 
 
+async def _client_closed(request: Request, exc: Exception) -> Response:
+    """A request whose client went is sent nothing. Its server span then records no HTTP status
+    (OpenTelemetry's HTTP conventions: ``http.response.status_code`` only where one was sent; a
+    499 there read as an answer the client got) and says why it ended in ``error.type`` (the
+    request ended before a status was sent) and ``error.code``, its status left unset (a client
+    leaving is no failure of the service). The access log and the requests metric count it as 499
+    ``client_closed_request`` (``answered_as``, which the middleware counts as the answer)."""
+    assert isinstance(exc, ClientClosed)
+    state = request.scope.setdefault("state", {})
+    if "answered_as" in state:  # the protocol answered it (its body broke): its span records that status
+        return await service_error_response(request, exc)
+    state["answered_as"] = (exc.status, exc.code)
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({"error.type": exc.code, "error.code": exc.code})
+    return NothingSent()
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     if any(error.get("type") == "json_invalid" for error in exc.errors()):  # an admin body, say
@@ -119,5 +140,6 @@ def _allowed(routes: Iterable[BaseRoute], scope: Scope) -> set[str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceError, service_error_response)
+    app.add_exception_handler(ClientClosed, _client_closed)  # looked up by class: before ServiceError's
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -70,6 +70,11 @@ class Connection:
         body = b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
         return status, json.loads(body)
 
+    async def sent_nothing(self) -> bool:
+        """Once its task ended: the app sent nothing (its client went: nobody would read it)."""
+        await asyncio.wait_for(self.task, 30)  # a bound against a hang, not a timing
+        return self.sent == []
+
 
 def png_request(running: RunningApp, **headers: str) -> Connection:
     return Connection(running, {"content-type": "image/png", "content-length": str(len(PNG)), **headers})
@@ -144,9 +149,7 @@ async def test_uploads_that_stall_hold_no_seat_in_the_lane(make_settings: Settin
         assert not any(c.answered.is_set() for c in stalled)
         for connection in stalled:
             connection.disconnect()
-            status, body = await connection.answer()
-            assert (status, body["code"]) == (499, "client_closed_request")
-            await asyncio.wait_for(connection.task, 30)
+            assert await connection.sent_nothing()
         assert batcher.intake._arriving == 0
         counted = await scrape(running)
         assert value(counted, "ai_backend_cancellations_total", reason="cancelled") == 3
@@ -182,8 +185,7 @@ async def test_a_client_gone_while_its_body_arrives_is_a_499_not_a_500(make_sett
         connection = png_request(running)
         connection.body(PNG[:10], more=True)
         connection.disconnect()
-        status, body = await connection.answer()
-        assert (status, body["code"]) == (499, "client_closed_request")
+        assert await connection.sent_nothing()
         samples = await scrape(running)
         assert value(samples, "ai_backend_requests_total", status="499", code="client_closed_request") == 1
         assert value(samples, "ai_backend_requests_total", status="500", code="internal_error") == 0
@@ -210,8 +212,7 @@ async def test_a_client_gone_while_its_image_waits_to_be_decoded_is_not_computed
                 while not any(pool._queues):  # noqa: ASYNC110 (no event says a decode was queued)
                     await asyncio.sleep(0.005)
             connection.disconnect()
-            status, body = await connection.answer()
-            assert (status, body["code"]) == (499, "client_closed_request")
+            assert await connection.sent_nothing()
         finally:
             gate.set()
         assert (await running.predict_png(PNG)).status_code == 200, "its seat was given back"
@@ -232,8 +233,7 @@ async def test_a_client_gone_after_its_batch_formed_is_not_computed(make_setting
             connection.body(PNG, more=False)
             await batch_formed(running)  # its batch waits for a device thread
             connection.disconnect()
-            status, body = await connection.answer()
-            assert (status, body["code"]) == (499, "client_closed_request")
+            assert await connection.sent_nothing()
         await batches_done(running)
         assert spy.sizes == [], "the batch reached the device with nobody left to answer"
         samples = await scrape(running)
