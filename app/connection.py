@@ -1,6 +1,6 @@
 """One HTTP/1.1 connection: uvicorn's httptools protocol, taught to answer at shutdown the
-request that had just arrived, to bound a request's head, and to answer bytes that are not
-HTTP after the requests before them.
+request that had just arrived, to bound a request's head, to refuse an HTTP version other than
+1.x (505), and to answer bytes that are not HTTP after the requests before them.
 
 When uvicorn shuts down, it closes every connection that is not in the middle of an
 answer, and with it any request that had just arrived: its bytes unread in the socket, or
@@ -19,6 +19,7 @@ import logging
 import struct
 import termios
 import time
+import urllib.parse
 from typing import Any, cast
 
 import httptools
@@ -63,6 +64,14 @@ def _stopped(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
     if timer is not None:
         timer.cancel()
     return None
+
+
+def _judge_versions_here(parser: httptools.HttpRequestParser) -> None:
+    """Let ``parser`` read a request line of any HTTP version: llhttp takes 0.9, 1.0, 1.1 and
+    2.0 and fails any other as bytes that are not HTTP (a 400), where HTTP/1.2 is read as 1.1
+    (RFC 9110, 2.5) and HTTP/3.0 is a 505, as HTTP/2.0 is: ``on_headers_complete`` decides."""
+    with contextlib.suppress(AttributeError):  # httptools < 0.6.3: 400 for those, as before
+        parser.set_dangerous_leniencies(lenient_version=True)
 
 
 class _HeadRefused(Exception):
@@ -126,6 +135,10 @@ class ClosingProtocol(HttpToolsProtocol):
     _head_size = 0  # the head's own bytes, as parsed
     _head_began = False  # a head began in the read being parsed: its own bytes of that read count
     _head_id: str | None = None  # the client's X-Request-ID in a head refused before it was whole
+    _head_refused = False  # the answer ``_stop_reading`` gives is to a request whose head was refused
+    _line_whole = False  # the head's request line has arrived whole (a CRLF of the head came)
+    _line_ended = False  # the last read of the head ended a line (with CRLF)
+    _ended_in_read = False  # a request's bytes ended in the read being parsed
     _head_timer: asyncio.TimerHandle | None = None
     _upgrade_body_left = 0  # body bytes still due to a request whose Upgrade header is ignored
     _body_timer: asyncio.TimerHandle | None = None  # bounds the body of a request answered before it came
@@ -192,6 +205,7 @@ class ClosingProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._answer_transport = _AnswerTransport(transport, self)
         self._active_at = self.loop.time()
+        _judge_versions_here(self.parser)
         self._arm_head_timer()  # its first request's head, too, has HEAD_TIMEOUT_S to come
 
     def on_message_begin(self) -> None:
@@ -202,6 +216,7 @@ class ClosingProtocol(HttpToolsProtocol):
         self.scope["state"][ENDS] = functools.partial(self._ends, self.scope)
         self._receiving = True
         self._in_head, self._head_bytes, self._head_size, self._head_began = True, 0, 0, True
+        self._line_whole = self._line_ended = False
         self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
@@ -220,11 +235,17 @@ class ClosingProtocol(HttpToolsProtocol):
                 431, "headers_too_large", f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
             )
             raise _HeadRefused  # the parser stops here: its body is not read as anything
-        if self.parser.get_http_version() == "1.1" and sum(name == b"host" for name, _ in self.headers) != 1:
+        version = self.parser.get_http_version()
+        if not version.startswith("1."):  # HTTP/2.0 sent as text, 0.9, 3.0: not served as 1.1 (RFC 9110, 15.6.6)
+            self._refuse_version(version)
+            raise _HeadRefused
+        if version != "1.0" and sum(name == b"host" for name, _ in self.headers) != 1:
             # RFC 9112, 3.2: a 400 (two Hosts give a proxy and this server two views of one request)
             self._refuse_head(400, "invalid_http", "an HTTP/1.1 request must have exactly one Host header")
             raise _HeadRefused
         super().on_headers_complete()
+        if version not in {"1.0", "1.1"}:  # 1.2 and up: read as 1.1, the highest 1.x served (RFC 9110, 2.5)
+            self.scope["http_version"] = "1.1"
         if self.cycle is not None and self._answer_transport is not None:
             self.cycle.transport = cast(asyncio.Transport, self._answer_transport)
         # closing: whether its answer says Connection: close is decided as that answer starts
@@ -232,6 +253,7 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._completed = self.cycle  # (uvicorn's returns early for a request answered already)
+        self._ended_in_read = True
         self._body_timer = _stopped(self._body_timer)
         super().on_message_complete()
         self._receiving = False
@@ -261,17 +283,45 @@ class ClosingProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _refuse_head(self, status: int, code: str, message: str) -> None:
-        """A request whose head will not do (too slow, too large): answered once the requests
-        before it are, then the connection closes; nothing more is read from it."""
+        """A request whose head will not do (too slow, too large, of another HTTP version):
+        answered once the requests before it are, then the connection closes; nothing more is
+        read from it."""
         if not self._invalid:
+            if self._in_head and self._line_ended:
+                self._hand_over_last_header()
             self._invalid_answer = (status, code, message)
-            self._head_id = self._head_request_id()
+            self._head_refused_now()
             self._stop_reading(None)
 
-    def _head_request_id(self) -> str:
-        """The id of the request whose head is refused: its X-Request-ID, if that header came
-        before the head was cut off (the headers parsed so far are in its scope), else a fresh one."""
-        return request_id_from(cast("dict[str, Any]", self.scope))
+    def _refuse_version(self, version: str) -> None:
+        self._refuse_head(
+            505, "http_version_not_supported", f"HTTP/{version} is not served here; send HTTP/1.1 (or HTTP/1.0)"
+        )
+
+    def _hand_over_last_header(self) -> None:
+        """httptools hands a header to ``on_header`` only once the next line begins (or the head
+        ends): a head cut off right after a whole header line (a 408) would lose that header, an
+        X-Request-ID the answer echoes among them. A byte that begins a header name makes the
+        parser hand it over; fed only when the last bytes received end a line, it cannot join
+        the request line or a line still coming (the connection reads nothing more anyway)."""
+        with contextlib.suppress(httptools.HttpParserError):
+            self.parser.feed_data(b"X")
+
+    def _head_refused_now(self) -> None:
+        """Note the request whose head is refused: its id (the X-Request-ID its headers parsed so
+        far give, else a fresh one), and its method and path for its access line, where its
+        request line came whole (headers ended or began, or a line of the head ended)."""
+        self._head_refused = True
+        scope = cast("dict[str, Any]", self.scope)
+        self._head_id = request_id_from(scope)
+        if self._in_head and not (self._line_whole or self.headers):
+            return  # the request line may be cut short, or the very thing that broke
+        try:
+            path = httptools.parse_url(self.url).path.decode("ascii")
+            method = self.parser.get_method().decode("ascii")
+        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
+            return
+        scope.update(method=method, path=self.root_path + (urllib.parse.unquote(path) if "%" in path else path))
 
     def on_response_complete(self) -> None:
         if self._discarding:  # the connection ends with this answer: nothing behind it runs
@@ -330,7 +380,7 @@ class ClosingProtocol(HttpToolsProtocol):
             data = self._upgrade_body(data)
             if not data:
                 return
-        self._head_began = False
+        self._head_began = self._ended_in_read = False
         try:
             self._unset_keepalive_if_required()
             self.parser.feed_data(data)
@@ -343,6 +393,11 @@ class ClosingProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             if self._invalid or self._discarding:  # refused already (a head too large), or closing
                 return
+            if self._in_head and self.parser.get_method() == b"PRI" and self.parser.get_http_version() == "2.0":
+                # HTTP/2's connection preface (``curl --http2-prior-knowledge``), where llhttp stops
+                self._line_whole = True
+                self._refuse_version("2.0")
+                return
             # uvicorn's warning, but at DEBUG: any client can send bytes that are not HTTP, and the
             # access line (code invalid_http, the id the client was given) already says it
             self.logger.debug("Invalid HTTP request received.")
@@ -353,6 +408,11 @@ class ClosingProtocol(HttpToolsProtocol):
             # before it (pipelined); one that goes on from an earlier read, the whole read: a head
             # line not yet whole is not parsed, and a bound of one read over is what that costs
             self._head_bytes += self._head_size if self._head_began else len(data)
+            # a line of the head ended: its request line is whole (this read's bytes are all the
+            # head's, but for the CRLFs between requests, unless a request ended in it before)
+            self._line_ended = data.endswith(b"\r\n")
+            whole = self._line_ended or (not self._ended_in_read and b"\n" in data.lstrip(b"\r\n"))
+            self._line_whole = self._line_whole or whole
             if self._head_bytes > MAX_HEAD_BYTES:
                 message = f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
                 self._refuse_head(431, "headers_too_large", message)
@@ -374,6 +434,7 @@ class ClosingProtocol(HttpToolsProtocol):
         self.parser = httptools.HttpRequestParser(self)
         with contextlib.suppress(AttributeError):  # httptools < 0.6.3, as uvicorn does
             self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        _judge_versions_here(self.parser)
         self._upgrade_body_left = int(length)
         if self._upgrade_body_left and not cycle.response_complete:
             cycle.more_body = True  # httptools said the request ended at its headers: it has not
@@ -406,7 +467,7 @@ class ClosingProtocol(HttpToolsProtocol):
         # by the app, keeps ``more_body`` though its body is whole: ``_completed`` tells)
         cycle = self.cycle
         if self._in_head:  # a head that breaks
-            self._head_id = self._head_request_id()
+            self._head_refused_now()
         self._stop_reading(cycle if cycle is not None and cycle.more_body and cycle is not self._completed else None)
 
     def _stop_reading(self, broken: RequestResponseCycle | None) -> None:
@@ -459,9 +520,9 @@ class ClosingProtocol(HttpToolsProtocol):
         self.transport.write(b"".join([*head, b"\r\n", body]))
         if not served:
             # timed from the request's first byte, as every answer is (a 408's head took 15 s)
-            head_scope = self.scope if self._in_head else None
+            head_scope = cast("dict[str, Any]", self.scope) if self._head_refused else None
             began = next((s["state"][ARRIVED] for s in (scope, head_scope) if s and ARRIVED in s["state"]), None)
-            self.answered_invalid(scope, request_id, began or self._invalid_at, status, code)
+            self.answered_invalid(scope or head_scope, request_id, began or self._invalid_at, status, code)
 
     def answered_invalid(
         self,
@@ -472,7 +533,8 @@ class ClosingProtocol(HttpToolsProtocol):
         code: str = "invalid_http",
     ) -> None:
         """An ``invalid_http`` 400 no app task counts is written (``scope``: the request whose
-        body broke, if one did), or a request read whole that no app task will answer, its client
+        body broke, if one did, or whose head was refused, with its method and path where its
+        request line came whole), or a request read whole that no app task will answer, its client
         gone (499 ``client_closed_request``). A protocol that knows the app counts it in its
         metrics and access log; an app task cut off by its own 400 counts it itself (``answered_as``)."""
 

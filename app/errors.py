@@ -40,6 +40,7 @@ class ServiceError(Exception):
     status: int = 500
     code: str = "internal_error"
     retry_after_s: int | None = None
+    headers: tuple[tuple[str, str], ...] = ()  # response headers its status calls for (RFC 9110, 7694)
     logged: bool = False  # its cause's traceback is in the log already (a batch's bug, once for its requests)
 
     def __init__(self, message: str, *, code: str | None = None, retry_after_s: int | None = None) -> None:
@@ -91,6 +92,14 @@ class UnsupportedMediaType(ServiceError):
 
     status = 415
     code = "unsupported_media_type"
+
+
+class UnsupportedContentEncoding(UnsupportedMediaType):
+    """A Content-Encoding the endpoint does not take (415, the codings it takes in ``Accept-Encoding``:
+    RFC 7694, 3). A Transfer-Encoding is no content coding, and ``Accept-Encoding`` does not list
+    those: its 415 is an ``UnsupportedMediaType``."""
+
+    headers = (("Accept-Encoding", "identity"),)
 
 
 class NotFound(ServiceError):

@@ -17,6 +17,7 @@ from app.errors import (
     PayloadTooLarge,
     SchemaError,
     ServiceError,
+    UnsupportedContentEncoding,
     UnsupportedMediaType,
     dotted,
 )
@@ -115,7 +116,7 @@ def check_declared_body(scope: Scope, max_image_bytes: int, max_json_bytes: int)
             length = value.decode("latin-1")
         elif key == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
             # a gzipped body read as it came would fail as bad JSON or a bad image: say why (RFC 9110, 8.4.1)
-            raise UnsupportedMediaType(
+            raise UnsupportedContentEncoding(
                 f"Content-Encoding {value.decode('latin-1').strip()} is not taken: send the body unencoded"
             )
         elif key == b"transfer-encoding" and value.strip().lower() != b"chunked":

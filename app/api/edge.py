@@ -105,9 +105,10 @@ class Edge:
     def answered_invalid(
         self, scope: Scope | None, request_id: str, started: float, status: int = 400, code: str = "invalid_http"
     ) -> None:
-        """The metrics and access line of an ``invalid_http`` 400, or of a head refused (408, 431)
-        (``scope``: the request whose body broke; None when no request was read whole)."""
-        method, path = (scope["method"], scope["path"]) if scope is not None else ("-", "-")
+        """The metrics and access line of an ``invalid_http`` 400, or of a head refused (408, 431,
+        505) (``scope``: the request whose body broke, or whose head was refused; its method and
+        path are ``-`` where its request line did not come whole)."""
+        method, path = (scope.get("method", "-"), scope.get("path", "-")) if scope is not None else ("-", "-")
         state = {"started": started, "error_code": code}
         self._record({"method": method, "path": path, "state": state}, status, request_id, None)
 

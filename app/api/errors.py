@@ -77,6 +77,8 @@ async def service_error_response(request: Request, exc: Exception) -> JSONRespon
     response = envelope(request, exc.status, exc.code, exc.message, retry_after_s=retry)
     if exc.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
         response.headers["WWW-Authenticate"] = "Bearer"
+    for name, value in exc.headers:
+        response.headers[name] = value
     return response
 
 
