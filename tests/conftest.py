@@ -98,3 +98,15 @@ def make_settings() -> SettingsFactory:
 def sample_pngs() -> dict[str, bytes]:
     """The ten bundled sample PNGs by label ("0".."9")."""
     return {label: sample_png(int(label)) for label in LABELS}
+
+
+@pytest.fixture
+def no_hurry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No request hurries (``app.batching.policy.hurries``): each waits out its lane's window, as
+    one does behind a busy device. For the tests of what a deadline does to a request still queued,
+    which a short deadline on an idle lane would otherwise send straight to the device."""
+    import app.batching.batcher
+    import app.batching.intake
+
+    monkeypatch.setattr(app.batching.batcher, "hurries", lambda *_: False)
+    monkeypatch.setattr(app.batching.intake, "hurries", lambda *_: False)

@@ -24,7 +24,17 @@ from app.batching.clock import TIMER_RESOLUTION_S, Clock, MonotonicClock
 from app.batching.execution import BATCH_RAN_PAST, Execution, Runner
 from app.batching.intake import Intake
 from app.batching.observer import BatchObserver, NullObserver
-from app.batching.policy import BatchPlan, BatchPolicy, Lane, LaneState, next_wakeup, plan_batch
+from app.batching.policy import (
+    BatchPlan,
+    BatchPolicy,
+    Lane,
+    LaneState,
+    hurries,
+    hurry_lead_s,
+    next_wakeup,
+    plan_batch,
+    ready_at,
+)
 from app.batching.queue import Completed, LaneQueue, Pending
 from app.errors import DeadlineExceeded, Draining
 
@@ -220,6 +230,8 @@ class DualWindowBatcher(Generic[P, R]):
         item.timer = self._clock.call_at(item.deadline, lambda: self._expire(item))
         future.add_done_callback(lambda _: self._settled(item))
         queue.items.append(item)
+        if hurries(timeout_s, self.effective_policy().lane(lane).window_s, self._intake.batch_s(lane)):
+            queue.hurry(item)  # its lane's window closes when it must start
         queue.waiting += 1
         self._wakeup.set()
         return future
@@ -257,7 +269,7 @@ class DualWindowBatcher(Generic[P, R]):
                 if not (self._may_start(Lane.URGENT) or self._may_start(Lane.NORMAL)):
                     await self._wakeup.wait()  # a batch finishing sets it
                     continue
-                u_state, n_state = urgent.state(), normal.state()
+                u_state, n_state = urgent.state(self._lead_s(Lane.URGENT)), normal.state(self._lead_s(Lane.NORMAL))
                 policy = self.effective_policy()
                 plan = self._plan(u_state, n_state, policy)
                 if plan is not None and self._may_start(plan.lane):
@@ -270,7 +282,7 @@ class DualWindowBatcher(Generic[P, R]):
                 if plan is None:  # with the urgent threads busy, only the normal lane's window can wake it
                     wake = next_wakeup(u_state if urgent_free else LaneState(), n_state, policy)
                 elif u_state.oldest_at is not None and urgent_free:
-                    wake = u_state.oldest_at + policy.urgent.window_s  # a normal batch waits; urgent ones need not
+                    wake = ready_at(u_state, policy.urgent)  # a normal batch waits; urgent ones need not
                 else:
                     wake = None  # a batch finishing, or a request coming, wakes it
                 await self._clock.wait(self._wakeup, None if wake is None else wake - self._clock.now())
@@ -281,6 +293,10 @@ class DualWindowBatcher(Generic[P, R]):
                 task.cancel()
             if self._in_flight:
                 await asyncio.wait(set(self._in_flight))
+
+    def _lead_s(self, lane: Lane) -> float:
+        """How long before its deadline a hurried request of ``lane`` has its batch go."""
+        return hurry_lead_s(self._intake.batch_s(lane))
 
     def _form(self, plan: BatchPlan) -> list[Pending[P, R]] | None:
         """The plan's requests; ``None`` when some turned out past their deadline though their timer

@@ -18,7 +18,7 @@ from typing import Protocol
 from app.batching.clock import Clock
 from app.batching.moving import Pace
 from app.batching.observer import BatchObserver
-from app.batching.policy import BatchPolicy, Lane, fills
+from app.batching.policy import BatchPolicy, Lane, fills, hurries
 from app.errors import DeadlineExceeded, Draining, QueueFull, WouldMissDeadline
 
 # how long a refusal in the normal lane marks it as overloaded, for the urgent fill rule
@@ -131,13 +131,14 @@ class Intake:
         admission would keep the queue under a full batch, and no take would be timed again."""
         return self._drain.rate()
 
-    def predicted_wait(self, lane: Lane) -> float | None:
+    def predicted_wait(self, lane: Lane, window: bool = True) -> float | None:
         """Seconds until a request submitted now to ``lane`` would be answered, if known.
 
         The requests ahead (urgent ones are ahead of everything), in batches, plus the batches
         running now, shared among the batches that run at once, times the measured batch
-        latency, plus the lane's window. A normal request with a full batch ahead of it waits at
-        least for the batches ahead to be drawn at the pace the lane was drawn at while behind,
+        latency, plus the lane's window (unless ``window`` is false: a request that hurries, whose
+        lane's window closes early for it). A normal request with a full batch ahead of it waits
+        at least for the batches ahead to be drawn at the pace the lane was drawn at while behind,
         then its own batch's run.
         """
         if (batch_s := self.batch_s(lane)) is None:
@@ -159,7 +160,7 @@ class Intake:
             if urgent_traffic and fills(policy, self.ahead(Lane.NORMAL), dispatcher.max_in_flight, self.refusing()):
                 workers += dispatcher.urgent_in_flight  # urgent batches fill from the normal queue: they drain it too
         rounds = (batches + running) // workers + 1
-        wait = policy.lane(lane).window_s + rounds * batch_s
+        wait = (policy.lane(lane).window_s if window else 0.0) + rounds * batch_s
         behind = lane is Lane.NORMAL and self.ahead(Lane.NORMAL) >= normal
         if behind and (rate := self.drain_rate()) is not None:
             # behind, the queue drains at the pace measured: the batches' run times and the
@@ -229,13 +230,15 @@ class Intake:
         wait, allowed = None, self._dispatcher.policy.admission_headroom * timeout_s
         if batch_s is not None:
             window = self._dispatcher.effective_policy().lane(lane).window_s
+            # a deadline too short to wait out the window closes it early: the wait is the batches'
+            window = 0.0 if hurries(timeout_s, window, batch_s) else window
             if self._idle(lane) and upstream_s <= 0:
                 # nothing ahead: its window and its own batch, no estimate of others' that the
                 # headroom must allow for (with it, a deadline under twice the window was refused
                 # on an idle server, and told to retry a request no retry would serve)
                 wait, allowed = window + batch_s, timeout_s
             else:
-                wait = self.predicted_wait(lane) or window
+                wait = self.predicted_wait(lane, window=window > 0) or window
             if upstream_s > 0:  # the images ahead of it in the decode threads, then its own batch
                 wait = max(wait, upstream_s + window + batch_s)
         if wait is not None and wait > allowed:
@@ -259,11 +262,10 @@ class Intake:
     def _miss_message(self, lane: Lane, wait: float, timeout_s: float) -> str:
         headroom = self._dispatcher.policy.admission_headroom
         said = f"predicted wait {wait * 1000:.0f} ms"
-        if self._idle(lane):  # nothing ahead: the lane's window and one batch are too long for this deadline
-            window_ms = self._dispatcher.effective_policy().lane(lane).window_s * 1000
+        if self._idle(lane):  # nothing ahead, and the window closes for it: its own batch is too long
             return (
-                f"{said} exceeds the deadline of {timeout_s * 1000:.0f} ms: nothing is ahead of it, but the "
-                f"{lane.value} lane's window is {window_ms:g} ms, then its batch runs"
+                f"{said} exceeds the deadline of {timeout_s * 1000:.0f} ms: nothing is ahead of it, but "
+                f"a batch of the {lane.value} lane takes about {wait * 1000:.0f} ms to run"
             )
         deadline_ms = f"{timeout_s * 1000:.0f} ms"
         if headroom < 1:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +49,14 @@ class LaneQueue(Generic[P, R]):
 
     items: deque[Pending[P, R]] = field(default_factory=deque)
     waiting: int = 0  # live requests; done ones are removed lazily from the deque
+    # the requests whose deadline may not wait out the window, earliest deadline first (those
+    # gone leave lazily); empty under the default deadlines, which costs nothing to keep
+    hurried: list[tuple[float, int, Pending[P, R]]] = field(default_factory=list)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
+
+    def hurry(self, item: Pending[P, R]) -> None:
+        """Watch ``item``'s deadline: its lane's window closes early when it must start."""
+        heapq.heappush(self.hurried, (item.deadline, next(self._order), item))
 
     def drop(self, item: Pending[P, R]) -> None:
         if item.queued:
@@ -57,9 +67,15 @@ class LaneQueue(Generic[P, R]):
         while self.items and (not self.items[0].queued or self.items[0].future.done()):
             self.drop(self.items.popleft())
 
-    def state(self) -> LaneState:
+    def state(self, lead_s: float = 0.0) -> LaneState:
+        """The queue as the rules see it; a hurried request must start ``lead_s`` (its batch's
+        run) before its deadline."""
         self.prune_head()
-        return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None)
+        hurried = self.hurried
+        while hurried and (not hurried[0][2].queued or hurried[0][2].future.done()):
+            heapq.heappop(hurried)
+        start_by = hurried[0][0] - lead_s if hurried else None
+        return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None, start_by)
 
     def take(self, count: int, now: float = -math.inf) -> tuple[list[Pending[P, R]], list[Pending[P, R]]]:
         """Up to ``count`` live requests from the head, for a batch; and those passed over because

@@ -48,19 +48,19 @@ def test_timings_are_not_whole_milliseconds(server: ServerProcess) -> None:
     assert not all(float(v).is_integer() for v in values), f"every timing is a whole millisecond: {values}"
 
 
-def test_a_deadline_the_lane_cannot_meet_says_why_and_one_it_can_is_served(server: ServerProcess) -> None:
-    # on an idle normal lane (25 ms window) a request waits its window, then its batch runs: 40 ms
-    # was refused all the same (half the deadline kept for an estimate of the queue ahead, with
-    # none ahead) and told to retry a request no retry would serve; 20 ms cannot be met
+def test_a_deadline_under_the_lanes_window_is_served_on_an_idle_lane(server: ServerProcess) -> None:
+    # on an idle normal lane (25 ms window) a request used to wait its window, then its batch ran: a
+    # 20 ms deadline was refused (503 would_miss_deadline) and told to retry a request no retry
+    # would serve. Its window now closes when it must start
     headers = {"Content-Type": "image/png"}
     with httpx.Client(base_url=server.url, timeout=10.0) as client:
         assert client.post("/predict", content=sample_png(7), headers=headers).status_code == 200  # a batch timed
-        served = client.post("/predict", content=sample_png(7), headers={**headers, "X-Request-Timeout": "40"})
-        refused = client.post("/predict", content=sample_png(7), headers={**headers, "X-Request-Timeout": "20"})
-    assert served.status_code == 200, served.text
-    assert refused.status_code == 503 and refused.json()["code"] == "would_miss_deadline"
-    message = refused.json()["message"]
-    assert "exceeds the deadline of 20 ms" in message and "lane's window is 25 ms, then its batch runs" in message
+        served = [
+            client.post("/predict", content=sample_png(7), headers={**headers, "X-Request-Timeout": "20"})
+            for _ in range(3)
+        ]
+    assert [answer.status_code for answer in served] == [200] * 3, [answer.text for answer in served]
+    assert all(answer.json()["timings"]["queue"] < 20 for answer in served)
 
 
 def _declared_only(port: int, head: bytes) -> tuple[int, dict[str, str], dict[str, object]]:

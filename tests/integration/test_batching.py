@@ -10,6 +10,7 @@ import asyncio
 from collections import Counter
 
 import httpx
+import pytest
 
 from app.batching import Lane
 from tests.conftest import SettingsFactory
@@ -180,6 +181,7 @@ async def test_explicit_normal_urgency_uses_the_normal_lane(make_settings: Setti
         assert urgent.json()["lane"] == "urgent"
 
 
+@pytest.mark.usefixtures("no_hurry")  # it waits out the window, as behind a busy device
 async def test_a_request_past_its_deadline_is_answered_503_and_never_computed(make_settings: SettingsFactory) -> None:
     settings = make_settings(
         server=LONG_TIMEOUTS, batching={"normal": {"window_ms": LONG_WINDOW_MS, "max_batch": 8, "max_queue": 64}}

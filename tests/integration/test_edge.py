@@ -115,13 +115,15 @@ def comparable(head: ResponseHead) -> dict[str, str]:
 SETTINGS: dict[str, Any] = {"logging": {"access_log": True}}
 
 
+@pytest.mark.usefixtures("no_hurry")
 async def test_a_refusal_is_answered_by_the_protocol_exactly_as_the_app_answers_it(
     make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.handler.addFilter(RequestIdFilter())
-    # windows longer than the deadline (90 ms), so the predicted wait refuses every such request on an
-    # idle lane, and a deadline no busy machine passes on the way to the app's check: with 1 ms, the
-    # app's path, slower than the edge's, could find it already past (deadline_exceeded)
+    # windows longer than the deadline (90 ms), and no request hurrying (a lane's window closing
+    # early for it, ``no_hurry``): the predicted wait refuses every such request on an idle lane,
+    # and a deadline no busy machine passes on the way to the app's check: with 1 ms, the app's
+    # path, slower than the edge's, could find it already past (deadline_exceeded)
     windows = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}
     async with served(make_settings(**SETTINGS, **windows)) as running:
         ((warm, _),) = await running.exchange(predict())
@@ -344,6 +346,7 @@ async def test_a_deadline_runs_from_the_requests_first_byte(make_settings: Setti
     assert refused and refused[0] >= 0.5, refused  # timed from the first byte too
 
 
+@pytest.mark.usefixtures("no_hurry")  # the window refuses: see the test above
 @pytest.mark.parametrize("by", ["edge", "app"])
 async def test_refusals_leave_nothing_for_the_cycle_collector(make_settings: SettingsFactory, by: str) -> None:
     """At twice the load refusals outnumber answers; each must be freed when it is answered. A

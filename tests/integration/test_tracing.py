@@ -113,6 +113,7 @@ async def test_an_incoming_traceparent_is_continued(make_settings: SettingsFacto
     assert server.parent is not None and format(server.parent.span_id, "016x") == "00f067aa0ba902b7"
 
 
+@pytest.mark.usefixtures("no_hurry")  # it expires in the queue, as behind a busy device
 async def test_a_failed_request_marks_its_queue_span(make_settings: SettingsFactory) -> None:
     settings = held_batches(make_settings, 4, 16)
     async with traced_app(settings) as (client, exporter, provider):

@@ -242,14 +242,21 @@ async def test_reserved_seats_count_in_the_predicted_wait() -> None:
 async def test_a_wait_upstream_of_the_queue_counts_when_it_is_the_longer_stage() -> None:
     batcher, clock, runner, recorder = make(max_batch=4)
     await run_one_timed_batch(batcher, clock, runner)  # 100 ms a batch, queue empty
-    batcher.intake.admit(Lane.NORMAL, 0.2, upstream_s=0.05)  # 50 + 25 + 100 ms fits in 200
+    # a deadline under the window and four batches hurries: its window closes early, the wait is
+    # the decodes ahead and its batch
+    batcher.intake.admit(Lane.NORMAL, 0.2, upstream_s=0.1)  # 100 + 100 ms fits in 200
     with pytest.raises(WouldMissDeadline) as refused:
-        batcher.intake.admit(Lane.NORMAL, 0.2, upstream_s=0.1)  # 100 + 25 + 100 ms does not
-    assert "225 ms" in str(refused.value)
+        batcher.intake.admit(Lane.NORMAL, 0.2, upstream_s=0.11)  # 110 + 100 ms does not
+    assert "210 ms" in str(refused.value)
+    batcher.intake.admit(Lane.NORMAL, 1.0, upstream_s=0.05)  # one that does not hurry: 50 + 25 + 100 ms
+    with pytest.raises(WouldMissDeadline) as refused:
+        batcher.intake.admit(Lane.NORMAL, 1.0, upstream_s=0.9)  # 900 + 25 + 100 ms does not fit in 1 s
+    assert "1025 ms" in str(refused.value)
     assert recorder.rejected[-1] == (Lane.NORMAL, "would_miss_deadline")
     await batcher.close(grace_s=0)
 
 
+@pytest.mark.usefixtures("no_hurry")
 async def test_headroom_keeps_part_of_the_time_left_in_reserve() -> None:
     clock, runner, recorder = FakeClock(), FakeRunner(), Recorder()
     lanes = LanePolicy(2 * MS, 4, 64), LanePolicy(25 * MS, 4, 64)

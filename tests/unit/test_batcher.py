@@ -249,6 +249,7 @@ async def test_a_cancelled_request_leaves_the_queue_and_is_never_computed(make) 
     assert (await keep).output == 2
 
 
+@pytest.mark.usefixtures("no_hurry")
 async def test_a_request_past_its_deadline_is_answered_at_once_and_never_computed(make) -> None:
     h = make()
     late = h.submit(1, timeout=10 * MS)
@@ -262,6 +263,7 @@ async def test_a_request_past_its_deadline_is_answered_at_once_and_never_compute
     await on_time
 
 
+@pytest.mark.usefixtures("no_hurry")
 async def test_requests_that_fail_or_expire_leave_nothing_for_the_cycle_collector(make) -> None:
     """At twice the load many requests expire or fail; each must be freed once answered. A
     waiting frame that held its future (whose exception's traceback held the frame), or an item

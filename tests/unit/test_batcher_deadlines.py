@@ -22,6 +22,9 @@ from app.batching.observer import NullObserver
 from app.errors import DeadlineExceeded, Draining
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
+# what a deadline does to a request still queued: each waits out its window, as behind a busy device
+pytestmark = pytest.mark.usefixtures("no_hurry")
+
 MS = 0.001
 POLICY = BatchPolicy(LanePolicy(2 * MS, 2, 8), LanePolicy(25 * MS, 2, 8))
 Submit = Callable[[int, Lane, float], "asyncio.Future[Completed[int]]"]

@@ -9,7 +9,8 @@ The runner holds the batches the run says to hold (``FakeRunner`` computes them)
   nor the close any request;
 - nothing reaches the runner past its deadline, cancelled, or twice;
 - a batch is no larger than the policy (under the ceiling) set last, goes only when its lane is
-  full or its oldest request waited the lane's window, never before a ready urgent batch, and
+  full, its oldest request waited the lane's window or one of its requests had to start to meet its
+  deadline, never before a ready urgent batch, and
   keeps each lane's order; and no request waits past its window while a thread it may use is free;
 - the depth counts exactly the live requests queued and the seats held (a cancel frees its slot),
   and admission refuses a full queue and only a full one;
@@ -28,6 +29,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
+from app.batching.policy import hurries, hurry_lead_s
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 from tests.unit.strategies import batch_policies
@@ -77,6 +79,7 @@ class Request:
     task: asyncio.Task[Completed[int]]
     cancelled: bool = False
     batch: int | None = None  # the index of the batch that took it
+    hurries: bool = False  # its deadline too short for its lane's window, when it came
 
 
 @dataclass
@@ -145,7 +148,14 @@ class Run:
         own = [p for p in payloads if self.requests[p].lane is lane]
         full = len(own) >= self._max_batch(lane)
         waited = now - self.requests[own[0]].enqueued_at
-        assert full or self.closing or waited >= policy.lane(lane).window_s - EPS, (
+        # or a request of the lane had to start now to meet its deadline (its batch's run ahead of it)
+        lead = hurry_lead_s(self.batcher.intake.batch_s(lane))
+        hurried = any(
+            now >= r.deadline - lead - EPS
+            for p, r in self.requests.items()
+            if r.lane is lane and r.hurries and (p in payloads or self._queued(r, now))
+        )
+        assert full or self.closing or hurried or waited >= policy.lane(lane).window_s - EPS, (
             f"a {lane} batch of {len(own)} went after {waited * 1000:.3f} ms, before its window"
         )
         riders = [p for p in payloads if self.requests[p].lane is not lane]
@@ -237,7 +247,8 @@ async def _step(run: Run, step: tuple[object, ...], next_id: int) -> None:
         depth, bound = run.batcher.depth(lane), run.policy.lane(lane).max_queue
         now = run.clock.now()
         task = asyncio.ensure_future(run.batcher.submit(next_id, lane, timeout))
-        run.requests[next_id] = Request(lane, now, now + timeout, task)
+        hurried = hurries(timeout, run.policy.lane(lane).window_s, run.batcher.intake.batch_s(lane))
+        run.requests[next_id] = Request(lane, now, now + timeout, task, hurries=hurried)
         await settle()
         refused = task.done() and isinstance(task.exception(), QueueFull)
         assert refused == (depth >= bound), f"depth {depth} of {bound}: refused={refused}"
