@@ -55,6 +55,9 @@ from app.versions import ServedModel, VersionLoader, batch_policy
 
 log = logging.getLogger(__name__)
 
+JOIN_S = 10.0  # the close's wait for the threads to finish a call under way (a warm-up, a load)
+ABANDONED_JOIN_S = 0.5  # once the drain's grace ran out with work left: a batch nobody awaits
+
 
 class State(enum.StrEnum):
     STARTING = "starting"
@@ -88,6 +91,7 @@ class InferenceService:
         self.entries: list[ModelEntry] = []
         self._retiring: set[ServedModel] = set()  # unloaded versions whose requests still finish
         self._drained = False
+        self._cut_short = False  # a drain's grace ran out with work left: what still runs is awaited by nobody
         self._rng = random.Random()
         self.default_model: str | None = None
         server = settings.server
@@ -391,10 +395,17 @@ class InferenceService:
         batchers = [served.batcher for served in (*self.all_served(), *self._retiring)]
         await asyncio.gather(*(batcher.close(grace_s) for batcher in batchers))
         cut = sum(batcher.cut_off for batcher in batchers)
-        if cut and not self._drained:  # an operator's cue to give the drain more time
+        self._cut_short = self._cut_short or cut > 0
+        if cut and not self._drained and grace_s is None:  # no grace to run out: a drain stopped (cancelled)
+            log.warning(
+                "the drain (no time limit) was stopped before it ended: %d queued or running request(s) "
+                "answered 503 draining",
+                cut,
+            )
+        elif cut and not self._drained:  # an operator's cue to give the drain more time
             log.warning(
                 "the drain's grace (%s) ran out: %d queued or running request(s) answered 503 draining",
-                "none: stopping at once" if grace_s == 0 else "no limit" if grace_s is None else f"{grace_s:g} s",
+                "none: stopping at once" if grace_s == 0 else f"{grace_s:g} s",
                 cut,
             )
         elif not self._drained:  # the close drains again after a SIGTERM's drain: nothing is left then
@@ -408,10 +419,20 @@ class InferenceService:
             await self.rewarm.close()
             await self.drain(grace_s)
             # joined, bounded: threads left inside torch at interpreter exit can abort the process
-            decode = await asyncio.to_thread(self._pool.close, cancel_waiting=True)
+            # (the CLI then exits without finalizing it). Once the grace ran out, a batch still
+            # running is awaited by nobody (each of its requests has its 503): the exit does not
+            # wait for it past the grace, which an orchestrator's kill would end first
+            join_s = ABANDONED_JOIN_S if self._cut_short else JOIN_S
+            decode = await asyncio.to_thread(self._pool.close, join_s, cancel_waiting=True)
             device, loader = await asyncio.gather(
-                asyncio.to_thread(self._device_thread.close), asyncio.to_thread(self.loader.close)
+                asyncio.to_thread(self._device_thread.close, join_s), asyncio.to_thread(self.loader.close)
             )
+            if device and self._cut_short:
+                log.warning(
+                    "shutdown: a batch still running on %s past the grace was abandoned, not awaited "
+                    "(its requests had their 503 already)",
+                    ", ".join(device),
+                )
             self.unfinished = [*decode, *device, *loader]
             if self.device.type == "cuda":
                 self.groups.clear()  # the models sit in reference cycles: collected, then released
