@@ -169,7 +169,10 @@ def finish(metrics: Metrics, scope: Scope, status: int, started: float, access_l
     code = state.get("error_code", "ok" if 100 <= status < 400 else "error")
     if status == 0:  # its task ended before anything was sent: cut off at the end of shutdown (or a bug)
         code = "unanswered"
-    if "answered_as" in state:  # the protocol answered it (its body broke), cutting the app off
+    # what the request counts as, where the app's own answer (or its lack) is not it: the protocol
+    # answered it (its body broke), cutting the app off; or its client went and nothing was sent,
+    # counted as nginx's 499 client_closed_request (app.api.errors._client_closed)
+    if "answered_as" in state:
         status, code = state["answered_as"]
     metrics.request_latency.labels(template, str(status), state.get("lane", "none")).observe(seconds)
     metrics.requests.labels(str(status), code).inc()

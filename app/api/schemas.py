@@ -14,12 +14,17 @@ class PredictRequest(BaseModel):
 
     image_base64: str = Field(min_length=1, description="JPEG, PNG or WebP bytes, base64-encoded")
     # no upper bound here: it is min(server.max_top_k, the model's classes), known once the model is,
-    # and one bound said once ("at most 10 for this model") beats a schema's 1000 followed by it
+    # and one bound said once ("at most 10 for this model") beats a schema's 1000 followed by it.
+    # The document's default is server.default_top_k as configured (app.api.openapi), not None.
+    # Strict: JSON Schema's integer takes 3.0 (a number whose fraction is zero), which no schema
+    # can refuse, so the description says it; a generated client sends an integer as 3.
     top_k: int | None = Field(
         default=None,
         ge=1,
         strict=True,
-        description="how many classes to return: 1 to min(server.max_top_k, the model's classes); default 5",
+        description="how many classes to return: 1 to min(server.max_top_k, the model's classes); absent or "
+        "null, server.default_top_k (the default here), or every class of a model with fewer. A JSON integer "
+        'written without a fraction or an exponent: 3.0 or 3e0 is a 422, as are true and "3"',
     )
 
 

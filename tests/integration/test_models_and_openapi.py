@@ -173,11 +173,11 @@ async def test_every_documented_error_is_the_envelope(running: RunningApp) -> No
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
             for status, response in operation["responses"].items():
-                if status == "422":
+                if int(status) >= 400 and (path, status) != ("/healthz", "503"):  # its 503 is the health body
                     schema = response["content"]["application/json"]["schema"]
                     assert schema == {"$ref": ERROR_REF}, (method, path, status, schema)
-                    checked += 1
-    assert checked >= 3, "the predict routes and the model's page document their 422"
+                    checked += status == "422"
+    assert checked == 2, "the predict routes document their 422 (the model's page has none to answer)"
 
 
 async def test_the_shipped_config_serves_a_repository_without_the_bundled_model(tmp_path: Path) -> None:

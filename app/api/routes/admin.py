@@ -12,9 +12,10 @@ from app.policy import PolicyManager
 from app.settings import BatchingSettings
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
-_ERRORS = error_responses(401, 403, 422)
+_ERRORS = error_responses(401, 403)
+_REFUSED = {**_ERRORS, 422: {**error_responses(422)[422], "description": "The policy does not validate"}}
 # a body that is not JSON, sent chunked, over its limit, or not declared JSON (the admin gate)
-_BODY_ERRORS = {**_ERRORS, **error_responses(400, 411, 413, 415)}
+_BODY_ERRORS = {**_REFUSED, **error_responses(400, 411, 413, 415)}
 
 
 def _policy(request: Request) -> PolicyManager:
@@ -47,7 +48,7 @@ async def put_policy(
     return _policy(request).update(patch)
 
 
-@router.post("/policy/reload", response_model=BatchingSettings, responses=_ERRORS, summary="Re-read the config file")
+@router.post("/policy/reload", response_model=BatchingSettings, responses=_REFUSED, summary="Re-read the config file")
 async def reload_policy(request: Request) -> BatchingSettings:
     """Applies the file's batching now, undoing admin changes; an invalid file is refused (422)."""
     manager = _policy(request)

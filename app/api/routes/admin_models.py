@@ -14,8 +14,12 @@ from app.api.schemas import ModelVersion
 from app.lifecycle.manager import LifecycleManager
 
 router = APIRouter(prefix="/admin/models", tags=["admin"], dependencies=[Depends(require_admin)])
-_ERRORS = error_responses(401, 403, 404, 409, 422, 503)
-_BODY_ERRORS = {**_ERRORS, **error_responses(415)}  # a body not declared JSON (the admin gate)
+# no 422: a path's names are strings, and a body these routes do not take is not read
+_ERRORS = error_responses(401, 403, 404, 409, 503)
+_QUERY_ERRORS = {**_ERRORS, 422: {**error_responses(422)[422], "description": "`force` is not a boolean"}}
+# a body that is not JSON, sent chunked, over its limit, not declared JSON (the admin gate), or
+# not the schema
+_BODY_ERRORS = {**_ERRORS, **error_responses(400, 411, 413, 415, 422)}
 
 
 class CanaryRequest(BaseModel):
@@ -56,7 +60,7 @@ async def unload_version(name: str, version: str, request: Request) -> ModelVers
     return describe_model(request.app.state.service, name)
 
 
-@router.post("/{name}/versions/{version}/promote", response_model=PromotionResponse, responses=_ERRORS)
+@router.post("/{name}/versions/{version}/promote", response_model=PromotionResponse, responses=_QUERY_ERRORS)
 async def promote_version(
     name: str,
     version: str,

@@ -53,7 +53,7 @@ def describe_model(service: InferenceService, name: str) -> ModelVersion:
 
 
 @router.get(
-    "/v1/models/{name}", response_model=ModelVersion, responses=error_responses(404, 422), summary="Describe one model"
+    "/v1/models/{name}", response_model=ModelVersion, responses=error_responses(404), summary="Describe one model"
 )
 async def get_model(name: str, service: Service) -> ModelVersion:
     return describe_model(service, name)

@@ -42,6 +42,22 @@ NAMED_PATH = "/v1/models/{name}/predict"
 _NAMED = re.compile(r"^/v1/models/([^/]+)/predict$")  # NAMED_PATH, matched as the router does
 
 _ERRORS = error_responses(400, 401, 403, 404, 413, 415, 422, 500, 503)
+_ERRORS[415] = {
+    **_ERRORS[415],
+    "description": "Content-Type not accepted, or the body sent with a Content-Encoding (send it unencoded) "
+    "or a Transfer-Encoding other than chunked",
+    "headers": {
+        "Accept-Encoding": {
+            "description": "`identity` when the refusal is for a Content-Encoding (RFC 7694); absent otherwise",
+            "schema": {"type": "string", "enum": ["identity"]},
+        }
+    },
+}
+_ERRORS[422] = {
+    **_ERRORS[422],
+    "description": "The JSON body violates the schema, or top_k (query or body) is not a whole number from 1 "
+    "to what the model answers, or the query and the body name two different ones",
+}
 _OPENAPI = {**OPENAPI_BODY, "parameters": PREDICT_PARAMETERS}
 
 
