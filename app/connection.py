@@ -1,6 +1,9 @@
 """One HTTP/1.1 connection: uvicorn's httptools protocol, taught to answer at shutdown the
 request that had just arrived, to bound a request's head, to refuse an HTTP version other than
 1.x (505), and to answer bytes that are not HTTP after the requests before them.
+The answers it gives itself to what it refuses to read (400 ``invalid_http``, 408, 431, 505)
+are in ``app.refused_heads``; its close after an answer that ends the connection (the lingering
+close, the transport an answer is written to) in ``app.lingering_close``.
 
 When uvicorn shuts down, it closes every connection that is not in the middle of an
 answer, and with it any request that had just arrived: its bytes unread in the socket, or
@@ -13,20 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import logging
-import struct
-import termios
 import time
-import urllib.parse
 from typing import Any, cast
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from app.api.middleware import ARRIVED, ENDS, new_request_id, request_id_from
-from app.api.schemas import ErrorResponse
+from app.api.middleware import ARRIVED, ENDS, request_id_from
+from app.lingering_close import AnswerTransport, stopped, unread_bytes
+from app.refused_heads import RefusingProtocol
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,6 @@ HEAD_TIMEOUT_S = 15.0
 # or the connection closes (a client that sent ``Expect: 100-continue`` may never send it, and
 # nothing else would bound the wait: the request has its answer, and its deadline no longer runs).
 ANSWERED_BODY_S = HEAD_TIMEOUT_S
-# A connection that closes after an answer while its request's bytes are still coming (a 413 on
-# the declared length with ``Connection: close``, say) is not closed at once: the kernel would
-# answer the unread bytes with a reset, and a client still sending would lose the answer (RFC
-# 9112, 9.6). Its writing side is shut after the answer, and what still comes is read and
-# dropped until the client closes, or nothing has come for LINGER_QUIET_S, or LINGER_S have passed.
-LINGER_S = 10.0
-LINGER_QUIET_S = 2.0
-
-
-def _stopped(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
-    """Cancel ``timer`` if there is one; None, for the attribute that held it."""
-    if timer is not None:
-        timer.cancel()
-    return None
 
 
 def _judge_versions_here(parser: httptools.HttpRequestParser) -> None:
@@ -78,34 +64,7 @@ class _HeadRefused(Exception):
     """Raised from a parser callback to stop parsing a request whose head is refused."""
 
 
-def unread_bytes(transport: asyncio.BaseTransport) -> int:
-    """Bytes that arrived on ``transport``'s socket and have not been read yet (0 if unknown)."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return 0
-    try:
-        count: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
-    except (OSError, ValueError):  # closed under us, or not a socket
-        return 0
-    return count
-
-
-class _AnswerTransport:
-    """The transport a request's cycle writes its answer to: uvicorn closes it after an answer
-    that ends the connection, which here closes as ``ClosingProtocol.close_answered`` says."""
-
-    def __init__(self, transport: asyncio.Transport, protocol: ClosingProtocol) -> None:
-        self._transport, self._protocol = transport, protocol
-        self.write, self.is_closing = transport.write, transport.is_closing  # each answer's: bound once
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-    def close(self) -> None:
-        self._protocol.close_answered()
-
-
-class ClosingProtocol(HttpToolsProtocol):
+class ClosingProtocol(RefusingProtocol):
     """uvicorn's httptools protocol, whose shutdown answers the request that had just arrived.
 
     uvicorn's own closes a connection at once unless an answer is under way, and a request
@@ -116,35 +75,20 @@ class ClosingProtocol(HttpToolsProtocol):
     connection; a connection that stays quiet is closed once ``QUIET_S`` has passed, and one
     whose request stops halfway after ``LAST_REQUEST_S``. A connection quiet for longer, with
     nothing pending, closes at once, as before. It overrides ``shutdown``, which uvicorn calls
-    on every connection as it stops, and the parser's callbacks.
+    on every connection as it stops, and the parser's callbacks; what it refuses is answered as
+    its base ``RefusingProtocol`` says, and an answer that ends the connection closes it as
+    ``LingeringProtocol.close_answered`` does.
     """
 
-    _receiving = False  # between a request's first byte and its end
-    _started: RequestResponseCycle | None = None  # the request whose app task started last
-    _invalid = False  # bytes that are not HTTP arrived: answered 400 after the requests before them
-    _broken: RequestResponseCycle | None = None  # the request whose body broke, if a body did
-    _invalid_at = 0.0  # perf_counter when they arrived
-    _invalid_answer = (400, "invalid_http", "the request is not valid HTTP/1.1")  # what they get
     _closing = False  # shut down, answering what had begun to arrive before closing
     _bounded = False  # the wait is already LAST_REQUEST_S, the most a request gets
     _active_at = float("-inf")  # the loop's clock when the connection was opened or last answered
-    _linger: asyncio.TimerHandle | None = None
-    _completed: RequestResponseCycle | None = None  # the last request whose bytes all arrived
-    _in_head = False  # between a request's first byte and the end of its headers
     _head_bytes = 0  # bytes received while in a head (short by at most the read it began in)
     _head_size = 0  # the head's own bytes, as parsed
     _head_began = False  # a head began in the read being parsed: its own bytes of that read count
-    _head_id: str | None = None  # the client's X-Request-ID in a head refused before it was whole
-    _head_refused = False  # the answer ``_stop_reading`` gives is to a request whose head was refused
-    _line_whole = False  # the head's request line has arrived whole (a CRLF of the head came)
-    _line_ended = False  # the last read of the head ended a line (with CRLF)
     _ended_in_read = False  # a request's bytes ended in the read being parsed
-    _head_timer: asyncio.TimerHandle | None = None
     _upgrade_body_left = 0  # body bytes still due to a request whose Upgrade header is ignored
-    _body_timer: asyncio.TimerHandle | None = None  # bounds the body of a request answered before it came
-    _discarding = False  # answered and shut for writing: what still comes is dropped (``close_answered``)
-    _linger_ends = 0.0  # the loop's clock when a connection discarding closes whatever comes
-    _answer_transport: _AnswerTransport | None = None
+    _answer_transport: AnswerTransport | None = None
 
     def shutdown(self) -> None:
         answering = self.cycle is not None and not self.cycle.response_complete
@@ -172,38 +116,9 @@ class ClosingProtocol(HttpToolsProtocol):
             return
         self.transport.close()
 
-    def close_answered(self) -> None:
-        """Close the connection after an answer that ends it: at once, unless bytes of a request
-        are still coming (its body, answered before it came, or unread in the socket). Then the
-        answer goes out followed by the end of the stream, and the connection reads and drops what
-        comes until the client closes, or nothing came for ``LINGER_QUIET_S``, or ``LINGER_S``
-        passed: closed with those bytes unread, the kernel would reset it, and the client might
-        never read the answer."""
-        transport = self.transport
-        if transport.is_closing() or self._discarding:
-            return
-        if not (self._receiving or unread_bytes(transport) > 0) or not transport.can_write_eof():
-            transport.close()
-            return
-        self._discarding = True
-        self._body_timer = _stopped(self._body_timer)
-        self._head_timer = _stopped(self._head_timer)
-        transport.write_eof()  # after what is buffered: the answer, whole
-        self.flow.resume_reading()  # paused while the app did not read the body: it is drained now
-        transport.resume_reading()  # (or by a refused head, which paused the transport itself)
-        self._linger_ends = self.loop.time() + LINGER_S
-        self._linger_quietly()
-
-    def _linger_quietly(self) -> None:
-        """(Re)arm the close of a connection discarding: ``LINGER_QUIET_S`` from now, at most at
-        ``_linger_ends``."""
-        self._linger = _stopped(self._linger)
-        closes = min(self.loop.time() + LINGER_QUIET_S, self._linger_ends)
-        self._linger = self.loop.call_at(closes, self.transport.close)
-
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._answer_transport = _AnswerTransport(transport, self)
+        self._answer_transport = AnswerTransport(transport, self)
         self._active_at = self.loop.time()
         _judge_versions_here(self.parser)
         self._arm_head_timer()  # its first request's head, too, has HEAD_TIMEOUT_S to come
@@ -229,7 +144,7 @@ class ClosingProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._head_timer = _stopped(self._head_timer)
+        self._head_timer = stopped(self._head_timer)
         if self._head_size > MAX_HEAD_BYTES:  # a head that came whole, in one read
             self._refuse_head(
                 431, "headers_too_large", f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
@@ -254,7 +169,7 @@ class ClosingProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._completed = self.cycle  # (uvicorn's returns early for a request answered already)
         self._ended_in_read = True
-        self._body_timer = _stopped(self._body_timer)
+        self._body_timer = stopped(self._body_timer)
         super().on_message_complete()
         self._receiving = False
         self._close_if_answered()
@@ -266,7 +181,7 @@ class ClosingProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _arm_head_timer(self) -> None:
-        self._head_timer = _stopped(self._head_timer)
+        self._head_timer = stopped(self._head_timer)
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
@@ -281,47 +196,6 @@ class ClosingProtocol(HttpToolsProtocol):
             )
         elif not self._unanswered():  # connected, and no request began: closed as an idle keep-alive is
             self.transport.close()
-
-    def _refuse_head(self, status: int, code: str, message: str) -> None:
-        """A request whose head will not do (too slow, too large, of another HTTP version):
-        answered once the requests before it are, then the connection closes; nothing more is
-        read from it."""
-        if not self._invalid:
-            if self._in_head and self._line_ended:
-                self._hand_over_last_header()
-            self._invalid_answer = (status, code, message)
-            self._head_refused_now()
-            self._stop_reading(None)
-
-    def _refuse_version(self, version: str) -> None:
-        self._refuse_head(
-            505, "http_version_not_supported", f"HTTP/{version} is not served here; send HTTP/1.1 (or HTTP/1.0)"
-        )
-
-    def _hand_over_last_header(self) -> None:
-        """httptools hands a header to ``on_header`` only once the next line begins (or the head
-        ends): a head cut off right after a whole header line (a 408) would lose that header, an
-        X-Request-ID the answer echoes among them. A byte that begins a header name makes the
-        parser hand it over; fed only when the last bytes received end a line, it cannot join
-        the request line or a line still coming (the connection reads nothing more anyway)."""
-        with contextlib.suppress(httptools.HttpParserError):
-            self.parser.feed_data(b"X")
-
-    def _head_refused_now(self) -> None:
-        """Note the request whose head is refused: its id (the X-Request-ID its headers parsed so
-        far give, else a fresh one), and its method and path for its access line, where its
-        request line came whole (headers ended or began, or a line of the head ended)."""
-        self._head_refused = True
-        scope = cast("dict[str, Any]", self.scope)
-        self._head_id = request_id_from(scope)
-        if self._in_head and not (self._line_whole or self.headers):
-            return  # the request line may be cut short, or the very thing that broke
-        try:
-            path = httptools.parse_url(self.url).path.decode("ascii")
-            method = self.parser.get_method().decode("ascii")
-        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
-            return
-        scope.update(method=method, path=self.root_path + (urllib.parse.unquote(path) if "%" in path else path))
 
     def on_response_complete(self) -> None:
         if self._discarding:  # the connection ends with this answer: nothing behind it runs
@@ -365,10 +239,6 @@ class ClosingProtocol(HttpToolsProtocol):
         if self._receiving and self.cycle is not None and self._completed is self.cycle:
             return True
         return not self.transport.is_closing() and unread_bytes(self.transport) > 0
-
-    def _unanswered(self) -> bool:
-        """A request on this connection is running, or waits behind one (pipelined)."""
-        return bool(self.pipeline) or (self._started is not None and not self._started.response_complete)
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:  # the rest of a request after the answer that ended the connection
@@ -447,7 +317,7 @@ class ClosingProtocol(HttpToolsProtocol):
         take, data = data[: self._upgrade_body_left], data[self._upgrade_body_left :]
         self._upgrade_body_left -= len(take)
         if not self._upgrade_body_left:
-            self._body_timer = _stopped(self._body_timer)
+            self._body_timer = stopped(self._body_timer)
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             cycle.body += take
@@ -455,88 +325,6 @@ class ClosingProtocol(HttpToolsProtocol):
                 cycle.more_body = False
             cycle.message_event.set()
         return data
-
-    def send_400_response(self, msg: str) -> None:
-        """Bytes that are not HTTP/1.1 (or a body longer than its Content-Length). uvicorn answers
-        a plain-text 400 at once and closes, even while a request before them, pipelined on the
-        same connection, is still being answered: the client read the 400 as that request's
-        answer. Here the requests before it are answered first, then the 400, in the envelope."""
-        if self._invalid:
-            return
-        # its body is what broke (a request answered before its body came, refused at the edge or
-        # by the app, keeps ``more_body`` though its body is whole: ``_completed`` tells)
-        cycle = self.cycle
-        if self._in_head:  # a head that breaks
-            self._head_refused_now()
-        self._stop_reading(cycle if cycle is not None and cycle.more_body and cycle is not self._completed else None)
-
-    def _stop_reading(self, broken: RequestResponseCycle | None) -> None:
-        """Read nothing more from this connection; answer ``_invalid_answer`` after the requests
-        before it (``broken``, a request whose body broke, gets it as its own answer), then close."""
-        self._invalid = True
-        self._invalid_at = time.perf_counter()
-        self.transport.pause_reading()
-        self._broken = broken
-        if broken is not None and broken is not self._started:  # queued behind another: never run it
-            self.pipeline = type(self.pipeline)(entry for entry in self.pipeline if entry[0] is not broken)
-        if broken is not None and broken is self._started:
-            if broken.response_complete:  # answered already (refused at the edge before its body came)
-                self.transport.close()
-                return
-            self._answer_invalid()  # its own answer: the app, still waiting for the body, is cut off
-            broken.disconnected = True  # nothing it sends goes out; its receive says the client went
-            broken.message_event.set()
-            self.close_answered()
-            return
-        if not self._unanswered():
-            self._answer_invalid()
-            self.close_answered()
-
-    def _answer_invalid(self) -> None:
-        if self.transport.is_closing():
-            return
-        broken = self._broken
-        scope = cast("dict[str, Any] | None", broken.scope if broken is not None else None)
-        state: dict[str, Any] = scope.setdefault("state", {}) if scope is not None else {}
-        request_id = state.get("request_id") or (
-            request_id_from(scope) if scope is not None else (self._head_id or new_request_id())
-        )
-        served = broken is not None and broken is self._started  # its app task runs: it counts the answer
-        status, code, message = self._invalid_answer
-        if served:
-            state.update(request_id=request_id, answered_as=(status, code))
-        envelope = ErrorResponse(code=code, message=message, request_id=request_id)
-        body = envelope.model_dump_json(exclude_none=True).encode()
-        head = [STATUS_LINE[status]]
-        for name, value in [
-            *self.server_state.default_headers,
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", request_id.encode()),
-            *([(b"x-trace-id", state["trace_id"].encode())] if state.get("trace_id") else []),
-            (b"connection", b"close"),
-        ]:
-            head += [name, b": ", value, b"\r\n"]
-        self.transport.write(b"".join([*head, b"\r\n", body]))
-        if not served:
-            # timed from the request's first byte, as every answer is (a 408's head took 15 s)
-            head_scope = cast("dict[str, Any]", self.scope) if self._head_refused else None
-            began = next((s["state"][ARRIVED] for s in (scope, head_scope) if s and ARRIVED in s["state"]), None)
-            self.answered_invalid(scope or head_scope, request_id, began or self._invalid_at, status, code)
-
-    def answered_invalid(
-        self,
-        scope: dict[str, Any] | None,
-        request_id: str,
-        started: float,
-        status: int = 400,
-        code: str = "invalid_http",
-    ) -> None:
-        """An ``invalid_http`` 400 no app task counts is written (``scope``: the request whose
-        body broke, if one did, or whose head was refused, with its method and path where its
-        request line came whole), or a request read whole that no app task will answer, its client
-        gone (499 ``client_closed_request``). A protocol that knows the app counts it in its
-        metrics and access log; an app task cut off by its own 400 counts it itself (``answered_as``)."""
 
     def _close_if_answered(self) -> None:
         # answered before its body had all arrived (a refusal at the edge): closed once it has;
@@ -546,9 +334,9 @@ class ClosingProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._linger = _stopped(self._linger)
-        self._head_timer = _stopped(self._head_timer)
-        self._body_timer = _stopped(self._body_timer)
+        self._linger = stopped(self._linger)
+        self._head_timer = stopped(self._head_timer)
+        self._body_timer = stopped(self._body_timer)
         # uvicorn tells only the last request parsed; the one running (pipelined requests were
         # read behind it) must see its client go too, and leave the queue uncomputed
         running = self._started
