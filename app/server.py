@@ -7,7 +7,8 @@ the grace period), and only then does the listener close and the process exit 0.
 SIGQUIT does the same (nginx's graceful quit: a supervisor or ``docker stop`` with a
 ``STOPSIGNAL SIGQUIT`` asks for a stop, and unhandled it killed the process at once with a core
 dump, every accepted request lost without an answer). A second SIGTERM or SIGQUIT, or SIGINT,
-stops at once (what still runs is answered 503 ``draining``).
+stops at once: what still runs is answered 503 ``draining``, and a batch still running on a
+device thread is abandoned, not awaited (``InferenceService.halt``), whatever the grace.
 
 As it stops, a request that had just arrived is answered, not cut off: on an open connection
 (``app.connection.ClosingProtocol``), or on one still waiting in the listener's backlog, which
@@ -89,6 +90,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
         self._drain_asked = False
+        self._at_once = False  # a second signal or Ctrl-C: nothing waits any more
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -120,10 +122,8 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig not in DRAINING_SIGNALS or self._loop is None:
-            self.config.timeout_graceful_shutdown = 0  # Ctrl-C: what still runs is answered 503 now
             self.interrupted = self.interrupted or sig == signal.SIGINT
-            if self._loop is not None:  # the service says so first: 503 draining, not uvicorn's 500
-                self._loop.call_soon_threadsafe(contextvars.Context().run, self._halt)
+            self._stop_at_once()  # Ctrl-C
             if sig in DRAINING_SIGNALS and sig != signal.SIGTERM:
                 self.should_exit = True  # not recorded: raised again at exit, SIGQUIT would dump core
                 return
@@ -138,12 +138,21 @@ class DrainingServer(uvicorn.Server):
         # it (SIGTERM: exit code 143; SIGQUIT: a core dump)
         if self._drain_asked or self.should_exit:
             log.warning("second %s: stopping without waiting for the drain", name)
-            self.config.timeout_graceful_shutdown = 0  # what still runs is answered 503 draining now
+            self._stop_at_once()
             self.should_exit = True
             return
         self._drain_asked = True
         log.info("%s: draining before shutdown", name)
         loop.call_soon_threadsafe(self._start_drain)  # in this context: a new one
+
+    def _stop_at_once(self) -> None:
+        """What still runs is answered 503 draining now: by the service first (``halt``: its
+        batchers closed with no grace, a drain under way ended, a batch held on a device thread
+        abandoned), then by uvicorn, which waits for no open request."""
+        self._at_once = True
+        self.config.timeout_graceful_shutdown = 0
+        if self._loop is not None:  # the service says so first: 503 draining, not uvicorn's 500
+            self._loop.call_soon_threadsafe(contextvars.Context().run, self._halt)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         taken = await close_listeners(self)
@@ -162,6 +171,8 @@ class DrainingServer(uvicorn.Server):
         finally:
             # the drain took the grace period (or ended with nothing left to wait for): uvicorn's
             # own wait for open connections gets DRAINED_CLOSE_S for the answers being written,
-            # not a second grace period; what still runs then is cancelled and answered 503 draining
-            self.config.timeout_graceful_shutdown = DRAINED_CLOSE_S
+            # not a second grace period; what still runs then is cancelled and answered 503 draining.
+            # A drain a second signal ended (``halt``) leaves it at none
+            if not self._at_once:
+                self.config.timeout_graceful_shutdown = DRAINED_CLOSE_S
             self.should_exit = True

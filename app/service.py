@@ -20,7 +20,7 @@ import torch
 from opentelemetry import trace
 
 from app.admission import DecodeBacklog, Seat
-from app.batching import BatchPolicy, Lane
+from app.batching import BatchPolicy, DualWindowBatcher, Lane
 from app.errors import (
     Draining,
     NotFound,
@@ -41,6 +41,7 @@ from app.inference.device import (
     resolve_dtype,
     size_primitive_cache,
 )
+from app.inference.jobs import Answer, Job
 from app.inference.loader import ModelLoadError
 from app.inference.repository import ModelEntry, Repository
 from app.inference.workers import WorkerThreads
@@ -92,6 +93,7 @@ class InferenceService:
         self._retiring: set[ServedModel] = set()  # unloaded versions whose requests still finish
         self._drained = False
         self._cut_short = False  # a drain's grace ran out with work left: what still runs is awaited by nobody
+        self._halting: asyncio.Task[None] | None = None  # ``halt``'s close of the batchers, with no grace
         self._rng = random.Random()
         self.default_model: str | None = None
         server = settings.server
@@ -381,22 +383,43 @@ class InferenceService:
             return Memory(0, 0)
 
     def halt(self) -> None:
-        """Stop taking work now, with no grace (Ctrl-C): readiness and predictions turn 503 at
-        once, and what the server then cuts off is answered 503 ``draining``."""
+        """Stop now, with no grace (Ctrl-C, or a second SIGTERM or SIGQUIT during a drain): readiness
+        and predictions turn 503 at once, and every batcher closes at once, a drain under way
+        included: what is queued or running is answered 503 ``draining`` now, and a batch still
+        running on a device thread is abandoned as one past the grace is (``close`` does not wait
+        for it past ``ABANDONED_JOIN_S``). Called on the event loop."""
         if self.state in (State.READY, State.STARTING):
             self.state = State.DRAINING
+        if self._halting is None and self.state is not State.STOPPED:
+            self._halting = asyncio.get_running_loop().create_task(self._close_batchers(0), name="halt")
+
+    def _batchers(self) -> list[DualWindowBatcher[Job, Answer]]:
+        return [served.batcher for served in (*self.all_served(), *self._retiring)]
+
+    async def _close_batchers(self, grace_s: float | None) -> None:
+        await asyncio.gather(*(batcher.close(grace_s) for batcher in self._batchers()))
 
     async def drain(self, grace_s: float | None) -> None:
         """Stop taking work (readiness and predictions turn 503 at once) and let queued and
-        running requests finish within ``grace_s``; whatever is left then gets 503."""
+        running requests finish within ``grace_s``; whatever is left then gets 503. A ``halt``
+        ends it at once, whatever ``grace_s``."""
         if self.state in (State.READY, State.STARTING):  # a start still loading never turns ready
             self.state = State.DRAINING
         started = time.perf_counter()
-        batchers = [served.batcher for served in (*self.all_served(), *self._retiring)]
-        await asyncio.gather(*(batcher.close(grace_s) for batcher in batchers))
+        batchers = self._batchers()
+        # halted: no grace left; a halt meanwhile closes them at once, which ends these closes too
+        await self._close_batchers(0 if self._halting is not None else grace_s)
+        if self._halting is not None:  # shielded: a drain cancelled here leaves the halt's close to answer what it took
+            await asyncio.shield(self._halting)
         cut = sum(batcher.cut_off for batcher in batchers)
         self._cut_short = self._cut_short or cut > 0
-        if cut and not self._drained and grace_s is None:  # no grace to run out: a drain stopped (cancelled)
+        if cut and not self._drained and self._halting is not None:
+            log.warning(
+                "the service stopped at once (a second signal, Ctrl-C): %d queued or running request(s) "
+                "answered 503 draining",
+                cut,
+            )
+        elif cut and not self._drained and grace_s is None:  # no grace to run out: a drain stopped (cancelled)
             log.warning(
                 "the drain (no time limit) was stopped before it ended: %d queued or running request(s) "
                 "answered 503 draining",
@@ -421,17 +444,20 @@ class InferenceService:
             # joined, bounded: threads left inside torch at interpreter exit can abort the process
             # (the CLI then exits without finalizing it). Once the grace ran out, a batch still
             # running is awaited by nobody (each of its requests has its 503): the exit does not
-            # wait for it past the grace, which an orchestrator's kill would end first
-            join_s = ABANDONED_JOIN_S if self._cut_short else JOIN_S
+            # wait for it past the grace, which an orchestrator's kill would end first; nor, once
+            # halted (a second signal, Ctrl-C), for what still runs
+            abandoning = self._cut_short or self._halting is not None
+            join_s = ABANDONED_JOIN_S if abandoning else JOIN_S
             decode = await asyncio.to_thread(self._pool.close, join_s, cancel_waiting=True)
             device, loader = await asyncio.gather(
                 asyncio.to_thread(self._device_thread.close, join_s), asyncio.to_thread(self.loader.close)
             )
-            if device and self._cut_short:
+            if device and abandoning:
                 log.warning(
-                    "shutdown: a batch still running on %s past the grace was abandoned, not awaited "
+                    "shutdown: a batch still running on %s %s was abandoned, not awaited "
                     "(its requests had their 503 already)",
                     ", ".join(device),
+                    "past the grace" if self._halting is None else "when the service stopped at once",
                 )
             self.unfinished = [*decode, *device, *loader]
             if self.device.type == "cuda":
