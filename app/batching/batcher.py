@@ -30,7 +30,6 @@ from app.batching.policy import (
     Lane,
     LaneState,
     hurries,
-    hurry_lead_s,
     next_wakeup,
     plan_batch,
     ready_at,
@@ -231,7 +230,7 @@ class DualWindowBatcher(Generic[P, R]):
         future.add_done_callback(lambda _: self._settled(item))
         queue.items.append(item)
         if hurries(timeout_s, self.effective_policy().lane(lane).window_s, self._intake.batch_s(lane)):
-            queue.hurry(item)  # its lane's window closes when it must start
+            queue.hurry(item)  # its lane's batch goes at once
         queue.waiting += 1
         self._wakeup.set()
         return future
@@ -269,7 +268,7 @@ class DualWindowBatcher(Generic[P, R]):
                 if not (self._may_start(Lane.URGENT) or self._may_start(Lane.NORMAL)):
                     await self._wakeup.wait()  # a batch finishing sets it
                     continue
-                u_state, n_state = urgent.state(self._lead_s(Lane.URGENT)), normal.state(self._lead_s(Lane.NORMAL))
+                u_state, n_state = urgent.state(), normal.state()
                 policy = self.effective_policy()
                 plan = self._plan(u_state, n_state, policy)
                 if plan is not None and self._may_start(plan.lane):
@@ -293,10 +292,6 @@ class DualWindowBatcher(Generic[P, R]):
                 task.cancel()
             if self._in_flight:
                 await asyncio.wait(set(self._in_flight))
-
-    def _lead_s(self, lane: Lane) -> float:
-        """How long before its deadline a hurried request of ``lane`` has its batch go."""
-        return hurry_lead_s(self._intake.batch_s(lane))
 
     def _form(self, plan: BatchPlan) -> list[Pending[P, R]] | None:
         """The plan's requests; ``None`` when some turned out past their deadline though their timer

@@ -7,10 +7,7 @@ checked exhaustively with property tests.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
-
-from app.batching.clock import TIMER_RESOLUTION_S
 
 
 class Lane(enum.StrEnum):
@@ -65,7 +62,7 @@ class UrgentFill(enum.StrEnum):
 @dataclass(frozen=True)
 class LanePolicy:
     """One lane's rules: a batch goes when it holds ``max_batch`` or its oldest waited ``window_s``
-    (sooner for a request whose deadline cannot wait that long: see ``LaneState.start_by``)."""
+    (at once for a request whose deadline cannot wait that long: see ``hurries``)."""
 
     window_s: float
     max_batch: int
@@ -108,12 +105,12 @@ class BatchPolicy:
 
 @dataclass(frozen=True)
 class LaneState:
-    """What the rules need to know of a queue: live requests, when the oldest arrived, and when
-    the first of them whose deadline cannot wait out the window must start (``None``: none must)."""
+    """What the rules need to know of a queue: live requests, when the oldest arrived, and whether
+    one of them cannot wait out the window (``hurries``: the lane's batch goes at once)."""
 
     waiting: int = 0
     oldest_at: float | None = None
-    start_by: float | None = None
+    hurried: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,36 +127,30 @@ class BatchPlan:
 
 
 def ready_at(state: LaneState, policy: LanePolicy) -> float | None:
-    """When the lane's window closes for its oldest request, or sooner, when a request queued
-    must start by then to be answered within its deadline (``None`` if it is empty)."""
+    """When the lane's window closes for its oldest request, or when it arrived, if a request
+    queued cannot wait out the window (``None`` if it is empty)."""
     if state.waiting == 0 or state.oldest_at is None:
         return None
-    closes = state.oldest_at + policy.window_s
-    return closes if state.start_by is None else min(closes, state.start_by)
+    return state.oldest_at if state.hurried else state.oldest_at + policy.window_s
 
 
 HURRY_BATCHES = 4
 
 
 def hurries(timeout_s: float, window_s: float, batch_s: float | None) -> bool:
-    """Whether a request with ``timeout_s`` left may not wait out its lane's window: its deadline
-    is less than the window and ``HURRY_BATCHES`` batches' runs away (the window alone, before the
-    lane's first batch is timed). Such a request's lane closes its window when it must start, and
-    its admission leaves the window out of its predicted wait. Under the default deadline (30 s)
-    no request hurries, and the dispatcher watches none."""
+    """Whether a request with ``timeout_s`` left cannot wait out its lane's window: its deadline is
+    less than the window and ``HURRY_BATCHES`` batches' runs away (the window alone, before the
+    lane's first batch is timed). Its lane's batch then goes at once, with whatever is queued, as
+    soon as a device thread may take it, and its admission leaves the window out of its predicted
+    wait. Waiting for company until it must start would leave it only the margin of an estimate,
+    which a loop running late or a slower batch spends. Under the default deadline (30 s) no
+    request hurries."""
     return timeout_s < window_s + (0.0 if batch_s is None else HURRY_BATCHES * batch_s)
 
 
-def hurry_lead_s(batch_s: float | None) -> float:
-    """How long before its deadline a request that hurries has its batch go: two batches' runs
-    (its own, and one more for a loop that runs late or a batch slower than the mean) and a
-    timer's resolution; with no batch timed yet, at once."""
-    return math.inf if batch_s is None else 2 * batch_s + TIMER_RESOLUTION_S
-
-
 def is_ready(state: LaneState, policy: LanePolicy, now: float, flush: bool = False) -> bool:
-    """Full, or its oldest request has waited the window, or one must start now to meet its
-    deadline (or everything goes: ``flush``)."""
+    """Full, or its oldest request has waited the window, or one cannot wait it out (or
+    everything goes: ``flush``)."""
     if state.waiting == 0:
         return False
     if flush or state.waiting >= policy.max_batch:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ class Pending(Generic[P, R]):
     timer: Timer | None = None
     queued: bool = True
     batched: bool = False  # taken into a batch (from then on, the runner reports it left out)
+    hurried: bool = False  # its deadline cannot wait out its lane's window (``LaneQueue.hurry``)
 
 
 @dataclass(eq=False)
@@ -49,33 +48,26 @@ class LaneQueue(Generic[P, R]):
 
     items: deque[Pending[P, R]] = field(default_factory=deque)
     waiting: int = 0  # live requests; done ones are removed lazily from the deque
-    # the requests whose deadline may not wait out the window, earliest deadline first (those
-    # gone leave lazily); empty under the default deadlines, which costs nothing to keep
-    hurried: list[tuple[float, int, Pending[P, R]]] = field(default_factory=list)
-    _order: itertools.count[int] = field(default_factory=itertools.count)
+    hurried: int = 0  # of those, the ones whose deadline cannot wait out the window
 
     def hurry(self, item: Pending[P, R]) -> None:
-        """Watch ``item``'s deadline: its lane's window closes early when it must start."""
-        heapq.heappush(self.hurried, (item.deadline, next(self._order), item))
+        """``item``'s deadline cannot wait out the window: its lane's batch goes at once."""
+        item.hurried = True
+        self.hurried += 1
 
     def drop(self, item: Pending[P, R]) -> None:
         if item.queued:
             item.queued = False
             self.waiting -= 1
+            self.hurried -= item.hurried
 
     def prune_head(self) -> None:
         while self.items and (not self.items[0].queued or self.items[0].future.done()):
             self.drop(self.items.popleft())
 
-    def state(self, lead_s: float = 0.0) -> LaneState:
-        """The queue as the rules see it; a hurried request must start ``lead_s`` (its batch's
-        run) before its deadline."""
+    def state(self) -> LaneState:
         self.prune_head()
-        hurried = self.hurried
-        while hurried and (not hurried[0][2].queued or hurried[0][2].future.done()):
-            heapq.heappop(hurried)
-        start_by = hurried[0][0] - lead_s if hurried else None
-        return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None, start_by)
+        return LaneState(self.waiting, self.items[0].enqueued_at if self.items else None, self.hurried > 0)
 
     def take(self, count: int, now: float = -math.inf) -> tuple[list[Pending[P, R]], list[Pending[P, R]]]:
         """Up to ``count`` live requests from the head, for a batch; and those passed over because
@@ -100,3 +92,4 @@ class LaneQueue(Generic[P, R]):
             item.batched, item.queued = False, True
             self.items.appendleft(item)
         self.waiting += len(taken)
+        self.hurried += sum(item.hurried for item in taken)

@@ -284,8 +284,7 @@ def test_a_deadline_shorter_than_the_window_is_served_within_it(servers: dict[st
 
     It was answered 503 both times, never computed: ``deadline_exceeded`` in the queue on the fresh
     server (no batch latency to predict with), ``would_miss_deadline`` at admission after (the
-    window alone outlasted the deadline). Its lane's window now closes when it must start: at once
-    with no batch timed, two batches' runs before its deadline after.
+    window alone outlasted the deadline). It hurries now: its lane's batch goes at once.
     """
     server = _ready(servers, "deadline")
     with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:

@@ -51,7 +51,7 @@ def test_timings_are_not_whole_milliseconds(server: ServerProcess) -> None:
 def test_a_deadline_under_the_lanes_window_is_served_on_an_idle_lane(server: ServerProcess) -> None:
     # on an idle normal lane (25 ms window) a request used to wait its window, then its batch ran: a
     # 20 ms deadline was refused (503 would_miss_deadline) and told to retry a request no retry
-    # would serve. Its window now closes when it must start
+    # would serve. It hurries now: its lane's batch goes at once
     headers = {"Content-Type": "image/png"}
     with httpx.Client(base_url=server.url, timeout=10.0) as client:
         assert client.post("/predict", content=sample_png(7), headers=headers).status_code == 200  # a batch timed

@@ -1,20 +1,19 @@
-"""A request whose deadline cannot wait out its lane's window hurries: its lane's batch goes when it
-must start (two batches' runs before its deadline), and admission leaves the window out of its
-predicted wait. On an idle normal lane (a 25 ms window) a 20 ms deadline was refused
-``would_miss_deadline`` and told to retry, a request no retry would serve though the device was free.
+"""A request whose deadline cannot wait out its lane's window hurries: its lane's batch goes at
+once (with whatever is queued, as soon as a device thread may take it), and admission leaves the
+window out of its predicted wait. On an idle normal lane (a 25 ms window) a 20 ms deadline was
+refused ``would_miss_deadline`` and told to retry, a request no retry would serve though the device
+was free.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 
 import pytest
 
 from app.batching import BatchPolicy, DualWindowBatcher, Lane, LanePolicy
-from app.batching.clock import TIMER_RESOLUTION_S
-from app.batching.policy import LaneState, hurries, hurry_lead_s, is_ready, next_wakeup, ready_at
-from app.errors import WouldMissDeadline
+from app.batching.policy import LaneState, hurries, is_ready, next_wakeup, ready_at
+from app.errors import DeadlineExceeded, WouldMissDeadline
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 
 MS = 0.001
@@ -22,13 +21,13 @@ NORMAL = LanePolicy(25 * MS, 4, 64)
 POLICY = BatchPolicy(LanePolicy(2 * MS, 4, 64), NORMAL)
 
 
-def test_a_request_that_must_start_closes_its_lanes_window_early() -> None:
+def test_a_request_that_hurries_makes_its_lane_ready_at_once() -> None:
     assert ready_at(LaneState(1, 0.0), NORMAL) == pytest.approx(25 * MS)
-    assert ready_at(LaneState(1, 0.0, start_by=5 * MS), NORMAL) == pytest.approx(5 * MS)
-    assert ready_at(LaneState(1, 0.0, start_by=40 * MS), NORMAL) == pytest.approx(25 * MS), "the window first"
-    assert not is_ready(LaneState(1, 0.0, start_by=5 * MS), NORMAL, 4 * MS)
-    assert is_ready(LaneState(1, 0.0, start_by=5 * MS), NORMAL, 5 * MS)
-    assert next_wakeup(LaneState(), LaneState(2, 0.0, start_by=7 * MS), POLICY) == pytest.approx(7 * MS)
+    assert ready_at(LaneState(2, 3 * MS, hurried=True), NORMAL) == pytest.approx(3 * MS)
+    assert is_ready(LaneState(2, 3 * MS, hurried=True), NORMAL, 3 * MS)
+    assert not is_ready(LaneState(2, 3 * MS), NORMAL, 4 * MS)
+    assert ready_at(LaneState(0, None, hurried=True), NORMAL) is None
+    assert next_wakeup(LaneState(), LaneState(2, 7 * MS, hurried=True), POLICY) == pytest.approx(7 * MS)
 
 
 def test_only_a_deadline_under_the_window_and_four_batches_hurries() -> None:
@@ -37,8 +36,6 @@ def test_only_a_deadline_under_the_window_and_four_batches_hurries() -> None:
     assert not hurries(0.040, 0.025, 0.002)
     assert not hurries(30.0, 0.025, 0.100), "the default deadline never does"
     assert hurries(0.020, 0.025, None) and not hurries(0.030, 0.025, None), "untimed: the window alone"
-    assert hurry_lead_s(0.002) == pytest.approx(4 * MS + TIMER_RESOLUTION_S)
-    assert hurry_lead_s(None) == math.inf, "untimed: it goes at once"
 
 
 async def _timed(batch_s: float) -> tuple[DualWindowBatcher[int, int], FakeClock, FakeRunner]:
@@ -57,32 +54,27 @@ async def _timed(batch_s: float) -> tuple[DualWindowBatcher[int, int], FakeClock
     return batcher, clock, runner
 
 
-async def test_a_short_deadline_on_an_idle_lane_is_admitted_and_its_batch_goes_in_time() -> None:
+async def test_a_short_deadline_on_an_idle_lane_is_admitted_and_goes_at_once() -> None:
     batcher, clock, runner = await _timed(2 * MS)
     try:
         batcher.intake.admit(Lane.NORMAL, 20 * MS)  # 25 ms of window and 2 of batch: refused before
         hurried = asyncio.ensure_future(batcher.submit(7, Lane.NORMAL, 20 * MS))
         await settle()
-        start_by = 20 * MS - hurry_lead_s(2 * MS)  # 15 ms
-        await clock.advance(start_by - 0.5 * MS)
-        assert runner.batches == [], "it waits for company while its deadline allows"
-        await clock.advance(1 * MS)
-        assert runner.batches == [[7]], "it goes when it must start, not at the window (25 ms)"
+        assert runner.batches == [[7]], "it goes at once, not at the window (25 ms)"
         answer = await hurried
-        assert answer.output == 14 and answer.queued_s == pytest.approx(start_by, abs=0.6 * MS)
+        assert answer.output == 14 and answer.queued_s == 0
     finally:
         await batcher.close(grace_s=0)
 
 
-async def test_requests_queued_behind_it_ride_and_a_relaxed_one_alone_waits_its_window() -> None:
+async def test_it_takes_those_queued_before_it_and_a_relaxed_one_alone_waits_its_window() -> None:
     batcher, clock, runner = await _timed(2 * MS)
     try:
         relaxed = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 1.0))
         await clock.advance(3 * MS)
-        hurried = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 15 * MS))  # must start by 13 ms
-        await clock.advance(9.5 * MS)
         assert runner.batches == []
-        await clock.advance(1 * MS)  # 13.5 ms: the hurried one's start, before the relaxed one's window
+        hurried = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 15 * MS))
+        await settle()
         assert runner.batches == [[1, 2]], "the lane's batch goes, in order, with the one that waited"
         await asyncio.gather(relaxed, hurried)
         alone = asyncio.ensure_future(batcher.submit(3, Lane.NORMAL, 1.0))
@@ -91,6 +83,29 @@ async def test_requests_queued_behind_it_ride_and_a_relaxed_one_alone_waits_its_
         await clock.advance(1.5 * MS)
         assert runner.batches == [[1, 2], [3]]
         await alone
+    finally:
+        await batcher.close(grace_s=0)
+
+
+async def test_a_hurried_request_that_left_no_longer_hurries_its_lane() -> None:
+    batcher, clock, runner = await _timed(2 * MS)
+    try:
+        runner.gate = asyncio.Event()
+        running = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+        await settle()  # the one device thread held
+        hurried = asyncio.ensure_future(batcher.submit(8, Lane.NORMAL, 20 * MS))
+        relaxed = asyncio.ensure_future(batcher.submit(9, Lane.NORMAL, 10.0))
+        await settle()
+        hurried.cancel()  # its client went
+        await settle()
+        runner.gate.set()
+        await asyncio.gather(*running)
+        runner.gate = None
+        await settle()
+        assert runner.batches[-1] == [0, 1, 2, 3], "the relaxed one waits its window again"
+        await clock.advance(25 * MS)
+        assert runner.batches[-1] == [9]
+        await relaxed
     finally:
         await batcher.close(grace_s=0)
 
@@ -116,7 +131,7 @@ async def test_behind_a_busy_device_a_hurried_request_waits_for_a_thread_and_is_
         assert wait == pytest.approx(20 * MS)
         assert batcher.intake.predicted_wait(Lane.NORMAL) == pytest.approx(45 * MS)
         hurried = asyncio.ensure_future(batcher.submit(9, Lane.NORMAL, 40 * MS))
-        await clock.advance(30 * MS)  # past its start-by (19 ms): no thread free, it waits
+        await clock.advance(5 * MS)  # no thread free: it waits for one
         assert runner.batches == [[0, 1, 2, 3]]
         runner.gate.set()
         await asyncio.gather(*running)
@@ -139,5 +154,29 @@ async def test_before_any_batch_is_timed_one_that_cannot_wait_the_window_goes_at
         await settle()
         assert runner.batches == [[1, 2]]
         await asyncio.gather(relaxed, hurried)
+    finally:
+        await batcher.close(grace_s=0)
+
+
+async def test_a_hurried_request_put_back_when_its_batch_did_not_form_still_hurries() -> None:
+    """A batch that finds a request past its deadline (its timer not run yet) puts the others back,
+    and forms again without it: the one put back still cannot wait out the window."""
+    batcher, clock, runner = await _timed(2 * MS)
+    try:
+        runner.gate = asyncio.Event()
+        running = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+        await settle()  # the one device thread held
+        late = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 6 * MS))
+        hurried = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 20 * MS))
+        await settle()
+        clock.t += 7 * MS  # the first one's deadline passed; the loop has not run its timer
+        runner.gate.set()
+        await asyncio.gather(*running)
+        runner.gate = None
+        await settle()
+        assert runner.batches[-1] == [2], "formed again at once, without the late one"
+        assert (await hurried).output == 4
+        with pytest.raises(DeadlineExceeded):
+            await late
     finally:
         await batcher.close(grace_s=0)

@@ -9,8 +9,8 @@ The runner holds the batches the run says to hold (``FakeRunner`` computes them)
   nor the close any request;
 - nothing reaches the runner past its deadline, cancelled, or twice;
 - a batch is no larger than the policy (under the ceiling) set last, goes only when its lane is
-  full, its oldest request waited the lane's window or one of its requests had to start to meet its
-  deadline, never before a ready urgent batch, and
+  full, its oldest request waited the lane's window or one of its requests could not wait it out,
+  never before a ready urgent batch, and
   keeps each lane's order; and no request waits past its window while a thread it may use is free;
 - the depth counts exactly the live requests queued and the seats held (a cancel frees its slot),
   and admission refuses a full queue and only a full one;
@@ -29,7 +29,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from app.batching import BatchPolicy, Completed, DualWindowBatcher, Lane, LanePolicy, UrgentFill
-from app.batching.policy import hurries, hurry_lead_s
+from app.batching.policy import hurries
 from app.errors import BatchFailed, DeadlineExceeded, Draining, QueueFull, ServiceError, WouldMissDeadline
 from tests.unit.fakes import FakeClock, FakeRunner, settle
 from tests.unit.strategies import batch_policies
@@ -148,12 +148,9 @@ class Run:
         own = [p for p in payloads if self.requests[p].lane is lane]
         full = len(own) >= self._max_batch(lane)
         waited = now - self.requests[own[0]].enqueued_at
-        # or a request of the lane had to start now to meet its deadline (its batch's run ahead of it)
-        lead = hurry_lead_s(self.batcher.intake.batch_s(lane))
+        # or a request of the lane could not wait out the window (it hurries: the batch goes at once)
         hurried = any(
-            now >= r.deadline - lead - EPS
-            for p, r in self.requests.items()
-            if r.lane is lane and r.hurries and (p in payloads or self._queued(r, now))
+            r.lane is lane and r.hurries and (p in payloads or self._queued(r, now)) for p, r in self.requests.items()
         )
         assert full or self.closing or hurried or waited >= policy.lane(lane).window_s - EPS, (
             f"a {lane} batch of {len(own)} went after {waited * 1000:.3f} ms, before its window"
@@ -180,8 +177,8 @@ class Run:
         return request.batch is None and not request.task.done() and now < request.deadline - EPS
 
     def check_nothing_overdue(self) -> None:
-        """No request waits past its lane's window while a device thread it may use is free: the
-        device is never idle while a batch is ready."""
+        """No request waits past its lane's window while a device thread it may use is free, nor at
+        all if it hurries: the device is never idle while a batch is ready."""
         running = [i for i, ended in enumerate(self.ended) if not ended]
         urgent_running = sum(self.requests[self.batches[i][0]].lane is Lane.URGENT for i in running)
         now = self.clock.now()
@@ -195,6 +192,7 @@ class Run:
             waited = now - request.enqueued_at
             window = self.policy.lane(request.lane).window_s
             assert not free or waited < window + EPS, f"{payload} waited {waited * 1000:.3f} ms, a thread free"
+            assert not (free and request.hurries), f"{payload} cannot wait out its window, and waits, a thread free"
 
     def check(self) -> None:
         """What must hold whenever the loop is quiet."""
@@ -401,6 +399,15 @@ def _check_answer(run: Run, payload: int, request: Request) -> None:
 @example(
     BatchPolicy(LanePolicy(0.002, 2, 4), LanePolicy(0.025, 2, 4), UrgentFill.NEVER),
     [("submit", Lane.NORMAL, 5.0), ("submit", Lane.URGENT, 5.0), ("advance", 0.002)],
+    [(False, "ok")],
+    (1, 0),
+    True,
+    False,
+)
+# pinned: a deadline that cannot wait out the window, behind one that can, with a thread free: both go at once
+@example(
+    BatchPolicy(LanePolicy(0.002, 4, 8), LanePolicy(0.025, 4, 8)),
+    [("submit", Lane.NORMAL, 5.0), ("submit", Lane.NORMAL, 0.004), ("advance", 0.0005), ("advance", 0.03)],
     [(False, "ok")],
     (1, 0),
     True,
