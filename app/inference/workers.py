@@ -231,6 +231,11 @@ class WorkerThreads:
                     self._idle.pop(index, None)  # woken by a call another thread took first: idle again above
                 if call is None:
                     return
+                # woken for one call, it may have taken another (an urgent one, first in its order,
+                # whose own thread then finds nothing): the call it was woken for wakes someone else
+                for priority in kind:
+                    if self._queues[priority]:
+                        self._wake_one(priority)
             _run(call)  # its own frame: nothing of the call stays referenced while this thread waits
 
     def close(self, timeout_s: float = 10.0, cancel_waiting: bool = False) -> list[str]:

@@ -430,3 +430,20 @@ def test_calls_from_many_threads_at_once_all_run() -> None:
         )
     finally:
         workers.close()
+
+
+def test_a_normal_call_does_not_wait_while_a_thread_that_takes_it_idles() -> None:
+    """General threads that take urgent calls first (no lowered priority): woken for a normal call, a
+    general thread may take an urgent call submitted just after it, whose urgent-only thread then
+    finds nothing. The normal call waited a whole urgent call though another general thread idled."""
+    for _ in range(20):
+        workers = WorkerThreads("test", 2, urgent_workers=1, normal_nice=0)
+        release, normal_ran = threading.Event(), threading.Event()
+        try:
+            time.sleep(0.02)  # every thread waiting
+            workers.submit(normal_ran.set)
+            workers.submit(lambda: release.wait(10), urgent=True)
+            assert normal_ran.wait(5), "the normal call waited for the urgent one, a general thread idle"
+        finally:
+            release.set()
+            workers.close()
