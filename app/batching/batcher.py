@@ -80,6 +80,8 @@ class DualWindowBatcher(Generic[P, R]):
         self._flush = False
         self._in_flight: set[asyncio.Task[None]] = set()  # batches handed to the runner
         self._running = {Lane.URGENT: 0, Lane.NORMAL: 0}  # of those, by the lane that formed them
+        # each lane's batch estimate when its queue was last looked over for requests that hurry
+        self._hurry_basis: dict[Lane, float | None] = {Lane.URGENT: None, Lane.NORMAL: None}
         # with threads of their own for urgent batches (on a CPU), urgent requests that waited for
         # a busy one go without normal riders: an urgent request then waits for at most one long
         # (filled) batch, not for that one and then its own; except under the backlog rule while
@@ -121,6 +123,7 @@ class DualWindowBatcher(Generic[P, R]):
     def set_policy(self, policy: BatchPolicy) -> None:
         """Takes effect from the next batch."""
         self._policy = policy
+        self._rehurry()  # a longer window: a deadline that waited it out may not any more
         self._wakeup.set()
 
     @property
@@ -348,7 +351,27 @@ class DualWindowBatcher(Generic[P, R]):
     def _batch_done(self, lane: Lane, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
         self._running[lane] -= 1
+        self._rehurry(estimates_only=True)
         self._wakeup.set()
+
+    def _rehurry(self, estimates_only: bool = False) -> None:
+        """Mark the queued requests that hurry now, though they did not when they came: their lane's
+        window is longer now (a policy change), or its batch estimate is new (the lane's first batch
+        timed) or twice what it was at the last look. An estimate rising less than that leaves a
+        request that did not hurry at least two batch runs to spare after its window (``hurries``
+        asks four): that many looks, each over the queue, are not worth the batches' time."""
+        now = self._clock.now()
+        for lane, queue in self._queues.items():
+            batch_s, basis = self._intake.batch_s(lane), self._hurry_basis[lane]
+            if estimates_only and (batch_s is None or (basis is not None and batch_s <= 2 * basis)):
+                continue
+            self._hurry_basis[lane] = batch_s
+            if queue.hurried == queue.waiting:  # none waiting, or each hurries already
+                continue
+            window_s = self.effective_policy().lane(lane).window_s
+            for item in queue.items:
+                if item.queued and not item.hurried and hurries(item.deadline - now, window_s, batch_s):
+                    queue.hurry(item)
 
     @property
     def cut_off(self) -> int:

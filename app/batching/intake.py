@@ -243,7 +243,8 @@ class Intake:
                 wait = max(wait, upstream_s + window + batch_s)
         if wait is not None and wait > allowed:
             self._refuse(lane, "would_miss_deadline")
-            raise WouldMissDeadline(self._miss_message(lane, wait, timeout_s), retry_after_s=max(1, math.ceil(wait)))
+            message = self._miss_message(lane, wait, timeout_s, upstream_s)
+            raise WouldMissDeadline(message, retry_after_s=max(1, math.ceil(wait)))
         if reserve:
             self._reserved[lane] += 1
 
@@ -259,18 +260,21 @@ class Intake:
         """The normal lane refused a request with others ahead of it within ``REFUSING_S``."""
         return self._refused_at is not None and self._clock.now() - self._refused_at < REFUSING_S
 
-    def _miss_message(self, lane: Lane, wait: float, timeout_s: float) -> str:
+    def _miss_message(self, lane: Lane, wait: float, timeout_s: float, upstream_s: float) -> str:
         headroom = self._dispatcher.policy.admission_headroom
-        said = f"predicted wait {wait * 1000:.0f} ms"
-        if self._idle(lane):  # nothing ahead, and the window closes for it: its own batch is too long
+        said, deadline = f"predicted wait {_ms(wait)}", _ms(timeout_s)
+        if self._idle(lane) and upstream_s <= 0:  # nothing ahead, and it hurries: its own batch is too long
             return (
-                f"{said} exceeds the deadline of {timeout_s * 1000:.0f} ms: nothing is ahead of it, but "
-                f"a batch of the {lane.value} lane takes about {wait * 1000:.0f} ms to run"
+                f"{said} exceeds the deadline of {deadline}: nothing is ahead of it, but "
+                f"a batch of the {lane.value} lane takes about {_ms(wait)} to run"
             )
-        deadline_ms = f"{timeout_s * 1000:.0f} ms"
-        if headroom < 1:
-            return f"{said} is over {headroom:g} of the {deadline_ms} deadline (batching.admission_headroom)"
-        return f"{said} exceeds the deadline of {deadline_ms}"
+        if headroom < 1:  # (the idle lane's own batch, above, is allowed the whole deadline)
+            why = f"{said} is over {headroom:g} of the {deadline} deadline (batching.admission_headroom)"
+        else:
+            why = f"{said} exceeds the deadline of {deadline}"
+        if upstream_s > 0:
+            why += f": the images ahead of it take about {_ms(upstream_s)} to decode, then its batch runs"
+        return why
 
     def release(self, lane: Lane) -> None:
         """A seat ``admit(reserve=True)`` held is free again (the request is submitted, or failed)."""
@@ -290,3 +294,9 @@ class Intake:
             self._arriving -= 1
             if not self._dispatcher.accepting:
                 self._wakeup.set()  # closing: the dispatcher ends once nothing is on its way either
+
+
+def _ms(seconds: float) -> str:
+    """A duration for a message: whole milliseconds, a tenth under ten (2 ms against 2 ms said nothing)."""
+    millis = seconds * 1000
+    return f"{millis:.0f} ms" if millis >= 10 else f"{millis:.1f} ms"

@@ -163,7 +163,8 @@ async def test_while_the_normal_lane_refuses_one_batch_of_backlog_fills_whatever
     h.runner.gate = asyncio.Event()
     busy = h.submit(50, Lane.URGENT)  # holds the device
     await h.clock.advance(2 * MS)
-    queued = [h.submit(i) for i in range(3)]
+    # deadlines that wait out the window whatever the held batch's run: none of them hurries
+    queued = [h.submit(i, timeout=60.0) for i in range(3)]
     for _ in range(3):  # and three more admitted, their images still decoding: six ahead in all
         h.batcher.intake.admit(Lane.NORMAL, 10.0, reserve=True)
     await settle()

@@ -115,7 +115,13 @@ async def test_a_deadline_shorter_than_a_batch_is_still_refused_and_says_why() -
     try:
         with pytest.raises(WouldMissDeadline) as refused:
             batcher.intake.admit(Lane.NORMAL, 1.5 * MS)
-        assert "nothing is ahead of it, but a batch of the normal lane takes about 2 ms" in str(refused.value)
+        said = str(refused.value)
+        assert said.startswith("predicted wait 2.0 ms exceeds the deadline of 1.5 ms"), said
+        assert "nothing is ahead of it, but a batch of the normal lane takes about 2.0 ms to run" in said
+        with pytest.raises(WouldMissDeadline) as refused:
+            batcher.intake.admit(Lane.NORMAL, 20 * MS, upstream_s=30 * MS)  # images ahead, not the batch
+        said = str(refused.value)
+        assert "nothing is ahead" not in said and "the images ahead of it take about 30 ms to decode" in said
     finally:
         await batcher.close(grace_s=0)
 
@@ -180,3 +186,43 @@ async def test_a_hurried_request_put_back_when_its_batch_did_not_form_still_hurr
             await late
     finally:
         await batcher.close(grace_s=0)
+
+
+async def test_a_request_queued_before_the_lanes_first_batch_was_timed_hurries_once_it_is() -> None:
+    """Untimed, only a deadline under the window hurries. One of 30 ms on the 25 ms window did not;
+    the first batch then measured 10 ms, by which its deadline could not wait out the window and a
+    batch's run: it waited the window all the same, and ran past its deadline."""
+    clock, runner = FakeClock(), FakeRunner()
+    batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
+    batcher.start()
+    try:
+        runner.gate = asyncio.Event()
+        first = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+        await settle()
+        await clock.advance(1 * MS)
+        waiting = asyncio.ensure_future(batcher.submit(9, Lane.NORMAL, 30 * MS))
+        await clock.advance(9 * MS)
+        runner.gate.set()  # the first batch ends: 10 ms measured
+        await asyncio.gather(*first)
+        runner.gate = None
+        await settle()
+        assert runner.batches[-1] == [9], "it goes as the device frees, not at its window (26 ms)"
+        assert (await waiting).output == 18
+    finally:
+        await batcher.close(grace_s=0)
+        await asyncio.gather(waiting, return_exceptions=True)  # answered by the close if the test failed
+
+
+async def test_a_window_made_longer_than_a_queued_deadline_allows_makes_it_hurry() -> None:
+    batcher, clock, runner = await _timed(0.5 * MS)
+    try:
+        waiting = asyncio.ensure_future(batcher.submit(9, Lane.NORMAL, 100 * MS))  # waits out 25 ms
+        await clock.advance(1 * MS)
+        assert runner.batches == []
+        batcher.set_policy(BatchPolicy(LanePolicy(2 * MS, 4, 64), LanePolicy(500 * MS, 4, 64)))
+        await settle()
+        assert runner.batches == [[9]], "a 500 ms window it cannot wait out: it goes now"
+        assert (await waiting).output == 18
+    finally:
+        await batcher.close(grace_s=0)
+        await asyncio.gather(waiting, return_exceptions=True)  # answered by the close if the test failed

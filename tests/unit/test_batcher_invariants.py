@@ -148,23 +148,35 @@ class Run:
         own = [p for p in payloads if self.requests[p].lane is lane]
         full = len(own) >= self._max_batch(lane)
         waited = now - self.requests[own[0]].enqueued_at
-        # or a request of the lane could not wait out the window (it hurries: the batch goes at once)
+        # or a request of the lane could not wait out the window when it came, or cannot now (it hurries:
+        # the batch goes at once; a lane's first batch timed, or one twice as long, looks again)
         hurried = any(
-            r.lane is lane and r.hurries and (p in payloads or self._queued(r, now)) for p, r in self.requests.items()
+            r.lane is lane and self._may_hurry(r, now) and (p in payloads or self._queued(r, now))
+            for p, r in self.requests.items()
         )
         assert full or self.closing or hurried or waited >= policy.lane(lane).window_s - EPS, (
             f"a {lane} batch of {len(own)} went after {waited * 1000:.3f} ms, before its window"
         )
         riders = [p for p in payloads if self.requests[p].lane is not lane]
         if riders and policy.urgent_fill is UrgentFill.NEVER:  # only a normal lane due rides, so it is not starved
-            due = now - self.requests[riders[0]].enqueued_at >= policy.normal.window_s - EPS
+            # due: its window closed for its oldest, or one of its requests hurries (its batch goes at once)
+            due = now - self.requests[riders[0]].enqueued_at >= policy.normal.window_s - EPS or any(
+                r.lane is Lane.NORMAL and self._may_hurry(r, now) and (p in riders or self._queued(r, now))
+                for p, r in self.requests.items()
+            )
             assert due or self.closing, "normal requests rode an urgent batch under urgent_fill=never"
         if lane is Lane.NORMAL and not self.urgent_threads:  # then urgent batches take the same seats
             urgent = [r for r in self.requests.values() if r.lane is Lane.URGENT and self._queued(r, now)]
             ready = len(urgent) >= self._max_batch(Lane.URGENT) or any(
-                now - r.enqueued_at >= policy.urgent.window_s - EPS for r in urgent
+                now - r.enqueued_at >= policy.urgent.window_s - EPS or self._may_hurry(r, now) for r in urgent
             )
             assert not (ready or (urgent and self.closing)), "a normal batch went before a ready urgent one"
+
+    def _may_hurry(self, request: Request, now: float) -> bool:
+        """It hurried when it came, or would by the time it has left now (the batcher looks its queue
+        over again when a lane's batch estimate is new or doubled)."""
+        window_s, batch_s = self.policy.lane(request.lane).window_s, self.batcher.intake.batch_s(request.lane)
+        return request.hurries or hurries(request.deadline - now, window_s, batch_s)
 
     def _max_batch(self, lane: Lane) -> int:
         ceiling = self.batcher.ceiling
@@ -270,6 +282,11 @@ async def _step(run: Run, step: tuple[object, ...], next_id: int) -> None:
             await settle()
     elif kind == "policy":
         assert isinstance(step[1], BatchPolicy)
+        now = run.clock.now()
+        for request in run.requests.values():  # a longer window: those it leaves no room hurry now
+            window_s, batch_s = step[1].lane(request.lane).window_s, run.batcher.intake.batch_s(request.lane)
+            if run._queued(request, now) and hurries(request.deadline - now, window_s, batch_s):
+                request.hurries = True
         run.batcher.set_policy(step[1])
         run.policy = step[1]
         await settle()
@@ -409,6 +426,16 @@ def _check_answer(run: Run, payload: int, request: Request) -> None:
     BatchPolicy(LanePolicy(0.002, 4, 8), LanePolicy(0.025, 4, 8)),
     [("submit", Lane.NORMAL, 5.0), ("submit", Lane.NORMAL, 0.004), ("advance", 0.0005), ("advance", 0.03)],
     [(False, "ok")],
+    (1, 0),
+    True,
+    False,
+)
+# pinned: under urgent_fill=never a normal request that hurries rides an urgent batch on the last thread
+@example(
+    BatchPolicy(LanePolicy(0.002, 4, 8), LanePolicy(0.025, 4, 8), UrgentFill.NEVER),
+    [("submit", Lane.NORMAL, 5.0), ("advance", 0.025), ("submit", Lane.NORMAL, 0.004)]
+    + [("submit", Lane.URGENT, 5.0), ("release", 0), ("advance", 0.002), ("release", 1)],
+    [(True, "ok")],
     (1, 0),
     True,
     False,
