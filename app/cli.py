@@ -131,6 +131,11 @@ def _serve_now(args: argparse.Namespace) -> int:
 
     server = DrainingServer(config, drain, halt)
     code = _run(server, failure, f"{settings.server.host}:{settings.server.port}")
+    # stopped: what ``_serve`` set for start-up is back, and would take one more SIGTERM (an
+    # orchestrator's repeat) for one before the start, "stopped", exit 0, skipping ``_exit_now``
+    for name in ("SIGTERM", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     service = getattr(app.state, "service", None)  # None if the lifespan never ran
     if service is not None and service.unfinished:
         _exit_now(code, service.unfinished)

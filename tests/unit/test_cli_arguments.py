@@ -41,3 +41,33 @@ def test_serve_says_which_config_file_it_read_or_that_none_was_there(
         (logging.INFO, f"settings read from the config file {present} and the environment"),
         (logging.WARNING, f"no config file at {absent}: the built-in defaults and the environment apply"),
     ]
+
+
+def test_a_signal_once_the_server_has_stopped_is_not_taken_for_one_before_it_started(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """uvicorn puts back the handlers it found when it stops: start-up's, which end the process as
+    "stopped before the server started", exit 0, and skip the exit that does not finalize the
+    interpreter under a thread still inside torch. Once the server stopped, SIGTERM and SIGQUIT
+    are ignored: the exit is under way."""
+    import signal
+
+    import app.cli as cli
+
+    seen: dict[str, object] = {}
+
+    def served(server: object, failure: list[str], address: str) -> int:
+        seen["during"] = signal.getsignal(signal.SIGTERM)
+        return 0
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)}
+    monkeypatch.setattr(cli, "_run", served)
+    try:
+        assert cli.main(["serve", "--port", "0"]) == 0
+        assert seen["during"] is cli._stop_early, "start-up's handler, until uvicorn's"
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN
+        assert "before the server started" not in capsys.readouterr().err
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
