@@ -301,3 +301,10 @@ def test_pillow_reads_the_decoded_pixels_where_they_are(channels: int) -> None:
     pixels[7, 11, 0] = 255 - pixels[7, 11, 0]  # a change to the buffer is a change to the image
     seen = image.getpixel((11, 7))
     assert (seen if channels == 1 else seen[0]) == pixels[7, 11, 0]  # type: ignore[index]
+
+
+@given(st.lists(st.sampled_from([b"\xff", b"\xda", b"\x00", b"\xff\xda", b"\xd8", b"a"]), max_size=200))
+def test_the_scan_count_is_the_count_of_sos_markers(pieces: list[bytes]) -> None:
+    """Counted by numpy's comparisons (which let go of the GIL), as ``bytes.count`` would count them."""
+    data = b"".join(pieces)
+    assert jpeg._scan_count(data) == data.count(b"\xff\xda")
