@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from opentelemetry import trace
@@ -192,6 +193,20 @@ def _install_routes(app: FastAPI, settings: Settings, metrics: Metrics, access_l
         app.include_router(admin_models.router)
 
 
+async def _loads_unless_halted(loads: Sequence[Awaitable[object]], service: InferenceService) -> None:
+    """Wait for the admin loads under way, unless the service is halted meanwhile (a second signal,
+    Ctrl-C: it stops at once, and a load bounded only by ``model.load_timeout_s`` would hold the
+    exit that long). A load left running is abandoned with the loader thread at the close."""
+    if not loads:
+        return
+    halted = asyncio.ensure_future(service.halted.wait())
+    waits: list[asyncio.Future[Any]] = [asyncio.gather(*loads, return_exceptions=True), halted]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halted.cancel()
+
+
 def create_app(
     settings: Settings | None = None,
     on_fatal: FatalHandler | None = None,
@@ -247,9 +262,8 @@ def create_app(
                     task.cancel()
                 # nothing of theirs stops the close; an admin load (its caller perhaps gone) is not
                 # cancelled but ends by itself, within its timeout, and is retired if it ends now
-                await asyncio.gather(
-                    *background, *rereads, *app.state.lifecycle.loads_under_way(), return_exceptions=True
-                )
+                await asyncio.gather(*background, *rereads, return_exceptions=True)
+                await _loads_unless_halted(app.state.lifecycle.loads_under_way(), service)
                 try:
                     await service.close(settings.server.shutdown_grace_s)
                     await asyncio.to_thread(tracer_provider.shutdown)  # flush what the exporter can take

@@ -94,6 +94,7 @@ class InferenceService:
         self._drained = False
         self._cut_short = False  # a drain's grace ran out with work left: what still runs is awaited by nobody
         self._halting: asyncio.Task[None] | None = None  # ``halt``'s close of the batchers, with no grace
+        self.halted = asyncio.Event()  # set by ``halt``: the close waits for nothing that still runs
         self._rng = random.Random()
         self.default_model: str | None = None
         server = settings.server
@@ -390,6 +391,7 @@ class InferenceService:
         for it past ``ABANDONED_JOIN_S``). Called on the event loop."""
         if self.state in (State.READY, State.STARTING):
             self.state = State.DRAINING
+        self.halted.set()
         if self._halting is None and self.state is not State.STOPPED:
             self._halting = asyncio.get_running_loop().create_task(self._close_batchers(0), name="halt")
 
@@ -450,7 +452,9 @@ class InferenceService:
             join_s = ABANDONED_JOIN_S if abandoning else JOIN_S
             decode = await asyncio.to_thread(self._pool.close, join_s, cancel_waiting=True)
             device, loader = await asyncio.gather(
-                asyncio.to_thread(self._device_thread.close, join_s), asyncio.to_thread(self.loader.close)
+                asyncio.to_thread(self._device_thread.close, join_s),
+                # an admin load still running once halted is abandoned too (the lifespan stopped waiting for it)
+                asyncio.to_thread(self.loader.close, ABANDONED_JOIN_S if self._halting is not None else JOIN_S),
             )
             if device and abandoning:
                 log.warning(

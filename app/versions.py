@@ -111,9 +111,10 @@ class VersionLoader:
         # it; the service's background warm-up answers (``Rewarmer.ready``)
         self.sizes_ready: Callable[[str, str, int], bool] = lambda _name, _version, _size: True
 
-    def close(self) -> list[str]:
-        """Stop the loader thread (blocks: call it off the loop); its name if a load outlasted the join."""
-        return self._loader.close()
+    def close(self, timeout_s: float = 10.0) -> list[str]:
+        """Stop the loader thread (blocks: call it off the loop); its name if a load outlasted the
+        join of ``timeout_s``."""
+        return self._loader.close(timeout_s)
 
     @property
     def late_loads(self) -> list[str]:
