@@ -177,8 +177,7 @@ async def _new_service(
 def _install_routes(app: FastAPI, settings: Settings, metrics: Metrics, access_log: AccessLog | None) -> None:
     """The error handlers, the OpenAPI document, the outermost middleware and the routes."""
     install_error_handlers(app)
-    server = settings.server
-    install_openapi(app, server.max_timeout_ms, keyed=server.api_key is not None or server.api_key_file is not None)
+    install_openapi(app, settings.server)
     admin_routes = (*admin.router.routes, *admin_models.router.routes)
     app.add_middleware(
         RequestContextMiddleware,

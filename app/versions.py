@@ -111,7 +111,7 @@ class VersionLoader:
         # it; the service's background warm-up answers (``Rewarmer.ready``)
         self.sizes_ready: Callable[[str, str, int], bool] = lambda _name, _version, _size: True
 
-    def close(self, timeout_s: float = 10.0) -> list[str]:
+    def close(self, timeout_s: float) -> list[str]:
         """Stop the loader thread (blocks: call it off the loop); its name if a load outlasted the
         join of ``timeout_s``."""
         return self._loader.close(timeout_s)

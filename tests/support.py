@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import struct
+import threading
 import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -305,3 +306,45 @@ def server_environment(overrides: dict[str, str] | None = None, drop: tuple[str,
     if inherited and overrides and "PYTHONPATH" in overrides:
         env["PYTHONPATH"] = os.pathsep.join([overrides["PYTHONPATH"], inherited])
     return env
+
+
+@dataclass
+class HeldBatch:
+    """A started service whose one device thread holds its batch until ``release`` is set, with
+    one more request queued behind it: ``running`` and ``queued`` are their predictions."""
+
+    service: InferenceService
+    running: asyncio.Task[Any]
+    queued: asyncio.Task[Any]
+    release: threading.Event
+
+
+async def held_batch_and_one_queued(repository: Path, held_s: float, **model: Any) -> HeldBatch:
+    """``repository``'s digits model served with one device thread and batches of one, the first
+    batch held on its device thread (``held_s`` at most: a device call that hangs), one request queued."""
+    from app.inference.loader import LayeredModel
+
+    settings = Settings(
+        model={"repository": repository, "warmup": False, "device_workers": 1, **model},  # type: ignore[arg-type]
+        batching={"normal": {"window_ms": 5.0, "max_batch": 1, "max_queue": 8}},  # type: ignore[arg-type]
+    )
+    service = InferenceService(settings)
+    await service.start()
+    served = service.models[MODEL_NAME]
+    held_model = served.runner.model
+    assert isinstance(held_model, LayeredModel)
+    probabilities, inside, release = held_model.probabilities, threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        inside.set()
+        release.wait(held_s)
+        return probabilities(*args, **kwargs)
+
+    held_model.probabilities = held  # type: ignore[method-assign]
+    running = asyncio.create_task(service.predict(served, sample_png(1), 3, Lane.NORMAL, 60.0))
+    assert await asyncio.to_thread(inside.wait, 30), "the batch never reached the device"
+    queued = asyncio.create_task(service.predict(served, sample_png(2), 3, Lane.NORMAL, 60.0))
+    async with asyncio.timeout(30):
+        while served.batcher.queued(Lane.NORMAL) != 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.002)
+    return HeldBatch(service, running, queued, release)

@@ -31,9 +31,6 @@ class NothingSent(Response):
     """The answer to a request whose client went: nothing is sent, as nobody would read it. Its
     499 is nginx's convention for the access log and the metrics, never a status on the wire."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         return None
 

@@ -9,6 +9,7 @@ from fastapi.openapi.utils import get_openapi
 
 from app.api.errors import error_responses
 from app.api.schemas import PredictRequest
+from app.settings import ServerSettings
 
 _REF_TEMPLATE = "#/components/schemas/{model}"
 
@@ -75,16 +76,16 @@ _DESCRIPTION = (
 )
 
 
-def install_openapi(app: FastAPI, max_timeout_ms: int, keyed: bool) -> None:
+def install_openapi(app: FastAPI, server: ServerSettings) -> None:
     """Generate the document once, with ``PredictRequest`` among its component schemas, the
-    credentials as security schemes (``keyed``: predictions need the API key), the response
-    headers every answer has, ``Retry-After`` on each 503, a 500 on every operation, and
-    ``top_k``'s default as configured (``app.state.settings``, read when the document is first
-    asked for: ``create_app`` sets it before any request)."""
+    credentials as security schemes (predictions need the API key where ``server`` sets one), the
+    response headers every answer has, ``Retry-After`` on each 503, a 500 on every operation, and
+    ``server``'s bounds and defaults (``X-Request-Timeout``'s maximum, ``top_k``'s default)."""
+    max_timeout_ms, default_top_k = server.max_timeout_ms, server.default_top_k
+    keyed = server.api_key is not None or server.api_key_file is not None
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            default_top_k: int = app.state.settings.server.default_top_k
             document = get_openapi(
                 title=app.title, version=app.version, summary=app.summary, description=_DESCRIPTION, routes=app.routes
             )

@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support import REPO_ROOT, copy_repository, server_environment
+from tests.support import REPO_ROOT, copy_repository, sample_png, server_environment
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine is slow
@@ -108,3 +109,43 @@ def spawn_digits(tmp_path: Path, env: dict[str, str] | None = None) -> ServerPro
         "AI_SERVICE_MODEL__WARMUP": "false",
     }
     return ServerProcess(spawn(tmp_path, server_environment(base | (env or {}))), tmp_path)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """The process has a handler of its own for ``signum`` (``SigCgt`` in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    return False
+
+
+def signalled_as_it_starts(signum: int, timeout_s: float = 120.0) -> tuple[int, str]:
+    """``serve`` sent ``signum`` once start-up has begun (its handlers for SIGTERM and ``signum``
+    set, before torch's seconds-long import): its exit code and its stderr."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve"],
+        cwd=REPO_ROOT,
+        env=server_environment({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0"}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (catches(process.pid, signal.SIGTERM) and catches(process.pid, signum)):  # start-up has begun
+            assert process.poll() is None and time.monotonic() < deadline, "serve never set its handler"
+            time.sleep(0.005)
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    return process.returncode, stderr
+
+
+def predict_in_background(pool: Executor, url: str, request_id: str, timeout_s: float) -> Future[httpx.Response]:
+    """A PNG prediction with ``request_id`` sent on ``pool``'s thread: the test goes on (signals the
+    server, say) while it waits for its answer."""
+    headers = {"Content-Type": "image/png", "X-Request-ID": request_id}
+    return pool.submit(httpx.post, f"{url}/predict", content=sample_png(7), headers=headers, timeout=timeout_s)

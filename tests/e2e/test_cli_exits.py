@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.server import signalled_as_it_starts
 from tests.support import REPO_ROOT, server_environment
 
 SERVE_TIMEOUT_S = 90
@@ -180,44 +181,11 @@ def test_bench_against_a_port_where_nothing_listens_exits_1_at_once() -> None:
     assert run.stdout == "", "no report for a run that never started"
 
 
-def _catches_sigterm(pid: int) -> bool:
-    """The process has a handler of its own for SIGTERM (``SigCgt`` in /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
-    return False
-
-
-def _signalled_as_it_starts(signum: int) -> tuple[int, str]:
-    """``serve`` sent ``signum`` once start-up has begun (its SIGTERM handler set, before torch's
-    seconds-long import): its exit code and its stderr."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve"],
-        cwd=REPO_ROOT,
-        env=server_environment({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0"}),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not _catches_sigterm(process.pid):  # its handler set: start-up has begun
-            assert process.poll() is None and time.monotonic() < deadline, "serve never set its handler"
-            time.sleep(0.005)
-        process.send_signal(signum)
-        _, stderr = process.communicate(timeout=SERVE_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-    return process.returncode, stderr
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to see the handler set")
 def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
     """A deploy may stop a pod that is still importing torch: the process says so and exits 0,
     as a drain with nothing to drain does (it died by the signal, -15, with no word)."""
-    code, stderr = _signalled_as_it_starts(signal.SIGTERM)
+    code, stderr = signalled_as_it_starts(signal.SIGTERM, SERVE_TIMEOUT_S)
     assert code == 0, (code, stderr[-2000:])
     assert "Traceback" not in stderr
     # the handler is set before torch's seconds-long import: the signal comes well before uvicorn's
@@ -228,7 +196,7 @@ def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
 def test_ctrl_c_before_the_server_starts_exits_130_without_a_traceback() -> None:
     """A Ctrl-C while torch imports printed a 40-line KeyboardInterrupt traceback, and the process
     died by the signal rather than exiting 130 as a Ctrl-C while serving does."""
-    code, stderr = _signalled_as_it_starts(signal.SIGINT)
+    code, stderr = signalled_as_it_starts(signal.SIGINT, SERVE_TIMEOUT_S)
     assert code == 130, (code, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
     assert "interrupted before the server started" in stderr, stderr[-2000:]

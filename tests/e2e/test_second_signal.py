@@ -17,11 +17,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.e2e.server import HOST, ServerProcess
-from tests.support import REPO_ROOT, copy_repository, sample_png, server_environment
+from tests.e2e.server import HOST, ServerProcess, predict_in_background
+from tests.support import REPO_ROOT, copy_repository, server_environment
 
 pytestmark = pytest.mark.e2e
 
@@ -117,13 +116,7 @@ def test_a_second_signal_ends_the_process_in_seconds_with_a_batch_held_on_the_de
     try:
         server.wait_ready()
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(
-                httpx.post,
-                f"{server.url}/predict",
-                content=sample_png(7),
-                headers={"Content-Type": "image/png", "X-Request-ID": "held"},
-                timeout=STEP_TIMEOUT_S,
-            )
+            answer = predict_in_background(pool, server.url, "held", STEP_TIMEOUT_S)
             _wait_for(server, "batch held on the device thread")
             *first, last = signals
             for signum in first:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import spawn_digits
-from tests.support import REPO_ROOT, sample_png, server_environment
+from tests.e2e.server import predict_in_background, signalled_as_it_starts, spawn_digits
 
 pytestmark = pytest.mark.e2e
 
@@ -39,13 +36,7 @@ def test_sigquit_drains_the_queued_request_and_exits_0(tmp_path: Path) -> None:
     try:
         server.wait_ready()
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(
-                httpx.post,
-                f"{server.url}/predict",
-                content=sample_png(7),
-                headers={"Content-Type": "image/png", "X-Request-ID": "held"},
-                timeout=EXIT_TIMEOUT_S,
-            )
+            answer = predict_in_background(pool, server.url, "held", EXIT_TIMEOUT_S)
             deadline = time.monotonic() + 30
             while _queued(server.url) < 1:
                 assert time.monotonic() < deadline and not answer.done(), server.stderr()[-2000:]
@@ -62,37 +53,10 @@ def test_sigquit_drains_the_queued_request_and_exits_0(tmp_path: Path) -> None:
     assert "SIGQUIT: draining before shutdown" in stderr
 
 
-def _catches(pid: int, signum: int) -> bool:
-    """The process has a handler of its own for ``signum`` (``SigCgt`` in /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
-    return False
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to see the handler set")
 def test_sigquit_while_serve_starts_up_exits_0_saying_so() -> None:
     """As SIGTERM then: nothing to drain yet, start-up stopped, exit 0 (not a core dump, -3)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve"],
-        cwd=REPO_ROOT,
-        env=server_environment({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0"}),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not _catches(process.pid, signal.SIGTERM):  # start-up has begun (SIGQUIT's handler, old or new, set)
-            assert process.poll() is None and time.monotonic() < deadline, "serve never set its handler"
-            time.sleep(0.005)
-        time.sleep(0.05)  # set next to SIGTERM's
-        process.send_signal(signal.SIGQUIT)
-        _, stderr = process.communicate(timeout=EXIT_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-    assert process.returncode == 0, (process.returncode, stderr[-2000:])
+    code, stderr = signalled_as_it_starts(signal.SIGQUIT, EXIT_TIMEOUT_S)
+    assert code == 0, (code, stderr[-2000:])
     assert "Traceback" not in stderr
     assert "SIGQUIT before the server started" in stderr, stderr[-2000:]

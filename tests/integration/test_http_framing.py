@@ -566,32 +566,6 @@ async def test_an_http_1_1_request_without_one_host_is_a_400(make_settings: Sett
         assert head.status == 200, "HTTP/1.0 needs none"
 
 
-async def test_a_client_gone_while_its_body_arrived_is_an_event_on_its_server_span(
-    make_settings: SettingsFactory,
-) -> None:
-    """A client that goes while queued has its ``client went`` event; one gone mid-upload left a
-    bare span: nothing in the trace said what it had waited for."""
-    exporter = InMemorySpanExporter()
-    async with served(make_settings(telemetry={"exporter": "console"}), span_exporter=exporter) as running:
-        await running.exchange(predict())
-        reader, writer = await running.connect()
-        try:
-            writer.write(predict(X_Request_ID="gone-mid-body")[:-100])  # all but the body's last bytes
-            await writer.drain()
-            await asyncio.sleep(0.2)  # its head read and its app task waiting for the body
-        finally:
-            writer.close()
-        await asyncio.sleep(0.3)  # the app task sees the client gone, and its server span ends
-    (server,) = [
-        s
-        for s in exporter.get_finished_spans()
-        if s.kind is SpanKind.SERVER and s.attributes.get("request.id") == "gone-mid-body"
-    ]
-    assert [(e.name, dict(e.attributes or {})) for e in server.events] == [
-        ("client went", {"while": "its body was arriving"})
-    ]
-
-
 async def test_a_431_reaches_a_client_still_sending_its_head(make_settings: SettingsFactory) -> None:
     """A head refused past its limit while the client still sends it: the socket closed with those
     bytes unread, the kernel reset the connection and the client saw the reset, not the 431."""

@@ -8,6 +8,7 @@ was free.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -38,14 +39,20 @@ def test_only_a_deadline_under_the_window_and_four_batches_hurries() -> None:
     assert hurries(0.020, 0.025, None) and not hurries(0.030, 0.025, None), "untimed: the window alone"
 
 
+async def _held_full_batch(batcher: DualWindowBatcher[int, int], runner: FakeRunner) -> list[asyncio.Future[Any]]:
+    """A full normal batch (0-3, 10 s deadlines) holding the one device thread until ``runner.gate`` is set."""
+    runner.gate = asyncio.Event()
+    running = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
+    await settle()
+    return running
+
+
 async def _timed(batch_s: float) -> tuple[DualWindowBatcher[int, int], FakeClock, FakeRunner]:
     """A started batcher whose lanes have timed one batch of ``batch_s`` (fake time)."""
     clock, runner = FakeClock(), FakeRunner()
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
     batcher.start()
-    runner.gate = asyncio.Event()
-    tasks = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
-    await settle()
+    tasks = await _held_full_batch(batcher, runner)
     await clock.advance(batch_s)
     runner.gate.set()
     await asyncio.gather(*tasks)
@@ -90,9 +97,7 @@ async def test_it_takes_those_queued_before_it_and_a_relaxed_one_alone_waits_its
 async def test_a_hurried_request_that_left_no_longer_hurries_its_lane() -> None:
     batcher, clock, runner = await _timed(2 * MS)
     try:
-        runner.gate = asyncio.Event()
-        running = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
-        await settle()  # the one device thread held
+        running = await _held_full_batch(batcher, runner)  # the one device thread held
         hurried = asyncio.ensure_future(batcher.submit(8, Lane.NORMAL, 20 * MS))
         relaxed = asyncio.ensure_future(batcher.submit(9, Lane.NORMAL, 10.0))
         await settle()
@@ -129,9 +134,7 @@ async def test_a_deadline_shorter_than_a_batch_is_still_refused_and_says_why() -
 async def test_behind_a_busy_device_a_hurried_request_waits_for_a_thread_and_is_priced_without_the_window() -> None:
     batcher, clock, runner = await _timed(10 * MS)
     try:
-        runner.gate = asyncio.Event()
-        running = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
-        await settle()  # a full batch holds the one device thread
+        running = await _held_full_batch(batcher, runner)  # a full batch holds the one device thread
         # one batch running: 10 ms, then its own 10 ms; with the window, 45 ms would be over 40
         wait = batcher.intake.predicted_wait(Lane.NORMAL, window=False)
         assert wait == pytest.approx(20 * MS)
@@ -169,9 +172,7 @@ async def test_a_hurried_request_put_back_when_its_batch_did_not_form_still_hurr
     and forms again without it: the one put back still cannot wait out the window."""
     batcher, clock, runner = await _timed(2 * MS)
     try:
-        runner.gate = asyncio.Event()
-        running = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
-        await settle()  # the one device thread held
+        running = await _held_full_batch(batcher, runner)  # the one device thread held
         late = asyncio.ensure_future(batcher.submit(1, Lane.NORMAL, 6 * MS))
         hurried = asyncio.ensure_future(batcher.submit(2, Lane.NORMAL, 20 * MS))
         await settle()
@@ -196,9 +197,7 @@ async def test_a_request_queued_before_the_lanes_first_batch_was_timed_hurries_o
     batcher: DualWindowBatcher[int, int] = DualWindowBatcher(runner, POLICY, clock=clock)
     batcher.start()
     try:
-        runner.gate = asyncio.Event()
-        first = [asyncio.ensure_future(batcher.submit(i, Lane.NORMAL, 10.0)) for i in range(4)]
-        await settle()
+        first = await _held_full_batch(batcher, runner)
         await clock.advance(1 * MS)
         waiting = asyncio.ensure_future(batcher.submit(9, Lane.NORMAL, 30 * MS))
         await clock.advance(9 * MS)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -20,53 +18,21 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from app.batching import Lane
 from app.errors import Draining
-from app.inference.loader import LayeredModel
 from app.server import DrainingServer
-from app.service import InferenceService
-from app.settings import Settings
-from tests.support import sample_png
+from tests.support import copy_repository, held_batch_and_one_queued
 
-ROOT = Path(__file__).resolve().parents[2]
 HELD_S = 30.0  # the batch's call: longer than anything here may wait
-
-
-@pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
-    return tmp_path
 
 
 @pytest.mark.parametrize("grace_s", [None, 3600.0], ids=["no-limit", "an-hour"])
 async def test_a_halt_ends_the_drain_and_the_close_with_a_batch_held_on_the_device(
-    repository: Path, caplog: pytest.LogCaptureFixture, grace_s: float | None
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, grace_s: float | None
 ) -> None:
-    settings = Settings(
-        model={"repository": repository, "warmup": False, "device_workers": 1, "urgent_workers": 0},  # type: ignore[arg-type]
-        batching={"normal": {"window_ms": 5.0, "max_batch": 1, "max_queue": 8}},  # type: ignore[arg-type]
-    )
-    service = InferenceService(settings)
-    await service.start()
-    served = service.models["digits"]
-    model = served.runner.model
-    assert isinstance(model, LayeredModel)
-    probabilities, inside, release = model.probabilities, threading.Event(), threading.Event()
-
-    def held(*args, **kwargs):  # type: ignore[no-untyped-def]
-        inside.set()
-        release.wait(HELD_S)
-        return probabilities(*args, **kwargs)
-
-    model.probabilities = held  # type: ignore[method-assign]
+    held = await held_batch_and_one_queued(copy_repository(tmp_path), HELD_S, urgent_workers=0)
+    service, running, queued, release = held.service, held.running, held.queued, held.release
     caplog.set_level("INFO", logger="app.service")
     try:
-        running = asyncio.create_task(service.predict(served, sample_png(1), 3, Lane.NORMAL, 60.0))
-        assert await asyncio.to_thread(inside.wait, 30), "the batch never reached the device"
-        queued = asyncio.create_task(service.predict(served, sample_png(2), 3, Lane.NORMAL, 60.0))
-        async with asyncio.timeout(30):
-            while served.batcher.queued(Lane.NORMAL) != 1:  # noqa: ASYNC110
-                await asyncio.sleep(0.002)
         drain = asyncio.create_task(service.drain(grace_s))  # the first signal's
         await asyncio.sleep(0.2)
         assert not drain.done(), "the drain waits for the held batch"
