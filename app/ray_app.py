@@ -10,9 +10,10 @@ does not reach requests under Serve, so nothing here relies on it).
 
 Under Serve, the lifespan's start-up also waits until the models are loaded, checked and
 warmed: Serve sends a replica no traffic before its start-up returns, which is what
-``/readyz`` does behind a plain balancer. ``check_health`` fails once the service stops
-being ready or a batcher's task has died, and Serve replaces the replica. Every few
-seconds the replica copies its Prometheus registry into Ray's metrics (``app.ray.metrics``).
+``/readyz`` does behind a plain balancer. ``check_health`` fails where ``/readyz`` does (one
+function, ``not_ready``): a batcher's task died, or a default model's head failed to load;
+Serve replaces the replica after 3 failed checks in a row. Every few seconds the replica
+copies its Prometheus registry into Ray's metrics (``app.ray.metrics``).
 
 Importing this module imports Ray Serve but neither torch nor the app, and starts nothing;
 ``docs/ray.md`` has the commands.
@@ -183,15 +184,15 @@ class Classifier:
         await MetricsMirror(app.state.metrics.registry, RayMetricFactory()).run(self._metrics_interval_s)
 
     async def check_health(self) -> None:
-        """Serve's health check: the condition of ``/readyz``. Raising gets the replica replaced."""
+        """Serve's health check: ``/readyz``'s condition, the same function. Serve replaces the
+        replica after 3 failed checks in a row (``REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD``)."""
+        from app.api.routes.health import not_ready
+
         service = getattr(self._app.state, "service", None) if self._app is not None else None
         if service is None:
             raise RuntimeError("the app has not started")
-        if not service.ready:
-            raise RuntimeError(f"the service is {service.state.value}")
-        stopped = [name for name, served in service.models.items() if not served.batcher.running]
-        if stopped:
-            raise RuntimeError(f"the batcher of {', '.join(stopped)} is not running")
+        if (reason := not_ready(service)) is not None:
+            raise RuntimeError(reason)
 
     async def replica_info(self) -> dict[str, Any]:
         """Which process this replica is and how often its lifespan started (for ops and tests)."""

@@ -136,11 +136,12 @@ class _Batcher:
         self.running = running
 
 
-def _replica(ready: bool, running: bool) -> Any:
+def _replica(ready: bool, running: bool, failed_heads: dict[str, str] | None = None) -> Any:
+    runner = SimpleNamespace(model=SimpleNamespace(failed_heads=failed_heads or {}))
     service = SimpleNamespace(
         ready=ready,
         state=SimpleNamespace(value="ready" if ready else "draining"),
-        models={"digits": SimpleNamespace(batcher=_Batcher(running))},
+        models={"digits": SimpleNamespace(name="digits", batcher=_Batcher(running), runner=runner)},
     )
     return SimpleNamespace(_app=SimpleNamespace(state=SimpleNamespace(service=service)))
 
@@ -156,6 +157,20 @@ async def test_the_health_check_fails_when_not_ready_or_a_batcher_died() -> None
         await check(_replica(ready=True, running=False))
     with pytest.raises(RuntimeError, match="not started"):
         await check(SimpleNamespace(_app=None))
+
+
+async def test_the_health_check_fails_where_readyz_does_on_a_default_models_failed_head() -> None:
+    """``check_health`` said it was ``/readyz``'s condition but passed a replica whose default
+    model's head had failed to load, which ``/readyz`` answers 503: both now call ``not_ready``."""
+    from app.api.routes.health import readyz
+    from app.errors import NotReady
+    from app.ray_app import Classifier
+
+    replica = _replica(ready=True, running=True, failed_heads={"classifier": "no such file"})
+    with pytest.raises(RuntimeError, match="digits cannot serve: its head failed to load"):
+        await Classifier.func_or_class.check_health(replica)
+    with pytest.raises(NotReady, match="digits cannot serve: its head failed to load"):
+        await readyz(replica._app.state.service)
 
 
 KEY = "a-deployers-api-key-0123456789"

@@ -13,6 +13,7 @@ from app.api.schemas import HealthResponse, MemoryHealth, ModelHealth, Status
 from app.batching import Lane
 from app.errors import NotReady
 from app.inference.device import dtype_name
+from app.service import InferenceService
 
 router = APIRouter(tags=["health"])
 
@@ -29,14 +30,22 @@ async def livez() -> Status:
     summary="200 once every model is loaded, checked and warmed and the batchers run",
 )
 async def readyz(service: Service) -> Status:
-    if not service.ready or not all(s.batcher.running for s in service.models.values()):
-        raise NotReady(f"the service is {service.state.value}", code="not_ready")
+    if (reason := not_ready(service)) is not None:
+        raise NotReady(reason, code="not_ready")
+    return Status(status="ready")
+
+
+def not_ready(service: InferenceService) -> str | None:
+    """Why the service cannot serve its default models, or None when it can: the condition of
+    ``/readyz``, and of Serve's health check (``app.ray_app``), so that the two cannot drift."""
+    if not service.ready:
+        return f"the service is {service.state.value}"
+    if stopped := [s.name for s in service.models.values() if not s.batcher.running]:
+        return f"the batcher of {', '.join(stopped)} is not running"
     # a head loaded lazily (model.warmup off) that failed on first use: that model serves nothing
     if broken := [s.name for s in service.models.values() if s.runner.model.failed_heads]:
-        raise NotReady(
-            f"model {', '.join(broken)} cannot serve: its head failed to load (see /healthz)", code="not_ready"
-        )
-    return Status(status="ready")
+        return f"model {', '.join(broken)} cannot serve: its head failed to load (see /healthz)"
+    return None
 
 
 @router.get(
