@@ -36,7 +36,14 @@ from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.ray.options import deployment_options, gpus_per_replica, read_settings, secrets_for_replicas, split_args
+from app.ray.options import (
+    check_device,
+    deployment_options,
+    gpus_per_replica,
+    read_settings,
+    secrets_for_replicas,
+    split_args,
+)
 from app.settings import config_path, env_name, file_stamp
 
 log = logging.getLogger(__name__)
@@ -215,7 +222,9 @@ def build(args: dict[str, Any]) -> Application:
     """
     own, overrides = split_args(args)
     settings = read_settings(overrides, own.config_file)
-    options = deployment_options(own, settings, gpus_per_replica(own, settings))
+    num_gpus = gpus_per_replica(own, settings)
+    check_device(settings, num_gpus)
+    options = deployment_options(own, settings, num_gpus)
     config_file = str(own.config_file) if own.config_file else None
     log.info("Classifier options: %s", options)
     # the secrets the builder's settings name reach the replicas as files, or are required of them

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -120,6 +121,24 @@ def gpus_per_replica(args: BuildArgs, settings: Settings) -> float:
     if device.startswith("cuda"):
         return 1.0
     return 1.0 if cuda_in_cluster() else 0.0
+
+
+def check_device(settings: Settings, num_gpus: float) -> None:
+    """Refuse a ``model.device`` that no replica can have: Ray shows a replica only the GPUs it
+    assigned it (``CUDA_VISIBLE_DEVICES``), numbered from ``cuda:0``, and picks which of the node's
+    they are. ``cuda:1`` on a replica of one GPU would fail every replica's start, each with a
+    message about the node's devices; said here, it fails the deploy once, naming the setting."""
+    device = settings.model.device
+    _, _, index = device.partition(":")
+    if num_gpus <= 0 or not index:  # no GPU asked for: Ray 2.60 leaves the replica the node's devices
+        return
+    visible = math.ceil(num_gpus)  # a fraction of a GPU is one device to the replica
+    if int(index) >= visible:
+        highest = "cuda:0" if visible == 1 else f"cuda:0 to cuda:{visible - 1}"
+        raise SettingsError(
+            f"model.device={device}: Ray assigns each replica its GPU(s) (num_gpus={num_gpus:g}) and shows "
+            f"them to it as {highest}, whichever of the node's they are: use model.device=cuda (or cuda:0)"
+        )
 
 
 def deployment_options(args: BuildArgs, settings: Settings, num_gpus: float) -> dict[str, Any]:

@@ -202,3 +202,16 @@ def test_the_secrets_the_builder_reads_reach_the_replicas_as_files_or_are_requir
     monkeypatch.setenv("AI_SERVICE_SERVER__API_KEY_FILE", "key")  # relative to where the builder runs
     handed, _ = secrets_for_replicas(read_settings({}, None), {})
     assert handed == {"server": {"api_key_file": str(key_file)}}, "named for a replica in another directory"
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cuda:3"])
+def test_a_cuda_index_past_the_replicas_gpus_is_refused_when_the_application_is_built(device: str) -> None:
+    """Ray shows a replica of one GPU that GPU as cuda:0: ``cuda:1`` built fine, then failed every
+    replica's start with "this machine has 1 CUDA device(s)". The builder now refuses it."""
+    from app.ray_app import build
+
+    with pytest.raises(SettingsError, match=rf"model\.device={device}: Ray assigns each replica its GPU"):
+        build({"model.device": device})
+    build({"model.device": "cuda"})
+    build({"model.device": "cuda:0"})
+    build({"model.device": "cuda:1", "num_gpus": 2})  # two GPUs: cuda:0 and cuda:1 to the replica
