@@ -107,16 +107,26 @@ def replica_app(overrides: Mapping[str, Any], config_file: Path | None, expects_
 
 
 def _assigned_cpus() -> int:
-    """The CPUs Ray gave this replica (``num_cpus``, rounded up), or 0 outside a Ray worker."""
+    """The cores this replica plans its threads for: the CPUs Ray reserved for it (``num_cpus``),
+    rounded up; 1 where it reserved none (``num_cpus=0``, as GPU replicas are often deployed);
+    0 outside a Ray worker (``model.cores`` 0: the process's own)."""
     import ray
 
     if not ray.is_initialized():  # not in a Ray worker (a test builds the replica's app alone): asked,
         return 0  # Ray would start a local cluster for the question
     try:
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        cpus = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
     except Exception:  # a driver, not a worker, or an older Ray
         return 0
-    return max(1, math.ceil(cpus)) if cpus else 0
+    if not cpus:
+        # every core of the node would be planned for by each replica packed onto it; Ray itself
+        # sets OMP_NUM_THREADS=1 for a worker that reserved no CPU
+        log.warning(
+            "this replica reserved no CPU (num_cpus=0): it plans its threads for 1 core; "
+            "set num_cpus, or model.cores, to plan for more"
+        )
+        return 1
+    return math.ceil(cpus)
 
 
 @serve.deployment(

@@ -41,7 +41,9 @@ class BuildArgs(BaseModel):
     target_ongoing_requests: float | None = Field(default=None, gt=0, description="default: 2 x the max batch")
     max_ongoing_requests: int | None = Field(default=None, ge=1, description="default: 4 x the max batch, >= 64")
     max_queued_requests: int | None = Field(default=None, ge=1, description="default: 2 x max_ongoing_requests")
-    num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved per replica")
+    num_cpus: float = Field(
+        default=1.0, ge=0, description="CPUs reserved per replica; its threads planned for them rounded up, 0 for 1"
+    )
     num_gpus: float | Literal["auto"] = Field(default="auto", description="auto: 1 where CUDA is, else 0")
     metrics_interval_s: float = Field(default=5.0, gt=0, description="how often replicas copy metrics to Ray")
 

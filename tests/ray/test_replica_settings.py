@@ -148,3 +148,30 @@ def test_a_replica_plans_its_threads_for_the_cpus_ray_gave_it(monkeypatch: pytes
     assert replica_app(chosen, None).state.settings.model.cores == 3
     monkeypatch.setattr(ray_app, "_assigned_cpus", lambda: 0)  # outside Ray: the process's own
     assert replica_app(test, None).state.settings.model.cores == 0
+
+
+@pytest.mark.parametrize(("reserved", "cores"), [({}, 1), ({"CPU": 0.5}, 1), ({"CPU": 2.0}, 2)])
+def test_a_replica_that_reserved_no_cpu_plans_for_one_core(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, reserved: dict[str, float], cores: int
+) -> None:
+    """``num_cpus=0`` (common for GPU replicas): Ray reports no CPU for the actor, and the replica
+    planned its threads for every core of the node, as each replica packed onto it did. It now
+    plans for 1, as Ray sets OMP_NUM_THREADS=1 for it, and says so."""
+    import ray
+
+    import app.ray_app as ray_app
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_assigned_resources=lambda: reserved))
+    test = merge(TEST_DEFAULTS, {"admin": {"enabled": True, "token": TOKEN, "config_watch_s": 0}})
+    with caplog.at_level("WARNING", logger=ray_app.__name__):
+        assert replica_app(test, None).state.settings.model.cores == cores
+    said = [r.getMessage() for r in caplog.records if r.name == ray_app.__name__]
+    assert said == (
+        [
+            "this replica reserved no CPU (num_cpus=0): it plans its threads for 1 core; "
+            "set num_cpus, or model.cores, to plan for more"
+        ]
+        if not reserved
+        else []
+    )
