@@ -23,8 +23,8 @@ tests pass a factory of their own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -83,6 +83,7 @@ class MetricsMirror:
         self._gauges: dict[str, GaugeSink] = {}
         self._last: dict[Key, float] = {}
         self._set: dict[Key, tuple[GaugeSink, dict[str, str]]] = {}  # the gauge series written last sync
+        self._syncing = threading.Lock()
 
     def _counter(self, name: str, description: str, tags: dict[str, str]) -> CounterSink:
         if name not in self._counters:
@@ -126,17 +127,21 @@ class MetricsMirror:
         return written
 
     async def run(self, interval_s: float) -> None:
-        """``sync`` every ``interval_s`` until cancelled, then once more (off the event loop)."""
+        """``sync`` every ``interval_s`` until cancelled, then once more; all off the event loop."""
         try:
             while True:
                 await asyncio.sleep(interval_s)
                 await asyncio.to_thread(self._safe_sync)
         finally:
-            with contextlib.suppress(Exception):
-                self._safe_sync()
+            # a cancel stops the await, not the thread's copy under way: the last copy waits for
+            # it on the lock, in a thread of its own, so that the event loop does not wait too
+            await asyncio.to_thread(self._safe_sync)
 
     def _safe_sync(self) -> None:
-        try:
-            self.sync()
-        except Exception:  # a metrics failure must never take a replica down
-            log.exception("copying metrics to Ray failed")
+        """``sync``, one at a time: two at once both read a counter's last value before either
+        wrote it, and Ray's counter got the same increase twice."""
+        with self._syncing:
+            try:
+                self.sync()
+            except Exception:  # a metrics failure must never take a replica down
+                log.exception("copying metrics to Ray failed")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
 from dataclasses import dataclass, field
 
 from app.batching import Lane
@@ -111,3 +114,59 @@ def test_a_failing_copy_never_raises_into_the_replica() -> None:
     metrics = Metrics()
     metrics.requests.labels("200", "ok").inc()
     MetricsMirror(metrics.registry, Broken())._safe_sync()
+
+
+@dataclass
+class _HeldFirst(Recorded):
+    """A counter whose first ``inc`` waits for ``release``; it notes any ``inc`` made meanwhile."""
+
+    entered: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    busy: bool = False
+    overlapped: bool = False
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        self.overlapped |= self.busy
+        first, self.busy = not self.calls, True
+        try:
+            super().inc(value, tags)
+            if first:
+                self.entered.set()
+                self.release.wait(10)
+        finally:
+            self.busy = False
+
+
+@dataclass
+class _Held(Factory):
+    counter_made: threading.Event = field(default_factory=threading.Event)
+
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Recorded:
+        self.counters[name] = _HeldFirst(name, tag_keys)
+        self.counter_made.set()
+        return self.counters[name]
+
+
+async def test_the_last_copy_waits_for_the_one_under_way() -> None:
+    """The cancel that stops the copying interrupted the await of a copy's thread, not the thread,
+    and the last copy ran beside it: both read a counter's last value before either wrote it, and
+    Ray's counter got the same increase twice. Here the first copy is held in Ray's ``inc``: the
+    last one must not start before it ends."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry, factory = CollectorRegistry(), _Held()
+    things = Counter("things", "x", registry=registry)
+    things.inc()
+    copying = asyncio.create_task(MetricsMirror(registry, factory).run(0.01))
+    assert await asyncio.to_thread(factory.counter_made.wait, 10), "the first copy made no Ray counter"
+    counter = factory.counters["things"]
+    assert isinstance(counter, _HeldFirst)
+    assert await asyncio.to_thread(counter.entered.wait, 10), "the first copy never reached Ray's counter"
+    things.inc(2)
+    copying.cancel()
+    await asyncio.sleep(0)  # the copying task runs its cancellation: the last copy starts
+    counter.release.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await copying
+    assert not counter.overlapped, "the last copy ran beside the one under way"
+    assert [value for value, _ in counter.calls] == [1.0, 2.0]
