@@ -18,12 +18,16 @@ from typing import Any
 from fastapi import FastAPI
 from opentelemetry import trace
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+from opentelemetry.instrumentation.utils import suppress_http_instrumentation
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
+from starlette.types import Receive, Scope, Send
 
 from app.api.access_log import AccessLog
 from app.api.auth import admin_gate
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
+from app.api.mount import route_path
 from app.api.openapi import install_openapi
 from app.api.routes import admin, admin_models, health, models, predict
 from app.api.routes import metrics as metrics_route
@@ -48,10 +52,27 @@ from app.telemetry.tracing import build_tracer_provider, query_redacted
 log = logging.getLogger(__name__)
 
 FatalHandler = Callable[[str], None]
-# probes and scrapes make no spans. The instrumentation searches these patterns in
-# scheme://Host-header/path: anchored to the whole path, so that neither a model named
-# "metrics-net" nor a Host header holding "/metrics" takes a prediction out of its trace
-UNTRACED_PATHS = r"^[a-z]+://[^/]*/(livez|readyz|healthz|metrics)$"
+# probes and scrapes make no spans: these paths exactly, relative to where the app is mounted
+# (``ServiceApp``), so that neither a model named "metrics-net" nor a Host header holding
+# "/metrics" takes a prediction out of its trace
+UNTRACED_PATHS = frozenset({"/livez", "/readyz", "/healthz", "/metrics"})
+
+
+class ServiceApp(FastAPI):
+    """The service's FastAPI app. Once its requests are traced (``untraced_probes``), the probes
+    and scrapes (``UNTRACED_PATHS``) make no spans: their path is matched here as the routes match
+    it, relative to the app's mount (``app.api.mount``), and the instrumentation, the outermost
+    middleware, is told to stand aside. Its own exclusion matches the URL, whose path holds the
+    prefix a server mounts the app under, which is not known when the app is built."""
+
+    untraced_probes = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.untraced_probes and scope["type"] == "http" and route_path(scope) in UNTRACED_PATHS:
+            with suppress_http_instrumentation():
+                await super().__call__(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def _log_fatal(message: str) -> None:
@@ -192,6 +213,18 @@ def _install_routes(app: FastAPI, settings: Settings, metrics: Metrics, access_l
         app.include_router(admin_models.router)
 
 
+def _trace_requests(app: ServiceApp, tracer_provider: TracerProvider) -> None:
+    """A server span for each request, but for the probes and scrapes (``ServiceApp``)."""
+    FastAPIInstrumentor.instrument_app(
+        app,
+        tracer_provider=tracer_provider,
+        excluded_urls="",  # none by URL (nor by the environment): ServiceApp leaves the probes out
+        exclude_spans=["receive", "send"],
+        server_request_hook=query_redacted,
+    )
+    app.untraced_probes = True
+
+
 async def _loads_unless_halted(loads: Sequence[Awaitable[object]], service: InferenceService) -> None:
     """Wait for the admin loads under way, unless the service is halted meanwhile (a second signal,
     Ctrl-C: it stops at once, and a load bounded only by ``model.load_timeout_s`` would hold the
@@ -270,7 +303,7 @@ def create_app(
                     if access_log is not None:
                         access_log.report_unlogged(force=True)  # the 503s past the cap not summed up yet
 
-    app = FastAPI(
+    app = ServiceApp(
         title="ai-backend",
         version="0.1.0",
         summary="Image classification over REST with dual-window batching.",
@@ -290,11 +323,5 @@ def create_app(
     app.state.tracing = exporting  # the edge refuses nothing then: each refusal gets its span
     _install_routes(app, settings, metrics, access_log)
     if exporting:
-        FastAPIInstrumentor.instrument_app(
-            app,
-            tracer_provider=tracer_provider,
-            excluded_urls=UNTRACED_PATHS,
-            exclude_spans=["receive", "send"],
-            server_request_hook=query_redacted,
-        )
+        _trace_requests(app, tracer_provider)
     return app

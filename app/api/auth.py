@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.body import JSON_TYPE, media_type
 from app.api.errors import service_error_response
+from app.api.mount import route_path
 from app.errors import Forbidden, LengthRequired, PayloadTooLarge, ServiceError, Unauthorized, UnsupportedMediaType
 
 ADMIN_PREFIX = "/admin"
@@ -51,7 +52,7 @@ def admin_gate(scope: Scope, routes: Sequence[BaseRoute] = ()) -> ASGIApp | None
     over ``MAX_ADMIN_BODY_BYTES``, is answered here (None: it goes on). FastAPI would read and
     parse a route's body before its dependencies run, the token check among them. ``routes``
     (the admin API's) name the refusal's route in the metrics, as the router would have."""
-    path = scope["path"]
+    path = route_path(scope)  # under a mount's prefix too, as the router matches
     if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
         return None
     state = scope["app"].state

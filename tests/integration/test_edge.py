@@ -63,9 +63,11 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served(settings: Settings, span_exporter: SpanExporter | None = None) -> AsyncIterator[Served]:
+async def served(
+    settings: Settings, span_exporter: SpanExporter | None = None, root_path: str = ""
+) -> AsyncIterator[Served]:
     """``create_app(settings)`` served by uvicorn with the edge protocol, as ``ai-backend serve`` does
-    (``span_exporter`` in place of the configured one)."""
+    (``span_exporter`` in place of the configured one; ``root_path``: uvicorn's ``--root-path``)."""
     app = create_app(settings, span_exporter=span_exporter)
     # bound here and handed to uvicorn: a port picked free and bound later could be taken in between
     listener = socket.create_server(("127.0.0.1", 0))
@@ -84,6 +86,7 @@ async def served(settings: Settings, span_exporter: SpanExporter | None = None) 
         ws="none",  # as ``ai-backend serve``
         timeout_graceful_shutdown=10,  # as ``ai-backend serve`` (grace + 1): an open connection cannot hang a test
         timeout_keep_alive=60,  # longer than any test waits: only the server's own rules close an idle connection
+        root_path=root_path,
     )
     server = result.server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=[listener]))
@@ -164,6 +167,20 @@ async def test_a_refusal_is_answered_by_the_protocol_exactly_as_the_app_answers_
     ]
     assert fields[:3] == fields[3:]
     assert fields[0] == ("edge-late-1", "POST", "/predict", "would_miss_deadline", True)
+
+
+@pytest.mark.usefixtures("no_hurry")
+async def test_under_a_root_path_the_protocol_refuses_as_at_the_root(make_settings: SettingsFactory) -> None:
+    # uvicorn puts its --root-path in front of each request's path, and names it in root_path
+    windows = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}  # as above
+    async with served(make_settings(**windows), root_path="/tight") as running:
+        ((warm, _),) = await running.exchange(predict())
+        assert warm.status == 200 and running.reached == ["POST /tight/predict"], "a prediction reaches the app"
+        late = await running.exchange(
+            predict(X_Request_Timeout="90"), predict("/v1/models/digits/predict", X_Request_Timeout="90")
+        )
+        assert [json.loads(body)["code"] for _, body in late] == ["would_miss_deadline"] * 2
+        assert running.reached == ["POST /tight/predict"], "refused without reaching the app"
 
 
 async def test_a_refused_body_is_dropped_and_the_connection_serves_on(make_settings: SettingsFactory) -> None:

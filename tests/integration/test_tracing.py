@@ -15,10 +15,9 @@ import torch
 from asgi_lifespan import LifespanManager
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from opentelemetry.util.http import parse_excluded_urls
 
 from app.batching import Lane
-from app.main import UNTRACED_PATHS, create_app
+from app.main import create_app
 from tests.conftest import SettingsFactory
 from tests.faults import DeviceLost, Faulty
 from tests.integration.test_lifecycle_api import AUTH, ROOT, TOKEN, add_version
@@ -30,15 +29,16 @@ PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 @contextlib.asynccontextmanager
 async def traced_app(
-    settings, export: bool = True
+    settings, export: bool = True, root_path: str = ""
 ) -> AsyncIterator[tuple[httpx.AsyncClient, InMemorySpanExporter, object]]:  # type: ignore[no-untyped-def]
     """The app with an in-memory span exporter in place of the configured one (``export``),
-    or with the settings' own (``telemetry.exporter="none"``: nothing exported)."""
+    or with the settings' own (``telemetry.exporter="none"``: nothing exported); served under
+    ``root_path`` as a server mounting it there would (the client's paths then begin with it)."""
     exporter = InMemorySpanExporter()
     app = create_app(settings, span_exporter=exporter if export else None)
     async with LifespanManager(state_per_request(app)) as manager:
         await app.state.starting
-        transport = httpx.ASGITransport(app=manager.app)
+        transport = httpx.ASGITransport(app=manager.app, root_path=root_path)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client, exporter, app.state.tracer_provider
 
@@ -262,18 +262,28 @@ async def test_a_failed_batch_leaves_its_error_on_the_inference_span_linked_to_t
     assert [link.context.span_id for link in own["inference"].links] == [batch.context.span_id]
 
 
-def test_only_the_probe_and_scrape_paths_themselves_are_untraced() -> None:
-    excluded = parse_excluded_urls(UNTRACED_PATHS)  # as the instrumentation reads them: scheme://Host + path
-    for url in ("http://h/livez", "http://h/readyz", "https://h:8000/healthz", "http://h/metrics"):
-        assert excluded.url_disabled(url), url
-    for url in (
-        "http://h/v1/models/metrics-net/predict",  # a model named after a probe
-        "http://h/v1/models/healthz/predict",
-        "http://api.example.com/metrics/predict",  # a Host header holding "/metrics"
-        "http://h/metrics/extra",
-        "http://h/predict",
-    ):
-        assert not excluded.url_disabled(url), url
+@pytest.mark.parametrize("mount", ["", "/tight"], ids=["at the root", "under a prefix"])
+async def test_only_the_probe_and_scrape_paths_themselves_are_untraced(
+    make_settings: SettingsFactory, mount: str
+) -> None:
+    # under a prefix (uvicorn's --root-path, a Ray Serve route_prefix) the path holds it
+    settings = make_settings(telemetry={"exporter": "console"})
+    async with traced_app(settings, root_path=mount) as (client, exporter, provider):
+        for path in ("/livez", "/readyz", "/healthz", "/metrics"):
+            probe = await client.get(mount + path, headers={"X-Request-ID": f"probe{path.replace('/', '-')}"})
+            assert probe.status_code == 200, path
+        traced = {
+            "model-named-after-a-scrape": ("POST", "/v1/models/metrics-net/predict"),
+            "model-named-after-a-probe": ("POST", "/v1/models/healthz/predict"),
+            "model-info-named-after-a-scrape": ("GET", "/v1/models/metrics"),
+            "past-a-scrape": ("GET", "/metrics/extra"),
+            "probe-of-another-mount": ("GET", "/other/readyz"),
+        }
+        for request_id, (method, path) in traced.items():
+            await client.request(method, mount + path, headers={"X-Request-ID": request_id})
+        provider.force_flush()  # type: ignore[attr-defined]
+    servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert sorted(s.attributes["request.id"] for s in servers) == sorted(traced)
 
 
 async def test_a_host_header_naming_a_probe_leaves_the_prediction_in_its_trace(make_settings: SettingsFactory) -> None:

@@ -25,6 +25,7 @@ from app.api.body import OPENAPI_BODY, check_declared_body, read_image_body
 from app.api.deps import PredictHeaders, checked_top_k, predict_headers, query_top_k
 from app.api.disconnect import ClientClosed, unless_disconnected
 from app.api.errors import error_responses, service_error_response
+from app.api.mount import route_path
 from app.api.openapi import PREDICT_PARAMETERS
 from app.api.schemas import PredictionItem, PredictResponse, Timings
 from app.api.shedding import shed
@@ -180,7 +181,7 @@ def predict_call(scope: Scope) -> PredictCall | None:
     """The prediction this request asks for, matched as the router would; None for any other."""
     if scope["method"] != "POST":
         return None
-    path = scope["path"]
+    path = route_path(scope)  # under a mount's prefix too, as the router matches
     if path == DEFAULT_PATH:
         return _DEFAULT
     if match := _NAMED.fullmatch(path):
