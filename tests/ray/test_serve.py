@@ -204,3 +204,23 @@ def test_every_replica_exports_its_metrics_through_ray(cluster: Cluster) -> None
         time.sleep(2)
     assert found >= replicas, (found, replicas)
     assert "ray_ai_backend_request_duration_seconds_bucket{" in text
+
+
+def test_the_health_check_passes_in_a_serving_replica(cluster: Cluster) -> None:
+    """Serve's check_health, called as Serve calls it: the ``/readyz`` condition it imports in the replica."""
+    handle = serve.get_app_handle("main")
+    assert handle.check_health.remote().result(timeout_s=30) is None
+
+
+def test_serves_per_request_timeout_header_bounds_the_wait_with_a_408(cluster: Cluster) -> None:
+    """What docs/ray.md tells a client whose deadline must count Serve's queue: Serve's proxy
+    honours ``X-Request-Timeout-Seconds`` and answers 408 itself, in plain text, past it (here
+    a lone request waits out the 1 s window of ``tight``; the app's own deadline is 5 s)."""
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        response = client.post(
+            "/tight/predict",
+            content=sample_png(7),
+            headers=_png_headers(**{"X-Request-Timeout": "5000", "X-Request-Timeout-Seconds": "0.3"}),
+        )
+    assert response.status_code == 408, response.text
+    assert "timed out after 0.3s" in response.text, response.text
