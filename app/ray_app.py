@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.ray.options import (
     check_device,
     deployment_options,
+    device_override,
     gpus_per_replica,
     read_settings,
     secrets_for_replicas,
@@ -234,6 +235,9 @@ def build(args: dict[str, Any]) -> Application:
     settings = read_settings(overrides, own.config_file)
     num_gpus = gpus_per_replica(own, settings)
     check_device(settings, num_gpus)
+    if (device := device_override(settings, num_gpus)) is not None:
+        log.info("model.device=%s for the replicas: they reserve no GPU (num_gpus=%g)", device, num_gpus)
+        overrides.setdefault("model", {})["device"] = device
     options = deployment_options(own, settings, num_gpus)
     config_file = str(own.config_file) if own.config_file else None
     log.info("Classifier options: %s", options)

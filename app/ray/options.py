@@ -114,7 +114,8 @@ def cuda_in_cluster() -> bool:
 
 
 def gpus_per_replica(args: BuildArgs, settings: Settings) -> float:
-    """One GPU per replica where CUDA is, none elsewhere (Ray then hides every GPU from it)."""
+    """One GPU per replica where CUDA is, none elsewhere (``device_override`` then keeps the replica
+    off the node's GPUs, which Ray 2.60 leaves visible to it)."""
     if args.num_gpus != "auto":
         return args.num_gpus
     device = settings.model.device
@@ -123,6 +124,17 @@ def gpus_per_replica(args: BuildArgs, settings: Settings) -> float:
     if device.startswith("cuda"):
         return 1.0
     return 1.0 if cuda_in_cluster() else 0.0
+
+
+def device_override(settings: Settings, num_gpus: float) -> str | None:
+    """The ``model.device`` replicas must serve on, where the settings would take a device Ray did
+    not reserve for them: ``cpu`` for ``auto`` with no GPU asked for. Ray 2.60 leaves a replica that
+    reserved no GPU the node's devices (unless ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1``), so ``auto``
+    found CUDA there and every such replica took ``cuda:0``, beside the replicas Ray had given it.
+    None: the settings stand (``cuda`` named with ``num_gpus`` 0 is the deployer's own choice)."""
+    if num_gpus <= 0 and settings.model.device == "auto":
+        return "cpu"
+    return None
 
 
 def check_device(settings: Settings, num_gpus: float) -> None:

@@ -215,3 +215,22 @@ def test_a_cuda_index_past_the_replicas_gpus_is_refused_when_the_application_is_
     build({"model.device": "cuda"})
     build({"model.device": "cuda:0"})
     build({"model.device": "cuda:1", "num_gpus": 2})  # two GPUs: cuda:0 and cuda:1 to the replica
+
+
+def test_replicas_that_reserve_no_gpu_serve_on_the_cpu_where_the_device_is_auto(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray 2.60 leaves a replica of ``num_gpus`` 0 the node's GPUs: under ``model.device=auto`` each
+    such replica took ``cuda:0``, a GPU Ray had not reserved for it (and may have given another)."""
+    from app.ray_app import build
+
+    monkeypatch.delenv("AI_SERVICE_MODEL__DEVICE", raising=False)
+
+    def device(args: dict[str, Any]) -> object:
+        overrides = build(args)._bound_deployment.init_args[0]
+        return overrides.get("model", {}).get("device")
+
+    assert device({"num_gpus": 0}) == "cpu"
+    assert device({"num_gpus": "0", "model.names": '["digits"]'}) == "cpu"
+    assert device({"num_gpus": 1}) is None, "a reserved GPU: auto finds it"
+    assert device({"num_gpus": 0, "model.device": "cuda"}) == "cuda", "named: the deployer's choice"
