@@ -82,7 +82,8 @@ class AccessLog:
         self.refusals = LineBudget(refusal_lines_per_s, clock)
 
     def line(self, method: str, path: str, status: int, code: str, seconds: float, fields: dict[str, Any]) -> None:
-        """The line of one answer (``code`` is logged for a status of 400 or more)."""
+        """The line of one request (``code`` is logged for a status of 400 or more, and for status 0:
+        nothing was sent, code ``unanswered``)."""
         if status == 503 and not self.refusals.take(code):
             return
         path = logged_path(path)
@@ -96,7 +97,7 @@ class AccessLog:
                 "path": path,
                 "status": status,
                 "duration_ms": round(seconds * 1000, 3),
-                **({"code": code} if status >= 400 else {}),
+                **({"code": code} if not 100 <= status < 400 else {}),
                 **fields,
             },
         )

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 from starlette.types import Message
 
 from app.batching import Lane
+from app.telemetry.logging import JsonFormatter, RequestIdFilter
 from tests.conftest import SettingsFactory
 from tests.faults import Faulty
 from tests.integration.test_metrics import scrape, total, value
@@ -259,21 +262,28 @@ async def test_a_deadline_passed_while_the_batch_waits_for_the_device_is_counted
         assert served.batcher.depth(Lane.NORMAL) == 0
 
 
-async def test_a_request_cancelled_before_its_answer_is_not_counted_ok(make_settings: SettingsFactory) -> None:
+async def test_a_request_cancelled_before_its_answer_is_not_counted_ok(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     """uvicorn cancels the request tasks still running when its graceful-shutdown timeout ends.
-    Such a request was never answered: it must not be counted as a success."""
-    settings = make_settings(server={"default_timeout_ms": 60_000})
+    Such a request was never answered: it must not be counted as a success, and its access line
+    gives the code it is counted under."""
+    settings = make_settings(server={"default_timeout_ms": 60_000}, logging={"access_log": True})
+    caplog.handler.addFilter(RequestIdFilter())
     async with running_app(settings) as running:
         async with device_held(running):
             connection = png_request(running, **{"x-request-id": "cut-1"})
             connection.body(sample_png(7), more=False)
             await batch_formed(running)
-            connection.task.cancel()
-            await asyncio.gather(connection.task, return_exceptions=True)
+            with caplog.at_level(logging.INFO, logger="app.access"):
+                connection.task.cancel()
+                await asyncio.gather(connection.task, return_exceptions=True)
         counted = await scrape(running)
     unanswered = {labels: v for (name, labels), v in counted.items() if name == "ai_backend_requests_total"}
     assert value(counted, "ai_backend_requests_total", status="0", code="ok") == 0, unanswered
     assert value(counted, "ai_backend_requests_total", status="0", code="unanswered") == 1, unanswered
+    (line,) = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "app.access"]
+    assert (line["request_id"], line["status"], line.get("code")) == ("cut-1", 0, "unanswered")
 
 
 async def test_a_request_cut_off_after_the_drain_gets_503_draining_not_a_500(make_settings: SettingsFactory) -> None:
