@@ -531,6 +531,42 @@ async def test_a_policy_change_while_versions_load_reaches_every_version(
         assert {s.version: s.batcher.policy.normal.max_batch for s in running.service.all_served()} == {"1": 2, "2": 2}
 
 
+async def test_a_bigger_max_batch_set_while_the_service_starts_is_warmed_once_it_is_ready(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raised while version 2 loads: version 1, warmed already under the old policy, lacks the
+    new sizes. The change itself warms nothing while the service starts; start-up's end does."""
+    from app.versions import VersionLoader
+    from tests.lifecycle_support import copy_version
+    from tests.support import copy_repository
+
+    root = copy_repository(tmp_path)
+    copy_version(root, "2")
+    gate, first_loaded = asyncio.Event(), asyncio.Event()
+    real_load = VersionLoader.load
+
+    async def slow_load(self: VersionLoader, name: str, version: str, **options: bool):  # type: ignore[no-untyped-def]
+        served = await real_load(self, name, version, **options)
+        if version == "1":
+            first_loaded.set()
+            await gate.wait()
+        return served
+
+    monkeypatch.setattr(VersionLoader, "load", slow_load)
+    settings = admin_settings(make_settings, model={"repository": root, "load_versions": "all", "warmup": True})
+    async with running_app(settings, wait=False) as running:
+        await asyncio.wait_for(first_loaded.wait(), 30)
+        changed = await running.client.put("/admin/policy", headers=AUTH, json=BIGGER)
+        assert changed.status_code == 200, changed.text
+        gate.set()
+        await running.wait_started()
+        warming = running.service.rewarm.task
+        assert warming is not None, "nothing warms the sizes version 1 lacks"
+        await asyncio.wait_for(warming, 30)
+        warmed = {s.version: s.model.warmed for s in running.service.all_served()}
+        assert {32, 64} <= warmed["1"] and {32, 64} <= warmed["2"], warmed
+
+
 async def test_the_admin_token_is_checked_before_any_body_is_read(make_settings: SettingsFactory) -> None:
     async with running_app(admin_settings(make_settings)) as running:
         malformed = await running.client.put(
