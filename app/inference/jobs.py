@@ -135,6 +135,7 @@ class TracedRunner:
                     [job.deadline for job in jobs],
                     urgent=lane is Lane.URGENT,
                     gone=lambda i: jobs[i].gone,
+                    ids=[job.request_id for job in jobs],
                 )
             except Exception as exc:  # the whole batch failed: each request's trace leads to it
                 exc.batch_trace = ran  # type: ignore[attr-defined]

@@ -102,20 +102,23 @@ class ModelRunner:
         deadlines: Sequence[float] | None = None,
         urgent: bool = False,
         gone: Callable[[int], bool] | None = None,
+        ids: Sequence[str] | None = None,
     ) -> list[TopK | ServiceError | None]:
         """Answers in order; ``None`` for an image whose request went before its batch reached
         the device, or before a retry: past its deadline (``time.monotonic()``), or ``gone(i)``
         (its client disconnected). It is not computed (an ``Encoded`` one not decoded). The error
         for an image the device could not compute while it computed others, or that did not
-        decode. Urgent batches go first."""
+        decode. Urgent batches go first. ``ids``: the images' request ids, for the log lines
+        about some of them."""
         batch = list(images)
-        return await self._device.run(lambda: self.run_sync(batch, deadlines, gone), urgent=urgent)
+        return await self._device.run(lambda: self.run_sync(batch, deadlines, gone, ids), urgent=urgent)
 
     def run_sync(
         self,
         images: list[torch.Tensor | Encoded],
         deadlines: Sequence[float] | None = None,
         gone: Callable[[int], bool] | None = None,
+        ids: Sequence[str] | None = None,
     ) -> list[TopK | ServiceError | None]:
         """Blocking: the live images on the device (split on out-of-memory), answers on the host.
 
@@ -128,8 +131,12 @@ class ModelRunner:
         The ``Encoded`` images still wanted are decoded first, here, on the thread that then
         runs them; one that does not decode is answered with its error (a 400 or 413), the
         batch runs without it, and an error raised for the whole batch carries those errors
-        in ``refused`` (index to error)."""
-        batch = _Batch(images, deadlines, gone)
+        in ``refused`` (index to error).
+
+        A traceback logged here for some of the images (a bug in decoding one, or in a part of the
+        batch) names their requests' ids (``ids``, when given) in ``request_ids``: their own error
+        lines say it is logged with their batch, and with tracing off nothing else joins them."""
+        batch = _Batch(images, deadlines, gone, ids)
         self._use_intra_op()
         self._decode(batch)
         generation = self._generation
@@ -182,7 +189,7 @@ class ModelRunner:
             except ServiceError as exc:  # the client's image: its request alone is answered so
                 batch.refuse(i, exc)
             except Exception as exc:  # a bug in decoding: this image's request gets a generic 500
-                log.error("decoding an image of a batch failed", exc_info=exc, extra=self._ids)
+                log.error("decoding an image of a batch failed", exc_info=exc, extra=self._about(batch, [i]))
                 failed = BatchFailed("inference failed")
                 failed.__cause__, failed.logged = exc, True
                 batch.refuse(i, failed)
@@ -219,7 +226,10 @@ class ModelRunner:
                 raise
             if fault is None:
                 log.exception(
-                    "part of a batch split after running out of memory failed (%d images)", len(wanted), extra=self._ids
+                    "part of a batch failed on its retry (%d images; split after running out of memory, or "
+                    "retried on the CPU fallback)",
+                    len(wanted),
+                    extra=self._about(batch, wanted),
                 )
                 failed = BatchFailed("inference failed")
                 failed.logged = True  # the traceback above, once for the images of this part
@@ -252,6 +262,13 @@ class ModelRunner:
         half = len(wanted) // 2
         self._compute(batch, wanted[:half], model, part=True)
         self._compute(batch, wanted[half:], model, part=True)
+
+    def _about(self, batch: _Batch, indices: Sequence[int]) -> dict[str, object]:
+        """The fields of a log line about some of a batch's images: the model, and their requests'
+        ids where the batch has them."""
+        if batch.ids is None:
+            return dict(self._ids)
+        return {**self._ids, "request_ids": [batch.ids[i] for i in indices]}
 
     @staticmethod
     def _where(model: Model, wanted: Sequence[int], loading: bool) -> str:
@@ -327,8 +344,10 @@ class _Batch:
         images: list[torch.Tensor | Encoded],
         deadlines: Sequence[float] | None,
         gone: Callable[[int], bool] | None,
+        ids: Sequence[str] | None = None,
     ) -> None:
         self.images, self._deadlines, self._gone = images, deadlines, gone
+        self.ids = ids  # the images' request ids, for log lines (None: not known)
         self.answers: list[TopK | ServiceError | None] = [None] * len(images)
         self.refused: dict[int, ServiceError] = {}  # the images that did not decode, answered with these errors
         self.computed = 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from app.inference import preprocess
 from app.telemetry.logging import JsonFormatter, RequestIdFilter
 from tests.conftest import SettingsFactory
 from tests.faults import Faulty
@@ -124,3 +125,66 @@ async def test_a_long_path_is_cut_in_the_access_line(
     (line,) = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "app.access"]
     assert line["path"] == path[:LOGGED_PATH_CHARS] + "..."
     assert len(json.dumps(line)) < 3 * LOGGED_PATH_CHARS, "the path twice at most, each cut"
+
+
+async def test_a_bug_in_decoding_one_image_names_its_request_on_the_traceback_line(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request's 500 line says its traceback is logged with its batch; with tracing off (the
+    default) the traceback line, written on the device thread, is found by the request's id."""
+    settings = make_settings(
+        server={"decode": "batch", "default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 3, "max_queue": 16}},
+    )
+    broken = sample_png(2)
+    decode = preprocess.Encoded.decode
+
+    def buggy(self: preprocess.Encoded) -> torch.Tensor:
+        if self.data == broken:
+            raise KeyError("a bug in decoding")
+        return decode(self)
+
+    monkeypatch.setattr(preprocess.Encoded, "decode", buggy)
+    async with running_app(settings) as running:
+        with caplog.at_level(logging.ERROR):
+            answers = await asyncio.gather(
+                *(running.predict_png(sample_png(d), headers={"X-Request-ID": f"dec-{d}"}) for d in range(3))
+            )
+    assert [a.status_code for a in answers] == [200, 200, 500]
+    (line,) = [r for r in caplog.records if r.exc_info]
+    assert "decoding an image of a batch failed" in line.getMessage()
+    assert line.request_ids == ["dec-2"]  # type: ignore[attr-defined]
+    assert json.loads(JsonFormatter().format(line))["request_ids"] == ["dec-2"]
+
+
+async def test_a_bug_in_a_part_of_a_split_batch_names_that_parts_requests_on_its_traceback_line(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch of 4 runs out of memory and is split; its first half computes, its second hits a
+    bug: the traceback line, logged once for that half, names the requests answered 500."""
+    settings = make_settings(
+        server={"default_timeout_ms": 60_000},
+        batching={"normal": {"window_ms": 20_000.0, "max_batch": 4, "max_queue": 16}},
+    )
+
+    class BuggyAfter(Faulty):
+        def probabilities(self, images: torch.Tensor, head: str | None = None) -> torch.Tensor:
+            if len(self.sizes) == 2:
+                self.sizes.append(len(images))
+                raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+            return super().probabilities(images, head)
+
+    async with running_app(settings) as running:
+        served = running.service.models[MODEL_NAME]
+        buggy = BuggyAfter(served.model, fail_at=4)
+        served.runner.model = buggy  # type: ignore[assignment]
+        with caplog.at_level(logging.ERROR):
+            answers = await asyncio.gather(
+                *(running.predict_png(sample_png(d), headers={"X-Request-ID": f"split-{d}"}) for d in range(4))
+            )
+    assert buggy.sizes == [4, 2, 2]
+    failed = sorted(a.headers["x-request-id"] for a in answers if a.status_code == 500)
+    assert len(failed) == 2 and sorted(a.status_code for a in answers) == [200, 200, 500, 500]
+    (line,) = [r for r in caplog.records if r.exc_info]
+    assert line.getMessage().startswith("part of a batch")
+    assert sorted(line.request_ids) == failed  # type: ignore[attr-defined]
