@@ -97,7 +97,7 @@ class Execution(Generic[P, R]):
             return
         self._fail(batch, error)
         try:  # answered first, as a batch that ran is
-            self._report(plan, batch, started, self._clock.now() - started, capacity, ok=False)
+            self._report(plan, batch, started, self._clock.now() - started, capacity, len(batch), ok=False)
         except Exception:
             log.exception("counting a batch of %d that failed failed in %s", len(batch), self._name)
 
@@ -148,7 +148,7 @@ class Execution(Generic[P, R]):
             self._ceiling.reset()  # and the old device's memory pressure no longer caps them
         elif computed:
             self._intake.observe_batch(plan.lane, run_s)
-        self._report(plan, batch, started, run_s, capacity, ok=True, ran=computed)
+        self._report(plan, batch, started, run_s, capacity, computed, ok=True)
         self._ceiling.calm(computed, self._policy())
 
     def _report(
@@ -158,12 +158,13 @@ class Execution(Generic[P, R]):
         started: float,
         run_s: float,
         capacity: int,
+        size: int,
         ok: bool,
-        ran: int = 0,
     ) -> None:
-        """The batch's figures: its size is what the device ran (``ran``; 0: the batch as formed)."""
+        """The batch's figures: ``size`` is what the device ran of a batch that ran (0: none, its
+        requests gone or undecodable before it took them), the batch as formed for one that failed."""
         waits = [(item.lane, started - item.enqueued_at) for item in batch]
-        self._observer.on_batch(plan.lane, ran or len(batch), capacity, waits, run_s, ok)
+        self._observer.on_batch(plan.lane, size, capacity, waits, run_s, ok)
 
     @staticmethod
     def _fail(batch: Sequence[Pending[P, R]], error: BaseException) -> None:

@@ -15,7 +15,9 @@ class BatchObserver(Protocol):
         self, lane: Lane, size: int, capacity: int, waits_s: Sequence[tuple[Lane, float]], run_s: float, ok: bool
     ) -> None:
         """A batch formed by ``lane`` ran; ``waits_s`` has each request's own lane (a normal
-        request may ride an urgent batch) and its wait in the queue."""
+        request may ride an urgent batch) and its wait in the queue. ``size`` is what the device
+        ran: 0 for a batch none of whose requests reached it (each gone, past its deadline, or its
+        image undecodable), which took no device time."""
 
     def on_rejected(self, lane: Lane, reason: str) -> None: ...
 

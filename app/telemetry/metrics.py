@@ -235,6 +235,8 @@ class BatchMetrics:
         m = self._metrics
         for own, seconds in waits_s:  # under the request's own lane, whichever batch it rode
             m.queue_wait.labels(own.value).observe(seconds)
+        if not size:  # nothing reached the device: no batch ran there, and its near-zero time is no run time
+            return
         m.batch_size.labels(lane.value).observe(size)
         m.batch_fill.labels(lane.value).observe(min(1.0, size / capacity))
         bucket = batch_bucket(size)

@@ -171,3 +171,26 @@ async def test_a_normal_request_riding_an_urgent_batch_waits_under_its_own_lane(
         assert total(after, "ai_backend_batch_size_count", lane="urgent") == 1
         assert total(after, "ai_backend_queue_wait_seconds_count", lane="normal") == 3
         assert total(after, "ai_backend_queue_wait_seconds_count", lane="urgent") == 1
+
+
+async def test_a_batch_that_reached_the_device_with_nothing_is_not_counted_as_one_that_ran(
+    make_settings: SettingsFactory,
+) -> None:
+    """Decoded in the batch (``server.decode=batch``), an image that does not decode is found
+    there: a batch of only such images ran no forward pass. Its requests waited in the queue,
+    but its size (as formed) and near-zero time were recorded as a batch's run."""
+    settings = make_settings(server={"decode": "batch"}, batching={"normal": {"window_ms": 5.0, "max_batch": 4}})
+    async with running_app(settings) as running:
+        truncated = sample_png(2)[:60]  # a PNG's signature and header, no image data: found only by decoding
+        bad = await running.predict_png(truncated)
+        assert bad.status_code == 400 and bad.json()["code"] == "undecodable_image", bad.text
+        after = await scrape(running)
+        assert total(after, "ai_backend_queue_wait_seconds_count", lane="normal") == 1, "it did wait"
+        assert total(after, "ai_backend_batch_size_count") == 0
+        assert total(after, "ai_backend_batch_fill_ratio_count") == 0
+        assert total(after, "ai_backend_inference_seconds_count") == 0
+        ok = await running.predict_png(sample_png(3))
+        assert ok.status_code == 200, ok.text
+        after = await scrape(running)
+        assert total(after, "ai_backend_batch_size_count", lane="normal") == 1
+        assert total(after, "ai_backend_inference_seconds_count", model="digits", version="1", batch_size="1") == 1
