@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import json
 import logging
@@ -45,6 +46,14 @@ from app.settings import (
 log = logging.getLogger(__name__)
 
 Apply = Callable[[BatchingSettings], None]
+
+
+class _Unseen(enum.Enum):
+    UNSEEN = enum.auto()
+
+
+UNSEEN = _Unseen.UNSEEN
+"""No change seen yet: not None, which is the stamp of a missing file."""
 
 
 def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +142,8 @@ class PolicyManager:
         # the admin changes applied while a reload reads the file (None: no reload reads it): newer
         # than what the reload read, they go over it
         self._during_read: list[dict[str, Any]] | None = None
-        self._settling: FileStamp = None  # a change the watcher saw once: read if the next poll sees it too
+        # a change the watcher saw once: read if the next poll sees it too (a file gone is one)
+        self._settling: FileStamp | _Unseen = UNSEEN
         # the file as written, to name the edits a variable overrides (blocking, as
         # the stamp's read: a small file, once, before serving)
         self._table = _config_table(self.config_file)
@@ -278,10 +288,11 @@ class PolicyManager:
                 continue
             if not forced and stamp != self._settling:
                 # an editor's write in place may be under way (the file truncated, half written,
-                # and valid TOML all the same): a change is read once it holds for one interval
+                # and valid TOML all the same), or its save by rename (the file gone for a moment):
+                # a change is read once it holds for one interval
                 self._settling = stamp
                 continue
-            self._settling = None
+            self._settling = UNSEEN
             try:
                 await self.reload(forced=forced)
             except Exception:

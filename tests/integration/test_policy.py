@@ -755,6 +755,44 @@ async def test_an_edit_that_an_admin_change_made_meanwhile_makes_invalid_leaves_
     assert any("the admin change stays" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
+async def test_a_file_gone_for_one_poll_is_waited_for_as_any_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An editor that saves by rename: a poll may find the file gone, the next one the new file
+    being written. Gone is a change like any other: read only if the next poll finds it gone too.
+    Before, a missing file's stamp (None) passed for 'nothing seen yet', and it was read at once:
+    refused as missing (an ERROR for a normal save), or the new file read half written."""
+    config = tmp_path / "service.toml"
+    config.write_text(CONFIG.format(window=5.0, batch=8))
+    monkeypatch.setenv("AI_SERVICE_CONFIG_FILE", str(config))
+    applied: list[int] = []
+    manager = PolicyManager(load_settings(), lambda b: applied.append(b.normal.max_batch))
+    real_stamp = file_stamp
+    # what the editor has done by each stamp taken: gone, half written (valid TOML all the same), whole
+    edits = [config.unlink, lambda: config.write_text(CONFIG.format(window=5.0, batch=4))]
+    edits.append(lambda: config.write_text(CONFIG.format(window=5.0, batch=3)))
+    stamps: list[Path] = []
+
+    def stamp_after_the_next_edit(path: Path):  # type: ignore[no-untyped-def]
+        stamps.append(path)
+        if edits:
+            edits.pop(0)()
+        return real_stamp(path)
+
+    monkeypatch.setattr("app.policy.file_stamp", stamp_after_the_next_edit)
+    caplog.set_level(logging.WARNING, logger="app.policy")
+    watching = asyncio.ensure_future(manager.watch(0.01))
+    try:
+        async with asyncio.timeout(10):
+            while not applied or len(stamps) < 8:  # noqa: ASYNC110 - the watcher has no event
+                await asyncio.sleep(0.01)
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    assert applied == [3], "applied what a poll caught while the editor wrote"
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 async def test_a_deleted_config_file_does_not_reset_the_policy_to_the_defaults(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
