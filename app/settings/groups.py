@@ -369,8 +369,11 @@ class AdminSettings(_Group):
 
 
 class TelemetrySettings(_Group):
-    """Tracing, and the event loop's lag. The OTLP exporters also read the standard
-    ``OTEL_EXPORTER_OTLP_*`` variables."""
+    """Tracing, and the event loop's lag. What these leave unset, the OTLP exporters read from
+    the standard ``OTEL_EXPORTER_OTLP_*`` variables (``app.telemetry.tracing.make_exporter``):
+    the endpoint and the gRPC exporter's TLS where ``endpoint`` is unset, TLS for a gRPC
+    ``HOST:PORT`` where ``OTEL_EXPORTER_OTLP_[TRACES_]INSECURE`` is set, the certificates' files,
+    the timeout where ``export_timeout_s`` is unset, headers and compression."""
 
     service_name: str = Field(default="ai-backend", description="service.name on every span")
     exporter: Literal["none", "console", "otlp_grpc", "otlp_http"] = Field(
@@ -380,9 +383,11 @@ class TelemetrySettings(_Group):
     )
     endpoint: str | None = Field(
         default=None,
-        description="OTLP endpoint, http(s)://HOST[:PORT], e.g. http://127.0.0.1:4317 (gRPC, which also takes "
-        "HOST:PORT) or :4318 (HTTP); checked at start; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else the exporter's "
-        "default on localhost",
+        description="OTLP endpoint, http(s)://HOST[:PORT][/PATH], e.g. http://127.0.0.1:4317 (gRPC: http is "
+        "plaintext, https TLS with the OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE and CLIENT_* files; HOST:PORT "
+        "is plaintext unless OTEL_EXPORTER_OTLP_[TRACES_]INSECURE says otherwise) or :4318 (HTTP: /v1/traces is "
+        "appended unless the path ends in it); checked at start; unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT and the exporter's own TLS variables, else its default on localhost",
     )
     sampling_ratio: float = Field(
         default=1.0,
@@ -393,8 +398,9 @@ class TelemetrySettings(_Group):
 
     @model_validator(mode="after")
     def _endpoint_is_a_url(self) -> TelemetrySettings:
-        """``http(s)://HOST[:PORT]`` (gRPC's exporter also takes ``HOST:PORT``): a malformed one
-        started, and every span was then dropped."""
+        """``http(s)://HOST[:PORT][/PATH]`` (gRPC's exporter also takes ``HOST:PORT``): a malformed
+        one started, and every span was then dropped. A query or a fragment is refused: /v1/traces
+        appended after it made a URL no collector serves."""
         if self.endpoint is None:
             return self
         endpoint = self.endpoint
@@ -404,15 +410,22 @@ class TelemetrySettings(_Group):
             port: int | None = parsed.port  # a port that is not a number (or out of range) raises
         except ValueError:
             port = -1
-        if not (bare or parsed.scheme in ("http", "https")) or not parsed.hostname or port == -1:
-            form = "http(s)://HOST[:PORT] or, for otlp_grpc, HOST:PORT"
+        malformed = not (bare or parsed.scheme in ("http", "https")) or not parsed.hostname or port == -1
+        if malformed or "?" in endpoint or "#" in endpoint:
+            form = "http(s)://HOST[:PORT][/PATH] (no query) or, for otlp_grpc, HOST:PORT"
             raise ValueError(f"telemetry.endpoint must be {form}, not {endpoint[:64]!r}")
         return self
 
     max_queue: int = Field(default=2048, ge=1, le=1_000_000, description="spans waiting for export; more are dropped")
     batch_size: int = Field(default=256, ge=1, le=65536, description="spans per export call")
     schedule_delay_ms: float = Field(default=1000.0, gt=0, le=3_600_000, description="longest wait before an export")
-    export_timeout_s: float = Field(default=5.0, gt=0, le=3600, description="one export call's timeout")
+    export_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=3600,
+        description="one export call's timeout, seconds; unset: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, else "
+        "OTEL_EXPORTER_OTLP_TIMEOUT (seconds, as the Python exporters read them), else 5; set, it wins over them",
+    )
     loop_lag_interval_ms: float = Field(
         default=250.0,
         ge=0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 import logging
+import math
 import os
 import socket
 import threading
@@ -175,20 +176,84 @@ class BoundedSpanProcessor(SpanProcessor):
         self._exporter.shutdown()
 
 
-def make_exporter(settings: TelemetrySettings) -> SpanExporter | None:
-    """The configured exporter; OTLP endpoints default to the standard ``OTEL_*`` variables."""
-    timeout = settings.export_timeout_s
+DEFAULT_EXPORT_TIMEOUT_S = 5.0  # one export's bound where neither our setting nor the OTLP variables give one
+TRACES_PATH = "/v1/traces"  # the OTLP/HTTP traces path, under a base URL
+
+
+def export_timeout_s(settings: TelemetrySettings) -> float:
+    """One export's bound, in seconds: ``telemetry.export_timeout_s`` where it is set, else
+    ``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``, else ``OTEL_EXPORTER_OTLP_TIMEOUT`` (in seconds, as
+    OpenTelemetry's Python exporters read them), else 5. The exporter and the processor's
+    shutdown wait both use it. The first variable set that is not a number of seconds in
+    (0, 3600] is warned of, and 5 used (3600 is the setting's own bound; a value meant in
+    milliseconds, as the specification has it, would otherwise hold a shutdown for hours)."""
+    if settings.export_timeout_s is not None:
+        return settings.export_timeout_s
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        if not (text := os.environ.get(name, "").strip()):
+            continue
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = math.nan
+        if 0 < seconds <= 3600:
+            return seconds
+        log.warning(
+            "%s=%s is not a number of seconds in (0, 3600] (the Python exporters read it in seconds): %g s used",
+            name,
+            text[:64],
+            DEFAULT_EXPORT_TIMEOUT_S,
+        )
+        break
+    return DEFAULT_EXPORT_TIMEOUT_S
+
+
+def grpc_insecure(endpoint: str | None) -> bool | None:
+    """What the gRPC exporter is told of TLS; ``None`` leaves it to the exporter, which reads
+    ``OTEL_EXPORTER_OTLP_[TRACES_]INSECURE``. Unset ``endpoint``: the exporter decides all of it
+    (its endpoint too, from ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``). ``http://``: plaintext,
+    ``https://``: TLS (the scheme decides, as the specification says; with ``False`` the exporter
+    reads the ``..._CERTIFICATE``, ``..._CLIENT_KEY`` and ``..._CLIENT_CERTIFICATE`` variables,
+    the traces' own included). ``HOST:PORT``: the ``..._INSECURE`` variables decide where one is
+    set; plaintext where none is (as this setting always was; the exporter alone would use TLS)."""
+    if endpoint is None:
+        return None
+    scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""
+    if scheme == "http":
+        return True
+    if scheme == "https":
+        return False
+    if any(os.environ.get(name) for name in ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")):
+        return None
+    return True
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP URL spans are posted to: ``endpoint`` itself where its path ends in
+    ``/v1/traces`` (a traces URL, as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` takes), else
+    ``/v1/traces`` under it (a base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT`` takes; a path before
+    it stays: a collector behind a proxy's prefix)."""
+    base = endpoint.rstrip("/")
+    return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
+
+
+def make_exporter(settings: TelemetrySettings, timeout_s: float | None = None) -> SpanExporter | None:
+    """The configured exporter. The OTLP exporters read their standard ``OTEL_EXPORTER_OTLP_*``
+    variables for what our settings leave unset: the endpoint (``telemetry.endpoint`` unset),
+    the timeout (``export_timeout_s``, unless ``timeout_s`` is given), TLS (``grpc_insecure``),
+    headers and compression."""
     if settings.exporter == "none":
         return None
     if settings.exporter == "console":  # a span a line on stdout, as the JSON logs on stderr: one stream in a container
         return ConsoleSpanExporter(formatter=lambda span: span.to_json(indent=None) + os.linesep)
+    timeout = export_timeout_s(settings) if timeout_s is None else timeout_s
     if settings.exporter == "otlp_grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-        return GrpcExporter(endpoint=settings.endpoint, insecure=True, timeout=timeout)
+        return GrpcExporter(endpoint=settings.endpoint, insecure=grpc_insecure(settings.endpoint), timeout=timeout)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-    endpoint = settings.endpoint.rstrip("/") + "/v1/traces" if settings.endpoint else None
+    endpoint = traces_url(settings.endpoint) if settings.endpoint else None
     return HttpExporter(endpoint=endpoint, timeout=timeout)
 
 
@@ -249,7 +314,10 @@ def build_tracer_provider(
         # spans queued for a collector that does not answer held whole 30 KB query strings
         span_limits=SpanLimits(max_links=MAX_BATCH, max_span_attribute_length=ATTRIBUTE_CHARS),
     )
-    exporter = exporter or make_exporter(settings)
+    if exporter is None and settings.exporter == "none":
+        return provider, None
+    timeout_s = export_timeout_s(settings)  # once: a variable it ignores is warned of once
+    exporter = exporter or make_exporter(settings, timeout_s)
     if exporter is None:
         return provider, None
     processor = BoundedSpanProcessor(
@@ -258,7 +326,7 @@ def build_tracer_provider(
         batch_size=settings.batch_size,
         schedule_delay_s=settings.schedule_delay_ms / 1000,
         on_drop=on_drop,
-        export_timeout_s=settings.export_timeout_s,
+        export_timeout_s=timeout_s,
     )
     provider.add_span_processor(processor)
     return provider, processor

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from app.inference.device import plan_threads
 from app.settings import ENV_PREFIX, Settings, env_name
+from app.telemetry.tracing import DEFAULT_EXPORT_TIMEOUT_S
 from tests.k8s.conftest import (
     ENVOY,
     OVERLAYS,
@@ -77,7 +78,8 @@ def test_the_grace_period_outlasts_the_pre_stop_sleep_and_the_drain(overlay: str
     grace_s = pod["terminationGracePeriodSeconds"]
     assert sleep_s >= 5, "balancers need a few seconds to stop sending new work"
     assert grace_s > sleep_s + drain_s, (grace_s, sleep_s, drain_s)
-    margin = max(MIN_EXIT_MARGIN_S, settings.telemetry.export_timeout_s)
+    # the pods set no OTEL_EXPORTER_OTLP_*TIMEOUT: unset, the export timeout is the default
+    margin = max(MIN_EXIT_MARGIN_S, settings.telemetry.export_timeout_s or DEFAULT_EXPORT_TIMEOUT_S)
     assert grace_s - sleep_s - drain_s >= margin, f"leave {margin} s after the drain to flush and exit"
 
 
