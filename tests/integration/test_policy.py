@@ -814,6 +814,33 @@ async def test_a_deleted_config_file_does_not_reset_the_policy_to_the_defaults(
     assert manager.current.normal.max_batch == 8, "the file's policy was replaced by the defaults"
 
 
+@pytest.mark.parametrize("edit", ["truncated", "deleted"])
+async def test_the_file_is_read_once_so_an_edit_during_a_reload_cannot_apply_the_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: str
+) -> None:
+    """The file was checked (present, not empty) in one read and parsed from later ones: the
+    editor's next write, truncating it or renaming it away, could land between them, and the
+    settings read from no file at all are the built-in defaults (batch 16, 25 ms), applied as the
+    live policy. The settings take the bytes that were checked and stamped."""
+    monkeypatch.chdir(tmp_path)  # the default path: a file gone there is no error, only no settings
+    monkeypatch.delenv("AI_SERVICE_CONFIG_FILE", raising=False)
+    (tmp_path / "config").mkdir()
+    config = tmp_path / "config" / "default.toml"
+    config.write_text(REVIEWED.format(window=10000.0, batch=8))
+    settings = load_settings(server={"default_timeout_ms": 60_000})
+
+    def read_as_the_editor_writes() -> Any:
+        config.write_text("") if edit == "truncated" else config.unlink()
+        return load_settings()
+
+    manager = PolicyManager(settings, lambda b: None, read=read_as_the_editor_writes)
+    config.write_text(REVIEWED.format(window=10000.0, batch=3))
+    os.utime(config, (1, 1))
+    assert await manager.reload(forced=False)
+    assert manager.current.normal.max_batch == 3, "the built-in defaults were applied"
+    assert manager.current.normal.window_ms == 10000.0
+
+
 async def test_an_edit_within_the_mtime_granularity_is_not_missed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
