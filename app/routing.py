@@ -9,7 +9,7 @@ version they started with.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
@@ -91,6 +91,18 @@ class ModelGroup(Generic[V]):
         self.known_versions = known_versions  # in the repository, loaded or not
         self.routing = routing
         self._rng = rng
+
+    def know(self, version: str) -> None:
+        """``version`` was loaded: a pin to it, once it is unloaded, is a 503 ``version_not_loaded``."""
+        if version not in self.known_versions:
+            self.known_versions = tuple(sorted((*self.known_versions, version), key=int))
+
+    def forget_missing(self, on_disk: Collection[str]) -> None:
+        """The repository lists ``on_disk`` now: a known version gone from it, and not loaded, is
+        a 404 to a pin from now on (a 503 would tell clients to retry a version that cannot come
+        back). A version listed but never loaded is not added: it is a 404 until it is loaded."""
+        loaded = self.routing.loaded
+        self.known_versions = tuple(v for v in self.known_versions if v in on_disk or v in loaded)
 
     def route(self, pinned: str | None = None) -> V:
         routing = self.routing  # one snapshot for the whole decision

@@ -66,14 +66,16 @@ class LifecycleManager:
         return group
 
     async def _known_versions(self, group: ModelGroup[ServedModel]) -> tuple[str, ...]:
-        """Versions in the repository now (a version added since start-up counts)."""
+        """Versions in the repository now (a version added since start-up counts). The versions a
+        pin knows (``group.known_versions``) lose those gone from disk and not loaded, and gain
+        none: a version copied in stays a 404 to a pin until it is loaded (``_load``)."""
         try:
             entries = await asyncio.to_thread(self._service.repository.models)
         except (RepositoryError, OSError) as exc:  # the volume unmounted, a folder unreadable: not a bug
             log.warning("model repository unreadable: %s", exc)
             raise Unavailable(f"the model repository cannot be read now: {exc}", code="repository_unavailable") from exc
         versions = next((e.versions for e in entries if e.name == group.name), group.known_versions)
-        group.known_versions = versions
+        group.forget_missing(versions)
         return versions
 
     async def load(self, name: str, version: str) -> ServedModel:
@@ -81,9 +83,9 @@ class LifecycleManager:
         unchanged. A second call for a version being loaded gets that load's outcome."""
         async with self._lock:
             group = self._group(name)
-            await self._known(group, version)
-            if version in group.routing.loaded:
+            if version in group.routing.loaded:  # serving, though perhaps gone from disk since
                 return group.routing.loaded[version]
+            await self._known(group, version)
             under_way = self._loading.get((name, version))
             if under_way is None:
                 under_way = self._loading[(name, version)] = asyncio.ensure_future(self._load(group, version))
@@ -114,6 +116,7 @@ class LifecycleManager:
             self._service.loader.publish(served)
             served.batcher.start()
             group.routing = group.routing.with_loaded(version, served)
+            group.know(version)  # a pin to it, once it is unloaded, is told to retry (503), not 404
             if self._service.loader.unwarmed_size(served.model) is not None:
                 self._service.rewarm.start()  # the sizes that policy brought, warmed in the background
             log.info("loaded %s/%s", name, version, extra={"model": name, "version": version})
