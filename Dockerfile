@@ -35,8 +35,9 @@ ENV PATH="/srv/.venv/bin:$PATH" \
 USER 10001:10001
 EXPOSE 8000
 VOLUME ["/srv/models"]
+# /livez on the port the settings give (AI_SERVICE_SERVER__PORT, or the config file's), not a fixed 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/livez', timeout=2).status != 200)"]
+    CMD ["python", "-m", "app.healthcheck"]
 # SIGTERM drains: readiness turns 503, queued work finishes within server.shutdown_grace_s
 STOPSIGNAL SIGTERM
 CMD ["ai-backend", "serve"]

@@ -5,7 +5,16 @@ hadolint lints it; the rest reads the instructions, since no engine is here to b
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
+import os
 import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 from tests.stack.conftest import find_tool, run_tool
 from tests.support import REPO_ROOT
@@ -57,7 +66,8 @@ def test_the_runtime_runs_as_a_non_root_user_and_is_probed_on_livez() -> None:
     assert users and users[-1].split(":")[0] not in ("0", "root"), users
     assert re.fullmatch(r"\d+(:\d+)?", users[-1]), f"USER {users[-1]}: numeric, so the runtime can check it"
     healthchecks = [args for keyword, args in final if keyword == "HEALTHCHECK"]
-    assert len(healthchecks) == 1 and "/livez" in healthchecks[0]
+    # app.healthcheck asks /livez (the stand-in server of the tests below answers 404 elsewhere)
+    assert len(healthchecks) == 1 and "app.healthcheck" in healthchecks[0]
 
 
 def test_the_model_repository_is_mounted_not_baked_in() -> None:
@@ -66,3 +76,71 @@ def test_the_model_repository_is_mounted_not_baked_in() -> None:
     assert not any(keyword in ("COPY", "ADD") and "models" in args.split()[0] for keyword, args in _instructions())
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert "models" in ignored and ".venv" in ignored
+
+
+def _healthcheck_command() -> list[str]:
+    """The runtime's HEALTHCHECK command (exec form), its ``python`` this interpreter."""
+    (healthcheck,) = [args for keyword, args in _final_stage() if keyword == "HEALTHCHECK"]
+    _, _, command = healthcheck.partition("CMD ")
+    argv = json.loads(command)
+    assert argv[0] == "python", argv  # the virtual environment's, first on the image's PATH
+    return [sys.executable, *argv[1:]]
+
+
+class _Probed(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status if self.path == "/livez" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _server(status: int) -> Iterator[int]:
+    """A stand-in for the service on a free loopback port answering ``/livez`` with ``status``; its port."""
+    handler = type("Handler", (_Probed,), {"status": status})
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server.server_address[1]
+        finally:
+            server.shutdown()
+            thread.join(5)
+
+
+def _run_healthcheck(**env: str) -> subprocess.CompletedProcess[str]:
+    """The healthcheck as the image runs it: from a folder holding config/default.toml, with the
+    image's variables (the server bound to every address) and ``env`` over them."""
+    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("AI_SERVICE_")}
+    clean |= {"AI_SERVICE_SERVER__HOST": "0.0.0.0", **env}
+    return subprocess.run(
+        _healthcheck_command(), cwd=REPO_ROOT, env=clean, capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def test_the_healthcheck_asks_the_port_the_settings_give_with_no_curl_or_wget() -> None:
+    """It asked port 8000 whatever the server's: with AI_SERVICE_SERVER__PORT=9000 the container
+    stayed unhealthy. The image has neither curl nor wget."""
+    (healthcheck,) = [args for keyword, args in _final_stage() if keyword == "HEALTHCHECK"]
+    assert "curl" not in healthcheck and "wget" not in healthcheck
+    with _server(200) as port:
+        answered = _run_healthcheck(AI_SERVICE_SERVER__PORT=str(port))
+        assert answered.returncode == 0, answered.stdout + answered.stderr
+    with _server(503) as port:
+        failing = _run_healthcheck(AI_SERVICE_SERVER__PORT=str(port))
+        assert failing.returncode == 1 and "answered 503" in failing.stderr, failing.stderr
+    refused = _run_healthcheck(AI_SERVICE_SERVER__PORT=str(port))  # nothing listens there any more
+    assert refused.returncode == 1 and f":{port}/livez" in refused.stderr, refused.stderr
+
+
+def test_the_healthcheck_follows_the_config_files_port(tmp_path: Path) -> None:
+    config = tmp_path / "service.toml"
+    with _server(200) as port:
+        config.write_text(f"[server]\nport = {port}\n")
+        answered = _run_healthcheck(AI_SERVICE_CONFIG_FILE=str(config))
+        assert answered.returncode == 0, answered.stdout + answered.stderr
