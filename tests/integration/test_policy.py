@@ -501,9 +501,9 @@ async def test_the_command_lines_host_and_port_are_not_a_change_in_the_file(
     ]
 
 
-async def test_a_policy_change_while_versions_load_reaches_every_version(
-    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def second_version_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, asyncio.Event, asyncio.Event]:
+    """A repository of two versions, and start-up held once version 1 loaded: the repository,
+    the event set then, and the one that lets version 2 load."""
     from app.versions import VersionLoader
     from tests.lifecycle_support import copy_version
     from tests.support import copy_repository
@@ -521,6 +521,13 @@ async def test_a_policy_change_while_versions_load_reaches_every_version(
         return served
 
     monkeypatch.setattr(VersionLoader, "load", slow_load)
+    return root, first_loaded, gate
+
+
+async def test_a_policy_change_while_versions_load_reaches_every_version(
+    make_settings: SettingsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, first_loaded, gate = second_version_held(tmp_path, monkeypatch)
     settings = admin_settings(make_settings, model={"repository": root, "load_versions": "all"})
     async with running_app(settings, wait=False) as running:
         await asyncio.wait_for(first_loaded.wait(), 30)
@@ -536,23 +543,7 @@ async def test_a_bigger_max_batch_set_while_the_service_starts_is_warmed_once_it
 ) -> None:
     """Raised while version 2 loads: version 1, warmed already under the old policy, lacks the
     new sizes. The change itself warms nothing while the service starts; start-up's end does."""
-    from app.versions import VersionLoader
-    from tests.lifecycle_support import copy_version
-    from tests.support import copy_repository
-
-    root = copy_repository(tmp_path)
-    copy_version(root, "2")
-    gate, first_loaded = asyncio.Event(), asyncio.Event()
-    real_load = VersionLoader.load
-
-    async def slow_load(self: VersionLoader, name: str, version: str, **options: bool):  # type: ignore[no-untyped-def]
-        served = await real_load(self, name, version, **options)
-        if version == "1":
-            first_loaded.set()
-            await gate.wait()
-        return served
-
-    monkeypatch.setattr(VersionLoader, "load", slow_load)
+    root, first_loaded, gate = second_version_held(tmp_path, monkeypatch)
     settings = admin_settings(make_settings, model={"repository": root, "load_versions": "all", "warmup": True})
     async with running_app(settings, wait=False) as running:
         await asyncio.wait_for(first_loaded.wait(), 30)
