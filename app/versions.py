@@ -4,8 +4,10 @@ own, within ``model.load_timeout_s``, then served by a runner and a batcher of i
 A load the device fails while serving (out of memory beside the versions already loaded, say)
 is a 503 ``device_unavailable``, with what it took released; at start-up it fails start-up with
 the device's own line (and, out of memory in the warm-up, the max batch to lower). One its
-files or graph refuse is a ``ModelLoadError``; one past its timeout keeps running on the loader
-thread (a thread cannot be stopped) and no other load starts until it ends.
+files or graph refuse, or whose warm-up fails other than by the device, is a ``ModelLoadError``;
+one past its timeout keeps running on the loader thread (a thread cannot be stopped) and no other
+load starts until it ends. One load runs at a time: another asked for meanwhile is a 503
+``model_loading`` with ``Retry-After``, not a call queued behind it with its timeout running.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -102,6 +104,9 @@ class VersionLoader:
         self._policy, self._release = policy, release
         # loads given up (past their timeout, or cancelled) still running on the loader thread: why
         self._late_loads: dict[str, str] = {}
+        # the load under way (its read, checks and warm-up, or a head loaded for a promotion), with
+        # its ``perf_counter`` at the start: one at a time, as the loader has one thread
+        self._under_way: dict[str, float] = {}
         # loads read, checksum, build and self-check a version on a thread of their own: on the
         # device's (a GPU has one) a version loaded while serving held every batch for seconds.
         # Where normal batches run niced (a CPU with an urgent thread), a load is as low: it must
@@ -218,8 +223,51 @@ class VersionLoader:
 
     async def load_head(self, model: LayeredModel) -> None:
         """``model``'s default head loaded, if it was not yet, on the loader thread: as a version's
-        load, at its priority and not on a device thread a batch waits for."""
-        await self._loader.run(model.head)
+        load, at its priority and not on a device thread a batch waits for. Loaded already (the
+        warm-up loads it), nothing runs; while another load holds the loader, a 503
+        ``model_loading`` rather than a wait behind it; the device failing it, a 503
+        ``device_unavailable``. A head its files or graph refuse raises ``ModelLoadError``."""
+        if model.default_head in model.loaded_heads:
+            return
+        label = f"{model.manifest.name}/{model.manifest.version}"
+        failed: tuple[Fault, str] | None = None
+        with self._one_load(f"the head of {label}"):
+            try:
+                await self._loader.run(model.head)
+            except Exception as exc:
+                if (fault := device_fault(exc)) is None:
+                    raise
+                failed = fault, fault_line(exc)
+        if failed is not None:  # handled, and its traceback gone: the memory it held can be released
+            raise await self._device_failed(label, *failed, warming=False, serving=True)
+
+    @contextlib.contextmanager
+    def _one_load(self, label: str) -> Iterator[None]:
+        """The loader for ``label`` alone while the block runs. Another load, or one past its
+        timeout that still runs, is a 503 ``model_loading``: a call queued behind it would wait
+        for a thread it cannot know the end of (a load timed out while it waited, and was
+        answered 409 ``model_load_failed``, blaming a version that was never tried)."""
+        timeout = self.settings.model.load_timeout_s
+        if self._late_loads:
+            raise Unavailable(
+                f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
+                "the loader thread; another load can start once it ends",
+                code="model_loading",
+                retry_after_s=max(1, math.ceil(timeout)),
+            )
+        if self._under_way:
+            other, began = next(iter(self._under_way.items()))
+            left = timeout - (time.perf_counter() - began)
+            raise Unavailable(
+                f"loading {other} is under way; one load runs at a time, try again once it ends",
+                code="model_loading",
+                retry_after_s=max(1, math.ceil(left)),
+            )
+        self._under_way[label] = time.perf_counter()
+        try:
+            yield
+        finally:
+            del self._under_way[label]
 
     async def warm_size(self, model: LayeredModel, size: int) -> None:
         """One warm-up batch size, one device call: batches queued meanwhile run before or after it."""
@@ -229,7 +277,8 @@ class VersionLoader:
         self, model: LayeredModel, every_thread: bool, within_s: float | None
     ) -> tuple[Fault, str] | str | None:
         """Warm ``model`` up within ``within_s`` (None: however long it takes); the device's
-        failure (its fault and line) if the device failed it, or what ran late if it ran late."""
+        failure (its fault and line) if the device failed it, else why the version is refused:
+        it ran late, or its graph failed a batch size."""
         # a load's phases on the span of the call that asked for it (an admin load; start-up has none)
         trace.get_current_span().add_event("model read and checked", {"model.version": model.manifest.version})
         started = time.perf_counter()
@@ -237,25 +286,31 @@ class VersionLoader:
             async with asyncio.timeout(within_s):
                 await self._warm_up(model, every_thread)
         except TimeoutError:
-            return "with its warm-up (AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
+            return (
+                f"loading {model.folder} took longer than model.load_timeout_s="
+                f"{self.settings.model.load_timeout_s:g}s with its warm-up (AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
+            )
         except Exception as exc:
-            if (fault := device_fault(exc)) is None:
-                raise
-            return fault, fault_line(exc)
+            if (fault := device_fault(exc)) is not None:
+                return fault, fault_line(exc)
+            if not isinstance(exc, RuntimeError | ValueError):
+                raise  # a bug of ours: a 500
+            # the graph cannot run a batch size the self-check does not run (TorchScript raises a
+            # RuntimeError): the version's fault, as a failed self-check is. Its text only: the
+            # error's traceback holds the model, whose memory is released next
+            return f"{model.folder}: its warm-up failed: {_what_failed(exc)}"
         trace.get_current_span().add_event("model warmed", {"seconds": _since(started)})
         return None
 
     async def _load_model(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
-        """Load, check and warm one version's model, within ``model.load_timeout_s``."""
+        """Load, check and warm one version's model, within ``model.load_timeout_s`` counted from
+        ``started``: it runs at once, as no other load runs meanwhile (``_one_load``)."""
+        with self._one_load(f"{name}/{version}"):
+            return await self._load_alone(name, version, started, every_thread)
+
+    async def _load_alone(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
         folder = self.repository.folder(name, version)
         timeout = self.settings.model.load_timeout_s
-        if self._late_loads:
-            raise Unavailable(
-                f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
-                "the loader thread; another load can start once it ends",
-                code="model_loading",
-                retry_after_s=max(1, math.ceil(timeout)),
-            )
 
         def load() -> LayeredModel:
             manifest = self.repository.manifest(name, version)
@@ -309,13 +364,12 @@ class VersionLoader:
             failed = await self._warmed(model, every_thread, left)
             if failed is not None:
                 del model  # the last reference (a warm-up call still on the device thread keeps it until it ends)
-        if failed is not None:  # the device failed it, or it ran past the load's time
-            raise (
-                ModelLoadError(f"loading {folder} took longer than model.load_timeout_s={timeout:g}s {failed}")
-                if isinstance(failed, str)
-                else await self._device_failed(label, *failed, warming=warming, serving=not every_thread)
-            )
-        return model
+        if failed is None:
+            return model
+        if isinstance(failed, str):  # it ran past the load's time, or its graph failed the warm-up
+            await self._release()
+            raise ModelLoadError(failed)
+        raise await self._device_failed(label, *failed, warming=warming, serving=not every_thread)
 
     async def load(self, name: str, version: str, every_thread: bool = False) -> ServedModel:
         """Load, check and warm one version, with its own (not yet started) batcher: warmed on
@@ -395,6 +449,15 @@ class VersionLoader:
         for counter, labels in served.metrics.series():
             counter.labels(*labels)  # at 0 from the start (see ``Metrics.rejections``)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
+
+
+def _what_failed(exc: BaseException) -> str:
+    """The line of an error that says what failed: TorchScript's error opens with its own header
+    and the graph's code, and ends with the original error."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    if len(lines) > 1 and "TorchScript interpreter" in lines[0]:
+        return lines[-1]
+    return f"{type(exc).__name__}: {lines[0]}"
 
 
 def _since(started: float) -> float:

@@ -2,7 +2,8 @@
 
 One operation at a time (a lock), each ending in one atomic swap of the model's routing
 snapshot; a load reads, checks and warms its version outside the lock, so that a rollback or an
-unload never waits behind a slow load, and takes the lock again for its swap. Requests already
+unload never waits behind a slow load, and takes the lock again for its swap (a promotion that
+must load its candidate's head does so outside the lock too, then checks again). Requests already
 routed keep the version they started on; an unloaded version stops receiving traffic first and
 then drains. Promotion is verified: the candidate's
 recorded held-out accuracy, at the precision it is served in, must not fall more than
@@ -145,38 +146,48 @@ class LifecycleManager:
 
     async def promote(self, name: str, version: str, force: bool = False) -> list[str]:
         """Make ``version`` the default if it passes the gates (or ``force``); returns the waived reasons."""
-        async with self._lock:
-            group = self._group(name)
-            if version not in group.routing.loaded:
-                await self._known(group, version)
-                raise Conflict(f"version {version} of {name} is not loaded; load it first")
-            current = group.routing.default
-            if version == current:
-                return []
-            candidate, default = await asyncio.gather(self._manifest(group, version), self._manifest(group, current))
-            served = group.routing.loaded[version]
-            if not _describes(candidate, served.model.manifest):
-                # its figures are another export's (or were measured with other labels or another
-                # input), and a head not loaded yet would fail its checksum
-                raise Conflict(
-                    f"version {version} of {name} changed on disk since it was loaded; "
-                    "unload and load it again before promoting it",
-                    code="version_changed",
+        while True:
+            async with self._lock:
+                group = self._group(name)
+                if version not in group.routing.loaded:
+                    await self._known(group, version)
+                    raise Conflict(f"version {version} of {name} is not loaded; load it first")
+                current = group.routing.default
+                if version == current:
+                    return []
+                candidate, default = await asyncio.gather(
+                    self._manifest(group, version), self._manifest(group, current)
                 )
-            await self._head_serves(served)  # outside its files' check: it reads and checksums them
-            if not _describes(default, serving := group.routing.loaded[current].model.manifest):
-                default = serving  # re-exported on disk since: its figures are not those of what serves
-            reasons = self.gate(candidate, default, group.routing.loaded[version].model.dtype)
-            if reasons and not force:
-                raise Conflict("promotion refused: " + " ".join(reasons), code="promotion_refused")
-            group.routing = group.routing.promoted(version)
-            log.info("promoted %s/%s (was %s)%s", name, version, current, " by force" if reasons else "")
-            return reasons
+                served = group.routing.loaded[version]
+                if not _describes(candidate, served.model.manifest):
+                    # its figures are another export's (or were measured with other labels or another
+                    # input), and a head not loaded yet would fail its checksum
+                    raise Conflict(
+                        f"version {version} of {name} changed on disk since it was loaded; "
+                        "unload and load it again before promoting it",
+                        code="version_changed",
+                    )
+                if served.model.default_head in served.model.loaded_heads:
+                    if not _describes(default, serving := group.routing.loaded[current].model.manifest):
+                        default = serving  # re-exported on disk since: its figures are not those of what serves
+                    reasons = self.gate(candidate, default, served.model.dtype)
+                    if reasons and not force:
+                        raise Conflict("promotion refused: " + " ".join(reasons), code="promotion_refused")
+                    group.routing = group.routing.promoted(version)
+                    log.info("promoted %s/%s (was %s)%s", name, version, current, " by force" if reasons else "")
+                    return reasons
+            # its head not loaded yet (``model.warmup`` off): loaded outside the lock, which a
+            # rollback or an unload does not wait for; the routing may change meanwhile, so every
+            # check is made again once it is loaded
+            await self._head_serves(served)
+            del served
 
     async def _head_serves(self, served: ServedModel) -> None:
-        """The candidate's default head, loaded now if it was not (``model.warmup`` off): one whose
-        file changed on disk since its version loaded (its manifest unchanged) failed its checksum
-        on the first request after the promotion, and every unpinned request with it (409 here)."""
+        """The candidate's default head, loaded now (``model.warmup`` off): one whose file changed
+        on disk since its version loaded (its manifest unchanged) failed its checksum on the first
+        request after the promotion, and every unpinned request with it (409 here). While another
+        load holds the loader, a 503 ``model_loading``; the device failing it, a 503
+        ``device_unavailable`` (``VersionLoader.load_head``)."""
         try:
             await self._service.loader.load_head(served.model)
         except ModelLoadError as exc:
