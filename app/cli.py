@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -22,6 +23,15 @@ log = logging.getLogger("app.cli")
 EXIT_START_FAILED = 1
 EXIT_BAD_SETTINGS = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+@dataclass
+class _Logs:
+    """How ``serve`` says what ends it early: ``logging.json_format`` once the settings are read
+    (None before), and whether the log's handler is set."""
+
+    json_format: bool | None = None
+    ready: bool = False
 
 
 class _StoppedEarly(Exception):
@@ -60,29 +70,91 @@ def _serve(args: argparse.Namespace) -> int:
     for name in ("SIGTERM", "SIGQUIT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), _stop_early)
+    logs = _Logs()
     try:
-        return _serve_now(args)
+        return _serve_now(args, logs)
     except _StoppedEarly as stopped:
-        print(f"ai-backend: {stopped.name} before the server started: stopped", file=sys.stderr)
+        for name in ("SIGTERM", "SIGQUIT"):  # a repeat while this is said would end it with a traceback
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        _tell(logs, f"{stopped.name} before the server started: stopped", logging.WARNING)
         return 0
     except KeyboardInterrupt:  # Ctrl-C before uvicorn took it over (torch importing, say): no traceback
-        print("ai-backend: interrupted before the server started", file=sys.stderr)
+        _tell(logs, "interrupted before the server started", logging.WARNING)
         return EXIT_INTERRUPTED
 
 
-def _serve_now(args: argparse.Namespace) -> int:
+def _tell(logs: _Logs, message: str, level: int = logging.ERROR) -> None:
+    """``message`` on stderr, where the log goes: one JSON record (logger ``app.cli``) where the
+    log is JSON, so that a collector reading the stream gets nothing else; else the plain line
+    ``ai-backend: MESSAGE``. Where the settings were not read, ``_json_format_unread`` says which."""
+    if logs.json_format is None:
+        logs.json_format = _json_format_unread()
+    if not logs.json_format:
+        print(f"ai-backend: {message}", file=sys.stderr)
+        return
+    if not logs.ready:
+        from app.telemetry.logging import configure_logging
+
+        configure_logging("INFO", True)
+        logs.ready = True
+    log.log(level, "%s", message)
+
+
+def _json_format_unread() -> bool:
+    """``logging.json_format`` as the settings' sources (the environment, the config file) give
+    it, for a message before the settings are read or where they were refused: only the logging
+    group is read. Its default (JSON) where that group cannot be read either."""
+    from pydantic import ValidationError
+    from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+    from app.settings import ENV_PREFIX, Settings
+    from app.settings.groups import LoggingSettings
+
+    class LoggingOnly(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="ignore")
+
+        logging: LoggingSettings = LoggingSettings()
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            # the same sources, in the same order
+            return Settings.settings_customise_sources(
+                settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+            )
+
+    try:
+        return LoggingOnly().logging.json_format
+    except (ValidationError, ValueError, OSError):  # the group refused, an unreadable file or variable
+        return LoggingSettings().json_format
+
+
+def _serve_now(args: argparse.Namespace, logs: _Logs) -> int:
     from app.settings import SettingsError, config_path, file_stamp, read_secrets, read_settings
 
     server_overrides: dict[str, object] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     stamp = file_stamp(config_path())  # before the read: an edit from now on is a change to pick up
     try:
         settings = read_settings(server_overrides)
+        logs.json_format = settings.logging.json_format
         read_secrets(settings)  # a token or key file that cannot be used: exit 2, before anything starts
     except SettingsError as exc:
-        print(f"ai-backend: {exc}", file=sys.stderr)
+        _tell(logs, str(exc))
         return EXIT_BAD_SETTINGS
+    from app.telemetry.logging import configure_logging
+
+    # set before torch is imported: what it warns of on import is a record of this log too
+    configure_logging(settings.logging.level, settings.logging.json_format)
+    logs.ready = True
     if (missing := _missing_device(settings.model.device)) is not None:  # imports torch: after the quick checks
-        print(f"ai-backend: {missing}", file=sys.stderr)
+        _tell(logs, missing)
         return EXIT_BAD_SETTINGS
     # imported only now: a bad setting is reported before torch takes seconds to import
     import uvicorn
@@ -91,9 +163,7 @@ def _serve_now(args: argparse.Namespace) -> int:
     from app.environment import warn_unknown_variables
     from app.main import create_app
     from app.server import DrainingServer, shutdown_cuts_told
-    from app.telemetry.logging import configure_logging
 
-    configure_logging(settings.logging.level, settings.logging.json_format)
     logging.getLogger("uvicorn.error").addFilter(_reported_start_up_failure)
     logging.getLogger("uvicorn.error").addFilter(shutdown_cuts_told)
     warn_unknown_variables()
@@ -130,7 +200,7 @@ def _serve_now(args: argparse.Namespace) -> int:
             service.halt()
 
     server = DrainingServer(config, drain, halt)
-    code = _run(server, failure, f"{settings.server.host}:{settings.server.port}")
+    code = _run(server, failure, f"{settings.server.host}:{settings.server.port}", logs)
     # stopped: what ``_serve`` set for start-up is back, and would take one more SIGTERM (an
     # orchestrator's repeat) for one before the start, "stopped", exit 0, skipping ``_exit_now``
     for name in ("SIGTERM", "SIGQUIT"):
@@ -170,7 +240,7 @@ def _missing_device(setting: str) -> str | None:
 
 def _reported_start_up_failure(record: logging.LogRecord) -> bool:
     """A filter for uvicorn's log: drops its traceback of a ``StartupFailed`` (the app's start-up
-    failure it has named already, through ``on_fatal``, in one line printed again at exit)."""
+    failure it has named already, through ``on_fatal``, in one line, which the text log says again at exit)."""
     text = record.msg
     if record.levelno < logging.ERROR or not isinstance(text, str) or not text.startswith("Traceback"):
         return True
@@ -180,8 +250,12 @@ def _reported_start_up_failure(record: logging.LogRecord) -> bool:
     return not text.rstrip().rpartition("\n")[2].startswith(named)
 
 
-def _run(server: DrainingServer, failure: list[str], address: str) -> int:
-    """Serve until the server stops; the exit code."""
+def _run(server: DrainingServer, failure: list[str], address: str, logs: _Logs) -> int:
+    """Serve until the server stops; the exit code. A start-up failure is said last: in text,
+    the line ``ai-backend: start-up failed: ...`` (the app's own failure was logged already, and
+    is said again as the last line a person reads); in JSON, one record, unless the app's own
+    failure was logged as one already."""
+    logged = True
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught once it has shut down (when
@@ -189,8 +263,10 @@ def _run(server: DrainingServer, failure: list[str], address: str) -> int:
     except SystemExit:  # uvicorn's own start-up failure (the port in use, say): logged by it
         if not failure:  # the app's own failure was named already
             failure.append(f"the server could not start on {address}")
+            logged = False
     if failure:
-        print(f"ai-backend: start-up failed: {failure[0]}", file=sys.stderr)
+        if not logs.json_format or not logged:
+            _tell(logs, f"start-up failed: {failure[0]}", logging.CRITICAL)
         return EXIT_START_FAILED
     if not server.started:
         return EXIT_START_FAILED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import signal
 import socket
 import subprocess
@@ -19,6 +20,23 @@ from tests.e2e.server import signalled_as_it_starts
 from tests.support import REPO_ROOT, server_environment
 
 SERVE_TIMEOUT_S = 90
+TEXT = {"AI_SERVICE_LOGGING__JSON_FORMAT": "false"}  # the log in plain text, for a terminal
+
+
+def json_records(stderr: str) -> list[dict[str, object]]:
+    """Each line of ``stderr`` as the JSON object it must be: a collector reading the log's stream
+    gets nothing else (a plain line fails here, naming it)."""
+    records = []
+    for line in stderr.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"a line that is not JSON on the JSON log's stream: {line!r}")
+    return records
+
+
+def messages(stderr: str) -> list[str]:
+    return [str(record["message"]) for record in json_records(stderr)]
 
 
 def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -47,14 +65,38 @@ def test_a_missing_admin_token_file_exits_2_naming_the_setting_without_a_traceba
     assert "AI_SERVICE_ADMIN__TOKEN_FILE" in run.stderr or "admin.token_file" in run.stderr
 
 
-def test_a_port_in_use_exits_with_the_clis_start_up_failure_code() -> None:
+@pytest.mark.parametrize("json_format", [True, False], ids=["json", "text"])
+def test_a_port_in_use_exits_with_the_clis_start_up_failure_code(json_format: bool) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        run = _serve({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": str(port)})
+        env = {"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": str(port)}
+        run = _serve(env if json_format else env | TEXT)
     assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
-    assert "ai-backend: start-up failed" in run.stderr
+    said = f"start-up failed: the server could not start on 127.0.0.1:{port}"
+    if json_format:
+        assert messages(run.stderr).count(said) == 1, run.stderr[-1500:]
+    else:
+        assert run.stderr.strip().splitlines()[-1] == f"ai-backend: {said}"
+
+
+@pytest.mark.parametrize("json_format", [True, False], ids=["json", "text"])
+def test_a_refused_setting_is_said_in_the_logs_format(json_format: bool, tmp_path: Path) -> None:
+    """The settings were refused, so the format is read from the logging group alone: here from
+    a config file, which a refused variable elsewhere does not stop being read."""
+    config = tmp_path / "serve.toml"
+    config.write_text(f"[logging]\njson_format = {str(json_format).lower()}\n")
+    env = {"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "http", "AI_SERVICE_CONFIG_FILE": str(config)}
+    run = _serve(env)
+    assert run.returncode == 2, (run.returncode, run.stderr[-1500:])
+    if json_format:
+        (record,) = json_records(run.stderr)
+        assert record["level"] == "ERROR" and str(record["message"]).startswith("invalid settings:")
+        assert "AI_SERVICE_SERVER__PORT" in str(record["message"])
+    else:
+        lines = run.stderr.strip().splitlines()
+        assert lines[0] == "ai-backend: invalid settings:" and "AI_SERVICE_SERVER__PORT" in lines[1]
 
 
 def test_a_device_that_is_not_here_exits_2_in_one_line_before_the_server_starts() -> None:
@@ -64,11 +106,14 @@ def test_a_device_that_is_not_here_exits_2_in_one_line_before_the_server_starts(
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    run = _serve({"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0", "AI_SERVICE_MODEL__DEVICE": "cuda"})
+    env = {"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0", "AI_SERVICE_MODEL__DEVICE": "cuda"}
+    said = "model.device=cuda but CUDA is not available on this machine"
+    run = _serve(env | TEXT)
     assert run.returncode == 2, (run.returncode, run.stderr[-1500:])
-    assert run.stderr.strip().splitlines() == [
-        "ai-backend: model.device=cuda but CUDA is not available on this machine"
-    ]
+    assert run.stderr.strip().splitlines() == [f"ai-backend: {said}"]
+    run = _serve(env)  # the JSON log, the default
+    assert run.returncode == 2, (run.returncode, run.stderr[-1500:])
+    assert messages(run.stderr) == [said]
 
 
 # ``serve`` with its own check of the device left out, as if the device went between that check
@@ -90,22 +135,25 @@ def test_a_start_up_failure_the_app_named_comes_without_uvicorn_s_traceback(tmp_
         pytest.skip("this machine has CUDA")
     script = tmp_path / "serve.py"
     script.write_text(_DEVICE_UNCHECKED)
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        cwd=REPO_ROOT,
-        env=server_environment(
-            {"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0", "AI_SERVICE_MODEL__DEVICE": "cuda"}
-        ),
-        capture_output=True,
-        text=True,
-        timeout=SERVE_TIMEOUT_S,
-    )
-    assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
-    assert "Traceback" not in run.stderr, run.stderr[-3000:]
-    last = run.stderr.strip().splitlines()[-1]
-    assert last == "ai-backend: start-up failed: model.device=cuda but CUDA is not available on this machine"
-    assert "could not start on" not in run.stderr, "the device named, not the address"
+    said = "start-up failed: model.device=cuda but CUDA is not available on this machine"
+    for json_format in (False, True):
+        env = {"PYTHONPATH": str(REPO_ROOT), "AI_SERVICE_SERVER__PORT": "0", "AI_SERVICE_MODEL__DEVICE": "cuda"}
+        run = subprocess.run(
+            [sys.executable, str(script)],
+            check=False,
+            cwd=REPO_ROOT,
+            env=server_environment(env if json_format else env | TEXT),
+            capture_output=True,
+            text=True,
+            timeout=SERVE_TIMEOUT_S,
+        )
+        assert run.returncode == 1, (run.returncode, run.stderr[-1500:])
+        assert "Traceback" not in run.stderr, run.stderr[-3000:]
+        assert "could not start on" not in run.stderr, "the device named, not the address"
+        if json_format:  # logged once, by the app: not once more at exit
+            assert messages(run.stderr).count(said) == 1, run.stderr[-3000:]
+        else:  # logged by the app, and said again as the last line a person reads
+            assert run.stderr.strip().splitlines()[-1] == f"ai-backend: {said}"
 
 
 @pytest.mark.parametrize(
@@ -189,7 +237,7 @@ def test_sigterm_while_serve_starts_up_exits_0_saying_so() -> None:
     assert code == 0, (code, stderr[-2000:])
     assert "Traceback" not in stderr
     # the handler is set before torch's seconds-long import: the signal comes well before uvicorn's
-    assert "SIGTERM before the server started" in stderr, stderr[-2000:]
+    assert "SIGTERM before the server started: stopped" in messages(stderr), stderr[-2000:]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to see the handler set")
@@ -199,7 +247,7 @@ def test_ctrl_c_before_the_server_starts_exits_130_without_a_traceback() -> None
     code, stderr = signalled_as_it_starts(signal.SIGINT, SERVE_TIMEOUT_S)
     assert code == 130, (code, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
-    assert "interrupted before the server started" in stderr, stderr[-2000:]
+    assert "interrupted before the server started" in messages(stderr), stderr[-2000:]
 
 
 # ``serve``, with a warm-up that stays inside torch (the GIL released) until the process ends, as

@@ -260,7 +260,7 @@ def test_corrupt_repository_exits_non_zero_naming_the_file(doomed: dict[str, Doo
     case = doomed["corrupt_repository"]
     code, stderr = case.outcome()
     assert code != 0, stderr[-4000:]
-    assert f"ai-backend: start-up failed: {case.broken}" in stderr, stderr[-4000:]
+    assert f"start-up failed: {case.broken}" in stderr, stderr[-4000:]  # a JSON record, the default log
     assert "sha256 mismatch" in stderr
 
 
