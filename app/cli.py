@@ -117,18 +117,10 @@ def _json_format_unread() -> bool:
         logging: LoggingSettings = LoggingSettings()
 
         @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
+        def settings_customise_sources(  # type: ignore[override]  # pydantic-settings names each source
+            cls, settings_cls: type[BaseSettings], **sources: PydanticBaseSettingsSource
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            # the same sources, in the same order
-            return Settings.settings_customise_sources(
-                settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
-            )
+            return Settings.settings_customise_sources(settings_cls, **sources)  # the same sources, in order
 
     try:
         return LoggingOnly().logging.json_format
