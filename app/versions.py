@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -230,23 +230,31 @@ class VersionLoader:
         if model.default_head in model.loaded_heads:
             return
         label = f"{model.manifest.name}/{model.manifest.version}"
+        done = self._claim(f"the head of {label}")
+
+        def ended(call: asyncio.Future[torch.jit.ScriptModule]) -> None:
+            done()  # not before: a promotion that went away leaves the head loading on the thread
+            if not call.cancelled():
+                call.exception()  # retrieved: nobody may be awaiting it any more
+
+        call = asyncio.ensure_future(self._loader.run(model.head))
+        call.add_done_callback(ended)
         failed: tuple[Fault, str] | None = None
-        with self._one_load(f"the head of {label}"):
-            try:
-                await self._loader.run(model.head)
-            except Exception as exc:
-                if (fault := device_fault(exc)) is None:
-                    raise
-                failed = fault, fault_line(exc)
+        try:
+            await asyncio.shield(call)
+        except Exception as exc:
+            if (fault := device_fault(exc)) is None:
+                raise
+            failed = fault, fault_line(exc)
+        del call  # it holds the error, whose traceback holds what the head load had allocated
         if failed is not None:  # handled, and its traceback gone: the memory it held can be released
             raise await self._device_failed(label, *failed, warming=False, serving=True)
 
-    @contextlib.contextmanager
-    def _one_load(self, label: str) -> Iterator[None]:
-        """The loader for ``label`` alone while the block runs. Another load, or one past its
-        timeout that still runs, is a 503 ``model_loading``: a call queued behind it would wait
-        for a thread it cannot know the end of (a load timed out while it waited, and was
-        answered 409 ``model_load_failed``, blaming a version that was never tried)."""
+    def _claim(self, label: str) -> Callable[[], object]:
+        """The loader for ``label`` alone until the returned call says it is done. Another load,
+        or one past its timeout that still runs, is a 503 ``model_loading``: a call queued behind
+        it would wait for a thread it cannot know the end of (a load timed out while it waited,
+        and was answered 409 ``model_load_failed``, blaming a version that was never tried)."""
         timeout = self.settings.model.load_timeout_s
         if self._late_loads:
             raise Unavailable(
@@ -264,10 +272,7 @@ class VersionLoader:
                 retry_after_s=max(1, math.ceil(left)),
             )
         self._under_way[label] = time.perf_counter()
-        try:
-            yield
-        finally:
-            del self._under_way[label]
+        return functools.partial(self._under_way.pop, label, None)
 
     async def warm_size(self, model: LayeredModel, size: int) -> None:
         """One warm-up batch size, one device call: batches queued meanwhile run before or after it."""
@@ -304,9 +309,12 @@ class VersionLoader:
 
     async def _load_model(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
         """Load, check and warm one version's model, within ``model.load_timeout_s`` counted from
-        ``started``: it runs at once, as no other load runs meanwhile (``_one_load``)."""
-        with self._one_load(f"{name}/{version}"):
+        ``started``: it runs at once, as no other load runs meanwhile (``_claim``)."""
+        done = self._claim(f"{name}/{version}")
+        try:
             return await self._load_alone(name, version, started, every_thread)
+        finally:
+            done()
 
     async def _load_alone(self, name: str, version: str, started: float, every_thread: bool) -> LayeredModel:
         folder = self.repository.folder(name, version)

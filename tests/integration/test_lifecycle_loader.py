@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import threading
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -183,3 +184,42 @@ async def test_a_warm_up_past_the_loads_time_releases_what_it_loaded(
         assert late.status_code == 409 and late.json()["code"] == "model_load_failed", late.text
         assert "load_timeout_s=1s with its warm-up" in late.json()["message"]
         assert released == [True], "released, once the model it had loaded was gone"
+
+
+async def test_a_promotion_that_goes_away_while_its_head_loads_keeps_the_loader_claimed_until_it_ends(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread cannot be stopped: a promotion cancelled (its client gone) while its candidate's
+    head loads leaves the head loading, and a load sent meanwhile is refused, as it is beside any
+    load, rather than queued behind it with its timeout running."""
+    async with running_app(settings_for(repository)) as running:
+        add_version(repository, "3")
+        started, gate = threading.Event(), threading.Event()
+        real_head = LayeredModel.head
+
+        def head(model: LayeredModel, name: str | None = None) -> torch.jit.ScriptModule:
+            if model.folder.name == "2":
+                started.set()
+                gate.wait(30)
+            return real_head(model, name)
+
+        monkeypatch.setattr(LayeredModel, "head", head)
+        promotion = asyncio.ensure_future(running.app.state.lifecycle.promote("digits", "2"))
+        try:
+            assert await asyncio.to_thread(started.wait, 30)
+            promotion.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await promotion
+            async with asyncio.timeout(5):
+                refused = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+            assert refused.status_code == 503 and refused.json()["code"] == "model_loading", refused.text
+            assert "the head of digits/2" in refused.json()["message"]
+        finally:
+            gate.set()
+        async with asyncio.timeout(30):  # the head loaded: the loader is free again
+            loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+            while loaded.status_code == 503:  # noqa: ASYNC110 (its end is a callback on the loop)
+                await asyncio.sleep(0.02)
+                loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
+        assert loaded.status_code == 200, loaded.text
+        assert "classifier" in running.service.groups["digits"].routing.loaded["2"].model.loaded_heads
