@@ -244,7 +244,7 @@ class PolicyManager:
         pending = [".".join(path) for path in _edited(running, read)]  # names only: a value may be a secret
         if pending:
             log.warning("config changes to %s need a restart (only batching applies live)", ", ".join(pending))
-        self._say_overridden(table)
+        self._say_overridden(None if data is None else table)
         edited = fresh.batching != self._read.batching
         self._read = fresh
         if not (edited or forced):
@@ -291,7 +291,7 @@ class PolicyManager:
                     "config file edits that the environment overrides do not apply (it wins over the file): %s",
                     "; ".join(named),
                 )
-        if table is not None:  # else a write landed between the two reads: the next read tells
+        if table is not None:  # else there is no file: the next one is told from the last read
             self._table = table
 
     def _checked(self, batching: dict[str, Any], strict: bool = False) -> BatchingSettings:
