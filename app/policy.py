@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import copy
 import enum
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -31,7 +28,6 @@ from typing import Any
 
 from opentelemetry import trace
 from pydantic import ValidationError
-from pydantic_settings import TomlConfigSettingsSource
 
 from app.errors import MAX_LISTED_ERRORS, SchemaError, dotted, not_listed
 from app.settings import (
@@ -42,9 +38,11 @@ from app.settings import (
     SettingsError,
     check_windows,
     config_path,
+    config_table_given,
     env_name,
     file_stamp,
     read_settings,
+    read_stamped,
 )
 
 log = logging.getLogger(__name__)
@@ -67,42 +65,6 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
             _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
         )
     return merged
-
-
-# the config file's table, read and stamped once, that the reader's TOML source takes instead of
-# reading the file again (see ``_give_the_file_read``); None: it reads the file itself
-_GIVEN: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("given_config_table", default=None)
-
-
-def _give_the_file_read() -> None:
-    """Have pydantic-settings' TOML source take the table ``_GIVEN`` holds, where it holds one
-    (only in a reload's thread, as the settings are read again), instead of reading its file: a
-    second read of the file could find it truncated or gone (an editor's write under way), which
-    the source reads as no settings at all, and the built-in defaults would be applied. Once per
-    process; elsewhere the source reads its file as before."""
-    read = TomlConfigSettingsSource._read_files
-    if getattr(read, "takes_given", False):
-        return
-
-    def read_files(self: TomlConfigSettingsSource, files: Any, deep_merge: bool = False) -> dict[str, Any]:
-        given = _GIVEN.get()
-        return copy.deepcopy(given) if given is not None else read(self, files, deep_merge)
-
-    read_files.takes_given = True  # type: ignore[attr-defined]
-    TomlConfigSettingsSource._read_files = read_files  # type: ignore[method-assign,assignment]
-
-
-def _read_config(path: Path) -> tuple[FileStamp, bytes | None]:
-    """Blocking: the config file's bytes, read once, and their stamp as ``file_stamp`` makes it
-    (its digest is of these bytes: a write landing meanwhile is a change the watcher sees next)."""
-    try:
-        stat = path.stat()
-        data = path.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        return None, None
-    except OSError as exc:
-        return exc.strerror or str(exc), None
-    return (stat.st_ino, stat.st_size, stat.st_mtime_ns, hashlib.blake2b(data, digest_size=16).digest()), data
 
 
 def _config_table(path: Path) -> dict[str, Any] | None:
@@ -187,7 +149,6 @@ class PolicyManager:
         # the file as written, to name the edits a variable overrides (blocking, as
         # the stamp's read: a small file, once, before serving)
         self._table = _config_table(self.config_file)
-        _give_the_file_read()
 
     def update(self, patch: dict[str, Any]) -> BatchingSettings:
         """Merge ``patch`` into the live policy; ``SchemaError`` (422) names what is wrong."""
@@ -218,7 +179,7 @@ class PolicyManager:
     async def _reload(self, strict: bool, forced: bool) -> bool:
         """``reload`` under its lock, with ``_during_read`` collecting the admin changes made meanwhile."""
         # read once: checked, stamped and parsed from the same bytes, which the settings take too
-        stamp, data = await asyncio.to_thread(_read_config, self.config_file)
+        stamp, data = await asyncio.to_thread(read_stamped, self.config_file)
         try:
             if isinstance(stamp, str):  # its mode, say: as start-up would say
                 raise SettingsError(f"config file {self.config_file} cannot be read: {stamp}")
@@ -273,8 +234,8 @@ class PolicyManager:
 
     def _read_given(self, table: dict[str, Any]) -> Settings:
         """Blocking: the settings read again, the config file's part taken from ``table``."""
-        _GIVEN.set(table)  # in this thread's copy of the context only
-        return self._reader()
+        with config_table_given(table):
+            return self._reader()
 
     def _say_overridden(self, table: dict[str, Any] | None) -> None:
         """Warn of the file's edits that a variable overrides, in any group: they change nothing

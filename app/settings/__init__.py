@@ -34,10 +34,12 @@ from app.settings.sources import (
     FileStamp,
     SettingsError,
     config_path,
+    config_table_given,
     env_name,
     file_stamp,
     read_each_secret,
     read_secrets,
+    read_stamped,
 )
 
 __all__ = [
@@ -59,11 +61,13 @@ __all__ = [
     "TelemetrySettings",
     "check_windows",
     "config_path",
+    "config_table_given",
     "env_name",
     "file_stamp",
     "load_settings",
     "read_each_secret",
     "read_secrets",
     "read_settings",
+    "read_stamped",
     "setting_location",
 ]

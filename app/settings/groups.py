@@ -11,10 +11,16 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 from app.batching.policy import UrgentFill
-from app.settings.sources import CONFIG_FILE_ENV, ENV_PREFIX, SettingsError, config_path
+from app.settings.sources import CONFIG_FILE_ENV, ENV_PREFIX, SettingsError, config_path, given_config_table
 
 Seconds = Annotated[float, Field(gt=0, le=86_400)]  # a day: longer overflows what waits on it
 
@@ -509,4 +515,10 @@ class Settings(BaseSettings):
         if CONFIG_FILE_ENV in os.environ and not config_file.is_file():
             why = "a directory, not a file" if config_file.is_dir() else "no such file"
             raise SettingsError(f"{CONFIG_FILE_ENV}={config_file}: {why}")
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        given = given_config_table()  # the file as a reload read it once, checked
+        file = (
+            InitSettingsSource(settings_cls, given)
+            if given is not None
+            else TomlConfigSettingsSource(settings_cls, toml_file=config_file)
+        )
+        return (init_settings, env_settings, file)

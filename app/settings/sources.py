@@ -4,10 +4,14 @@ hold the secrets."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
@@ -86,11 +90,41 @@ why it cannot be read (``Permission denied``); None: absent."""
 def file_stamp(path: Path) -> FileStamp:
     """Blocking. Changes when the file is edited in place or replaced (an editor's rename), and
     when two writes of the same size land within one tick of the file system's clock."""
+    return read_stamped(path)[0]
+
+
+def read_stamped(path: Path) -> tuple[FileStamp, bytes | None]:
+    """Blocking: the file's stamp (``file_stamp``) and the bytes it was taken from (None where
+    there are none). Whoever reads the file for its content reads it here, once: a second read
+    could find an editor's write under way, another file than the one stamped."""
     try:
         stat = path.stat()
-        digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
+        data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):  # a dangling link (a ConfigMap's key removed) too
-        return None
+        return None, None
     except OSError as exc:
-        return exc.strerror or str(exc)
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns, digest
+        return exc.strerror or str(exc), None
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns, hashlib.blake2b(data, digest_size=16).digest()), data
+
+
+# the config file's table as a caller read it (``config_table_given``); None: the settings read the file
+_GIVEN_TABLE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("config_table", default=None)
+
+
+@contextlib.contextmanager
+def config_table_given(table: dict[str, Any]) -> Iterator[None]:
+    """Settings built within take the config file's part from ``table`` (the file as the caller
+    read and checked it) instead of reading the file again. In this context only: this thread,
+    or this task."""
+    token = _GIVEN_TABLE.set(table)
+    try:
+        yield
+    finally:
+        _GIVEN_TABLE.reset(token)
+
+
+def given_config_table() -> dict[str, Any] | None:
+    """The table ``config_table_given`` holds here, a copy (a source may change what it is given);
+    None outside it."""
+    table = _GIVEN_TABLE.get()
+    return None if table is None else copy.deepcopy(table)
