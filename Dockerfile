@@ -35,7 +35,7 @@ ENV PATH="/srv/.venv/bin:$PATH" \
 USER 10001:10001
 EXPOSE 8000
 VOLUME ["/srv/models"]
-# /livez on the port the settings give (AI_SERVICE_SERVER__PORT, or the config file's), not a fixed 8000
+# /livez where the server (PID 1) wrote it listens, not a fixed 8000 nor the settings as they read now
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD ["python", "-m", "app.healthcheck"]
 # SIGTERM drains: readiness turns 503, queued work finishes within server.shutdown_grace_s

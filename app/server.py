@@ -29,6 +29,7 @@ from types import FrameType
 
 import uvicorn
 
+from app.healthcheck import forget_served_address, write_served_address
 from app.listeners import close_listeners
 
 log = logging.getLogger(__name__)
@@ -100,11 +101,15 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         # where it listens, as fields: started on port 0 (any free port), the log is the only
         # place that says which one (uvicorn's own line has it in its text alone)
-        for listening in self.servers:
-            for listener in listening.sockets:
-                host, port = listener.getsockname()[:2]
-                url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-                log.info("listening on %s", url, extra={"host": host, "port": port})
+        addresses = [listener.getsockname()[:2] for listening in self.servers for listener in listening.sockets]
+        for host, port in addresses:
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            log.info("listening on %s", url, extra={"host": host, "port": port})
+        if addresses:  # for the container's health check (``app.healthcheck``)
+            try:
+                await asyncio.to_thread(write_served_address, *addresses[0])
+            except OSError as exc:  # a temporary directory not writable: the check reads the settings
+                log.warning("cannot write the address for the health check: %s", exc)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -155,6 +160,7 @@ class DrainingServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(contextvars.Context().run, self._halt)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await asyncio.to_thread(forget_served_address)
         taken = await close_listeners(self)
         if taken:
             log.info("took %d connection(s) waiting in the listener's backlog before closing it", taken)
