@@ -422,6 +422,21 @@ class TelemetrySettings(_Group):
             raise ValueError(f"telemetry.endpoint must be {form}, not {endpoint[:64]!r}")
         return self
 
+    @model_validator(mode="after")
+    def _grpc_reads_its_timeout(self) -> TelemetrySettings:
+        """The gRPC exporter parses ``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`` itself whatever timeout
+        it is given, and one that is no number stopped the start-up with its traceback: refused
+        here, in one line (the HTTP exporter's is warned of and 5 s used: ``export_timeout_s``)."""
+        name = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+        if self.exporter == "otlp_grpc" and (text := os.environ.get(name)) is not None:
+            try:
+                float(text)
+            except ValueError:
+                raise ValueError(
+                    f"{name}={text[:64]!r} is no number (of seconds), and the gRPC exporter cannot start with it"
+                ) from None
+        return self
+
     max_queue: int = Field(default=2048, ge=1, le=1_000_000, description="spans waiting for export; more are dropped")
     batch_size: int = Field(default=256, ge=1, le=65536, description="spans per export call")
     schedule_delay_ms: float = Field(default=1000.0, gt=0, le=3_600_000, description="longest wait before an export")

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from app.settings import TelemetrySettings
+from app.settings import SettingsError, TelemetrySettings, load_settings
 from app.telemetry.tracing import build_tracer_provider, export_timeout_s
 from tests.e2e.test_otlp import Receiver
 
@@ -238,3 +238,20 @@ def test_a_timeout_variable_that_is_no_number_of_seconds_is_warned_of_and_ignore
     with caplog.at_level(logging.WARNING, logger="app.telemetry.tracing"):
         assert export_timeout_s(TelemetrySettings(exporter="otlp_http")) == 5.0
     assert "OTEL_EXPORTER_OTLP_TIMEOUT" in caplog.text
+
+
+def test_a_traces_timeout_variable_that_is_no_number_stops_the_grpc_exporter_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gRPC exporter parses OTEL_EXPORTER_OTLP_TRACES_TIMEOUT itself even when given a timeout:
+    "5s" passed the warning, then failed the app's start with a traceback. It is refused with the
+    settings, in one line; the HTTP exporter's is warned of and 5 s used, as above."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "5s")
+    with pytest.raises(SettingsError, match=r"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='5s' is no number"):
+        load_settings(telemetry={"exporter": "otlp_grpc", "endpoint": "http://127.0.0.1:4317"})
+    assert load_settings(telemetry={"exporter": "otlp_http"}).telemetry.exporter == "otlp_http"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "7")
+    settings = load_settings(telemetry={"exporter": "otlp_grpc", "endpoint": "http://127.0.0.1:4317"}).telemetry
+    provider, processor = build_tracer_provider(settings)  # the exporter built: no ValueError
+    assert processor is not None
+    provider.shutdown()
