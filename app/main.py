@@ -53,22 +53,21 @@ log = logging.getLogger(__name__)
 
 FatalHandler = Callable[[str], None]
 # probes and scrapes make no spans: these paths exactly, relative to where the app is mounted
-# (``ServiceApp``), so that neither a model named "metrics-net" nor a Host header holding
+# (``TracedApp``), so that neither a model named "metrics-net" nor a Host header holding
 # "/metrics" takes a prediction out of its trace
 UNTRACED_PATHS = frozenset({"/livez", "/readyz", "/healthz", "/metrics"})
 
 
-class ServiceApp(FastAPI):
-    """The service's FastAPI app. Once its requests are traced (``untraced_probes``), the probes
-    and scrapes (``UNTRACED_PATHS``) make no spans: their path is matched here as the routes match
-    it, relative to the app's mount (``app.api.mount``), and the instrumentation, the outermost
-    middleware, is told to stand aside. Its own exclusion matches the URL, whose path holds the
-    prefix a server mounts the app under, which is not known when the app is built."""
-
-    untraced_probes = False
+class TracedApp(FastAPI):
+    """The service's FastAPI app when its requests are traced (with no exporter it is a plain
+    ``FastAPI``: nothing is added to a request's path). The probes and scrapes (``UNTRACED_PATHS``)
+    make no spans: their path is matched here as the routes match it, relative to the app's mount
+    (``app.api.mount``), and the instrumentation, the outermost middleware, is told to stand aside.
+    Its own exclusion matches the URL, whose path holds the prefix a server mounts the app under,
+    which is not known when the app is built."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.untraced_probes and scope["type"] == "http" and route_path(scope) in UNTRACED_PATHS:
+        if scope["type"] == "http" and route_path(scope) in UNTRACED_PATHS:
             with suppress_http_instrumentation():
                 await super().__call__(scope, receive, send)
             return
@@ -213,16 +212,16 @@ def _install_routes(app: FastAPI, settings: Settings, metrics: Metrics, access_l
         app.include_router(admin_models.router)
 
 
-def _trace_requests(app: ServiceApp, tracer_provider: TracerProvider) -> None:
-    """A server span for each request, but for the probes and scrapes (``ServiceApp``)."""
+def _trace_requests(app: FastAPI, tracer_provider: TracerProvider) -> None:
+    """A server span for each request, but for the probes and scrapes (``TracedApp``, which
+    ``app`` is)."""
     FastAPIInstrumentor.instrument_app(
         app,
         tracer_provider=tracer_provider,
-        excluded_urls="",  # none by URL (nor by the environment): ServiceApp leaves the probes out
+        excluded_urls="",  # none by URL (nor by the environment): TracedApp leaves the probes out
         exclude_spans=["receive", "send"],
         server_request_hook=query_redacted,
     )
-    app.untraced_probes = True
 
 
 async def _loads_unless_halted(loads: Sequence[Awaitable[object]], service: InferenceService) -> None:
@@ -303,7 +302,7 @@ def create_app(
                     if access_log is not None:
                         access_log.report_unlogged(force=True)  # the 503s past the cap not summed up yet
 
-    app = ServiceApp(
+    app = (TracedApp if exporting else FastAPI)(
         title="ai-backend",
         version="0.1.0",
         summary="Image classification over REST with dual-window batching.",
