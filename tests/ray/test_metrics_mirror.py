@@ -7,6 +7,8 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
+import pytest
+
 from app.batching import Lane
 from app.ray.metrics import MetricsMirror
 from app.telemetry.metrics import Metrics
@@ -170,3 +172,22 @@ async def test_the_last_copy_waits_for_the_one_under_way() -> None:
         await copying
     assert not counter.overlapped, "the last copy ran beside the one under way"
     assert [value for value, _ in counter.calls] == [1.0, 2.0]
+
+
+async def test_a_last_copy_that_cannot_run_at_teardown_leaves_the_stop_a_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last copy runs in a thread; at a teardown that runs no more threads its failure
+    replaced the task's cancellation, and the replica's lifespan, which expects that
+    cancellation only, failed its stop with it."""
+    metrics = Metrics()
+    copying = asyncio.create_task(MetricsMirror(metrics.registry, Factory()).run(3600))
+    await asyncio.sleep(0)  # the copying waits out its interval
+
+    async def no_threads(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    monkeypatch.setattr(asyncio, "to_thread", no_threads)
+    copying.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await copying
