@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -46,6 +47,22 @@ def _signal_dispositions() -> Iterator[None]:
     for number, handler in before.items():
         if signal.getsignal(number) is not handler and handler is not None:
             signal.signal(number, handler)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger() -> Iterator[None]:
+    """Each test leaves the root logger as it found it. A test that runs the CLI in process has it
+    configure the service's logging (``configure_logging``): its handler, on that test's captured
+    stderr, stayed for later tests, which wrote to it once closed ("--- Logging error ---"), and
+    the root's level stayed INFO, so later tests' captured records held lines they did not expect
+    (a scrape's access line). pytest's own capture handlers are left to pytest."""
+    from app.telemetry.logging import JsonFormatter, PlainFormatter
+
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h.formatter, JsonFormatter | PlainFormatter)]
+    root.setLevel(level)
 
 
 # the longest a test may run: one that waits for a future a broken batcher never settles would

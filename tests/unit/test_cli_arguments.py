@@ -56,7 +56,7 @@ def test_a_signal_once_the_server_has_stopped_is_not_taken_for_one_before_it_sta
 
     seen: dict[str, object] = {}
 
-    def served(server: object, failure: list[str], address: str) -> int:
+    def served(server: object, failure: list[str], address: str, logs: object) -> int:
         seen["during"] = signal.getsignal(signal.SIGTERM)
         return 0
 
