@@ -225,23 +225,40 @@ class VersionLoader:
         """``model``'s default head loaded, if it was not yet, on the loader thread: as a version's
         load, at its priority and not on a device thread a batch waits for. Loaded already (the
         warm-up loads it), nothing runs; while another load holds the loader, a 503
-        ``model_loading`` rather than a wait behind it; the device failing it, a 503
+        ``model_loading`` rather than a wait behind it; past ``model.load_timeout_s``, a 503
+        ``model_loading`` too, the head a late load until it ends; the device failing it, a 503
         ``device_unavailable``. A head its files or graph refuse raises ``ModelLoadError``."""
         if model.default_head in model.loaded_heads:
             return
         label = f"{model.manifest.name}/{model.manifest.version}"
-        done = self._claim(f"the head of {label}")
+        head = f"the head of {label}"
+        done = self._claim(head)
+        started = time.perf_counter()
 
         def ended(call: asyncio.Future[torch.jit.ScriptModule]) -> None:
             done()  # not before: a promotion that went away leaves the head loading on the thread
+            if self._late_loads.pop(head, None) is not None:  # loaded late: the model keeps it
+                log.warning("loading %s ended %.1fs after it began", head, time.perf_counter() - started)
             if not call.cancelled():
                 call.exception()  # retrieved: nobody may be awaiting it any more
 
         call = asyncio.ensure_future(self._loader.run(model.head))
         call.add_done_callback(ended)
+        timeout = self.settings.model.load_timeout_s
         failed: tuple[Fault, str] | None = None
         try:
-            await asyncio.shield(call)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(call)
+        except TimeoutError:
+            # its read hangs (a stalled network mount, say): the thread cannot be stopped, and holds
+            # the loader until it ends, a late load as any other (``/healthz`` lists it)
+            self._late_loads[head] = f"given up after model.load_timeout_s={timeout:g}s"
+            raise Unavailable(
+                f"loading {head} took longer than model.load_timeout_s={timeout:g}s and goes on on the "
+                "loader thread; try again once it ends",
+                code="model_loading",
+                retry_after_s=max(1, math.ceil(timeout)),
+            ) from None
         except Exception as exc:
             if (fault := device_fault(exc)) is None:
                 raise

@@ -44,6 +44,22 @@ async def load_held(running: RunningApp, monkeypatch: pytest.MonkeyPatch, versio
     assert answered.status_code == 200, answered.text
 
 
+def head_held(monkeypatch: pytest.MonkeyPatch, version: str) -> tuple[threading.Event, threading.Event]:
+    """``version``'s heads, loaded from now on, wait on the loader thread until the second event
+    is set (30 s at most); the first is set as one begins to."""
+    started, gate = threading.Event(), threading.Event()
+    real_head = LayeredModel.head
+
+    def head(model: LayeredModel, name: str | None = None) -> torch.jit.ScriptModule:
+        if model.folder.name == version:
+            started.set()
+            gate.wait(30)
+        return real_head(model, name)
+
+    monkeypatch.setattr(LayeredModel, "head", head)
+    return started, gate
+
+
 async def test_a_promotion_whose_head_is_loaded_does_not_wait_for_a_load_under_way(
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,16 +210,7 @@ async def test_a_promotion_that_goes_away_while_its_head_loads_keeps_the_loader_
     load, rather than queued behind it with its timeout running."""
     async with running_app(settings_for(repository)) as running:
         add_version(repository, "3")
-        started, gate = threading.Event(), threading.Event()
-        real_head = LayeredModel.head
-
-        def head(model: LayeredModel, name: str | None = None) -> torch.jit.ScriptModule:
-            if model.folder.name == "2":
-                started.set()
-                gate.wait(30)
-            return real_head(model, name)
-
-        monkeypatch.setattr(LayeredModel, "head", head)
+        started, gate = head_held(monkeypatch, "2")
         promotion = asyncio.ensure_future(running.app.state.lifecycle.promote("digits", "2"))
         try:
             assert await asyncio.to_thread(started.wait, 30)
@@ -223,3 +230,29 @@ async def test_a_promotion_that_goes_away_while_its_head_loads_keeps_the_loader_
                 loaded = await running.client.post("/admin/models/digits/versions/3/load", headers=AUTH)
         assert loaded.status_code == 200, loaded.text
         assert "classifier" in running.service.groups["digits"].routing.loaded["2"].model.loaded_heads
+
+
+async def test_a_head_load_past_the_loads_time_is_a_503_and_a_late_load_until_it_ends(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion waited for its candidate's head with no bound, holding the one-load claim: a
+    hung read (a stalled network mount) left the promotion unanswered and every load refused, with
+    nothing in /healthz saying why. Past model.load_timeout_s the promotion is a 503, and the head
+    is a late load, listed, until it ends; then the promotion goes through."""
+    async with running_app(settings_for(repository)) as running:
+        running.service.settings.model.load_timeout_s = 1.0
+        _, gate = head_held(monkeypatch, "2")
+        try:
+            async with asyncio.timeout(10):
+                late = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
+            assert late.status_code == 503 and late.json()["code"] == "model_loading", late.text
+            assert "load_timeout_s=1s" in late.json()["message"] and "Retry-After" in late.headers
+            health = (await running.client.get("/healthz")).json()
+            assert health["loading"] == ["the head of digits/2"], health
+        finally:
+            gate.set()
+        async with asyncio.timeout(30):  # the head loaded: no longer late, and the model keeps it
+            while running.service.late_loads:  # noqa: ASYNC110 (its end is a callback on the loop)
+                await asyncio.sleep(0.02)
+        promoted = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
+        assert promoted.status_code == 200, promoted.text
