@@ -126,13 +126,15 @@ class VersionLoader:
         """``name/version`` of the loads past their timeout that still run on the loader thread."""
         return sorted(self._late_loads)
 
-    def _late_load_ended(self, label: str, started: float) -> None:
-        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start)."""
+    def _late_load_ended(self, label: str, started: float, dropped: bool = True) -> None:
+        """On the loop, once a late load ends (``started``: its ``perf_counter`` at the start;
+        ``dropped``: what it loaded is dropped, a version, not kept, a head)."""
         log.warning(
-            "the load of %s, %s, ended %.1fs after it began; what it loaded was dropped",
+            "the load of %s, %s, ended %.1fs after it began%s",
             label,
             self._late_loads.pop(label, "given up"),
             time.perf_counter() - started,
+            "; what it loaded was dropped" if dropped else "",
         )
 
     async def _device_failed(
@@ -234,38 +236,36 @@ class VersionLoader:
         head = f"the head of {label}"
         done = self._claim(head)
         started = time.perf_counter()
-
-        def ended(call: asyncio.Future[torch.jit.ScriptModule]) -> None:
-            done()  # not before: a promotion that went away leaves the head loading on the thread
-            if self._late_loads.pop(head, None) is not None:  # loaded late: the model keeps it
-                log.warning("loading %s ended %.1fs after it began", head, time.perf_counter() - started)
-            if not call.cancelled():
-                call.exception()  # retrieved: nobody may be awaiting it any more
-
-        call = asyncio.ensure_future(self._loader.run(model.head))
-        call.add_done_callback(ended)
-        timeout = self.settings.model.load_timeout_s
+        # the model keeps a head loaded late: nothing to drop or release when it ends
+        bounded = BoundedCall(
+            model.head, on_late_end=functools.partial(self._late_load_ended, head, started, dropped=False)
+        )
+        why = "given up: the promotion that asked for it went away"  # why it is given up, if it is
         failed: tuple[Fault, str] | None = None
         try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(call)
+            await bounded.run(self._loader, self.settings.model.load_timeout_s)
         except TimeoutError:
-            # its read hangs (a stalled network mount, say): the thread cannot be stopped, and holds
-            # the loader until it ends, a late load as any other (``/healthz`` lists it)
-            self._late_loads[head] = f"given up after model.load_timeout_s={timeout:g}s"
-            raise Unavailable(
-                f"loading {head} took longer than model.load_timeout_s={timeout:g}s and goes on on the "
-                "loader thread; try again once it ends",
-                code="model_loading",
-                retry_after_s=max(1, math.ceil(timeout)),
+            # its read hangs (a stalled network mount, say): a late load as any other (``/healthz``)
+            why = f"given up after model.load_timeout_s={self.settings.model.load_timeout_s:g}s"
+            raise _loading(
+                f"{self._too_long(head)}; it goes on on the loader thread, try again once it ends",
+                self.settings.model.load_timeout_s,
             ) from None
         except Exception as exc:
             if (fault := device_fault(exc)) is None:
                 raise
-            failed = fault, fault_line(exc)
-        del call  # it holds the error, whose traceback holds what the head load had allocated
-        if failed is not None:  # handled, and its traceback gone: the memory it held can be released
+            failed = fault, fault_line(exc)  # handled: its traceback, holding what the load allocated, goes
+        finally:
+            done()
+            if bounded.late:  # a thread cannot be stopped: the loader is held until it ends
+                self._late_loads[head] = why
+        if failed is not None:
             raise await self._device_failed(label, *failed, warming=False, serving=True)
+
+    def _too_long(self, what: str, how: str = "") -> str:
+        """Why a load (``what``: its folder, a head) was given up at ``model.load_timeout_s``."""
+        timeout = self.settings.model.load_timeout_s
+        return f"loading {what} took longer than model.load_timeout_s={timeout:g}s{how} ({LOAD_TIMEOUT_ENV})"
 
     def _claim(self, label: str) -> Callable[[], object]:
         """The loader for ``label`` alone until the returned call says it is done. Another load,
@@ -274,19 +274,16 @@ class VersionLoader:
         and was answered 409 ``model_load_failed``, blaming a version that was never tried)."""
         timeout = self.settings.model.load_timeout_s
         if self._late_loads:
-            raise Unavailable(
+            raise _loading(
                 f"loading {', '.join(self.late_loads)} passed model.load_timeout_s and still runs on "
                 "the loader thread; another load can start once it ends",
-                code="model_loading",
-                retry_after_s=max(1, math.ceil(timeout)),
+                timeout,
             )
         if self._under_way:
             other, began = next(iter(self._under_way.items()))
-            left = timeout - (time.perf_counter() - began)
-            raise Unavailable(
+            raise _loading(
                 f"loading {other} is under way; one load runs at a time, try again once it ends",
-                code="model_loading",
-                retry_after_s=max(1, math.ceil(left)),
+                timeout - (time.perf_counter() - began),
             )
         self._under_way[label] = time.perf_counter()
         return functools.partial(self._under_way.pop, label, None)
@@ -308,10 +305,7 @@ class VersionLoader:
             async with asyncio.timeout(within_s):
                 await self._warm_up(model, every_thread)
         except TimeoutError:
-            return (
-                f"loading {model.folder} took longer than model.load_timeout_s="
-                f"{self.settings.model.load_timeout_s:g}s with its warm-up (AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
-            )
+            return self._too_long(str(model.folder), " with its warm-up")
         except Exception as exc:
             if (fault := device_fault(exc)) is not None:
                 return fault, fault_line(exc)
@@ -364,10 +358,7 @@ class VersionLoader:
             model = await bounded.run(self._loader, timeout)
         except TimeoutError as exc:
             why = f"given up after model.load_timeout_s={timeout:g}s"
-            raise ModelLoadError(
-                f"loading {folder} took longer than model.load_timeout_s={timeout:g}s "
-                "(AI_SERVICE_MODEL__LOAD_TIMEOUT_S)"
-            ) from exc
+            raise ModelLoadError(self._too_long(str(folder))) from exc
         except (ModelLoadError, ValueError) as exc:  # a bad file, graph or manifest
             refused = str(exc)
         except Exception as exc:
@@ -474,6 +465,14 @@ class VersionLoader:
         for counter, labels in served.metrics.series():
             counter.labels(*labels)  # at 0 from the start (see ``Metrics.rejections``)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
+
+
+LOAD_TIMEOUT_ENV = "AI_SERVICE_MODEL__LOAD_TIMEOUT_S"
+
+
+def _loading(message: str, after_s: float) -> Unavailable:
+    """A 503 ``model_loading``: the loader is another load's for about ``after_s`` more."""
+    return Unavailable(message, code="model_loading", retry_after_s=max(1, math.ceil(after_s)))
 
 
 def _what_failed(exc: BaseException) -> str:
