@@ -10,10 +10,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from app.server import DrainingServer
@@ -67,16 +67,12 @@ def _serve(args: argparse.Namespace) -> int:
     # until uvicorn takes SIGTERM over (a drain), one ends start-up quietly with exit 0, as a drain
     # with nothing to drain would: its default action killed the process mid-import, exit -15.
     # SIGQUIT drains as SIGTERM does (``app.server``); its default action dumps core
-    for name in ("SIGTERM", "SIGQUIT"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), _stop_early)
+    _on_stop_signals(_stop_early)
     logs = _Logs()
     try:
         return _serve_now(args, logs)
     except _StoppedEarly as stopped:
-        for name in ("SIGTERM", "SIGQUIT"):  # a repeat while this is said would end it with a traceback
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        _on_stop_signals(signal.SIG_IGN)  # a repeat while this is said would end it with a traceback
         _tell(logs, f"{stopped.name} before the server started: stopped", logging.WARNING)
         return 0
     except KeyboardInterrupt:  # Ctrl-C before uvicorn took it over (torch importing, say): no traceback
@@ -195,13 +191,18 @@ def _serve_now(args: argparse.Namespace, logs: _Logs) -> int:
     code = _run(server, failure, f"{settings.server.host}:{settings.server.port}", logs)
     # stopped: what ``_serve`` set for start-up is back, and would take one more SIGTERM (an
     # orchestrator's repeat) for one before the start, "stopped", exit 0, skipping ``_exit_now``
-    for name in ("SIGTERM", "SIGQUIT"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    _on_stop_signals(signal.SIG_IGN)
     service = getattr(app.state, "service", None)  # None if the lifespan never ran
     if service is not None and service.unfinished:
         _exit_now(code, service.unfinished)
     return code
+
+
+def _on_stop_signals(handler: Callable[[int, Any], object] | signal.Handlers) -> None:
+    """``handler`` for the signals that stop the service (SIGTERM, SIGQUIT where there is one)."""
+    for name in ("SIGTERM", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), handler)
 
 
 def _say_config_file(path: Path, stamp: object) -> None:

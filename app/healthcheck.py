@@ -22,8 +22,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from app.settings import SettingsError, load_settings
-
 TIMEOUT_S = 2.0  # under the HEALTHCHECK's --timeout
 # a server bound to every address is asked on the loopback of the same family
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
@@ -68,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, default=1, help="the server's process id (1: the container's)")
     args = parser.parse_args(argv)
     address = _served_address(args.pid)
-    if address is None:
+    if address is None:  # imported only here: a check every 10 s reads the file alone
+        from app.settings import SettingsError, load_settings
+
         try:
             server = load_settings().server
         except SettingsError as exc:

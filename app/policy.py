@@ -187,8 +187,7 @@ class PolicyManager:
                 raise SettingsError(f"config file {self.config_file} is missing")
             if data == b"" and self._had_file:  # truncated for a write
                 raise SettingsError(f"config file {self.config_file} is empty")
-            table = self._parsed(data)
-            fresh = await asyncio.to_thread(self._read_given, table)
+            table, fresh = await asyncio.to_thread(self._read_given, data)
             # against the live settings: only batching applies, the rest waits for a restart
             batching = self._checked(fresh.batching.model_dump())
         except SettingsError as exc:
@@ -232,10 +231,12 @@ class PolicyManager:
         except ValueError as exc:  # tomllib.TOMLDecodeError, UnicodeDecodeError: as start-up says it
             raise SettingsError(f"config file {self.config_file} cannot be read: {exc}") from exc
 
-    def _read_given(self, table: dict[str, Any]) -> Settings:
-        """Blocking: the settings read again, the config file's part taken from ``table``."""
+    def _read_given(self, data: bytes | None) -> tuple[dict[str, Any], Settings]:
+        """Blocking: the config file's table, parsed from ``data``, and the settings read again
+        with their file part taken from that table."""
+        table = self._parsed(data)
         with config_table_given(table):
-            return self._reader()
+            return table, self._reader()
 
     def _say_overridden(self, table: dict[str, Any] | None) -> None:
         """Warn of the file's edits that a variable overrides, in any group: they change nothing

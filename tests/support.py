@@ -126,6 +126,19 @@ def top_label(body: dict[str, object]) -> str:
 # --- model repositories -----------------------------------------------------------------
 
 
+class PulledBody:
+    """A request body of ``chunks`` chunks of 1 MiB, sent chunked as the client reads it:
+    ``pulled`` counts the chunks read, so a test sees how much of it the server took."""
+
+    def __init__(self, chunks: int = 64) -> None:
+        self.chunks, self.pulled = chunks, 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for _ in range(self.chunks):
+            self.pulled += 1
+            yield b" " * (1 << 20)
+
+
 def copy_repository(into: Path) -> Path:
     """A copy of the bundled repository (the digits model, version 1) under ``into``; returns its root."""
     root = into / "models"

@@ -135,7 +135,7 @@ class TracedRunner:
                     [job.deadline for job in jobs],
                     urgent=lane is Lane.URGENT,
                     gone=lambda i: jobs[i].gone,
-                    ids=[job.request_id for job in jobs],
+                    ids=lambda i: jobs[i].request_id,  # read only by a failure's log line
                 )
             except Exception as exc:  # the whole batch failed: each request's trace leads to it
                 exc.batch_trace = ran  # type: ignore[attr-defined]

@@ -102,13 +102,13 @@ class ModelRunner:
         deadlines: Sequence[float] | None = None,
         urgent: bool = False,
         gone: Callable[[int], bool] | None = None,
-        ids: Sequence[str] | None = None,
+        ids: Callable[[int], str] | None = None,
     ) -> list[TopK | ServiceError | None]:
         """Answers in order; ``None`` for an image whose request went before its batch reached
         the device, or before a retry: past its deadline (``time.monotonic()``), or ``gone(i)``
         (its client disconnected). It is not computed (an ``Encoded`` one not decoded). The error
         for an image the device could not compute while it computed others, or that did not
-        decode. Urgent batches go first. ``ids``: the images' request ids, for the log lines
+        decode. Urgent batches go first. ``ids(i)``: image i's request id, for the log lines
         about some of them."""
         batch = list(images)
         return await self._device.run(lambda: self.run_sync(batch, deadlines, gone, ids), urgent=urgent)
@@ -118,7 +118,7 @@ class ModelRunner:
         images: list[torch.Tensor | Encoded],
         deadlines: Sequence[float] | None = None,
         gone: Callable[[int], bool] | None = None,
-        ids: Sequence[str] | None = None,
+        ids: Callable[[int], str] | None = None,
     ) -> list[TopK | ServiceError | None]:
         """Blocking: the live images on the device (split on out-of-memory), answers on the host.
 
@@ -268,7 +268,7 @@ class ModelRunner:
         ids where the batch has them."""
         if batch.ids is None:
             return dict(self._ids)
-        return {**self._ids, "request_ids": [batch.ids[i] for i in indices]}
+        return {**self._ids, "request_ids": [batch.ids(i) for i in indices]}
 
     @staticmethod
     def _where(model: Model, wanted: Sequence[int], loading: bool) -> str:
@@ -344,10 +344,10 @@ class _Batch:
         images: list[torch.Tensor | Encoded],
         deadlines: Sequence[float] | None,
         gone: Callable[[int], bool] | None,
-        ids: Sequence[str] | None = None,
+        ids: Callable[[int], str] | None = None,
     ) -> None:
         self.images, self._deadlines, self._gone = images, deadlines, gone
-        self.ids = ids  # the images' request ids, for log lines (None: not known)
+        self.ids = ids  # an image's request id, for log lines, read only there (None: not known)
         self.answers: list[TopK | ServiceError | None] = [None] * len(images)
         self.refused: dict[int, ServiceError] = {}  # the images that did not decode, answered with these errors
         self.computed = 0

@@ -19,7 +19,7 @@ from tests.integration.test_direct_predict import _RouterCalls
 from tests.integration.test_policy import AUTH, admin_settings
 from tests.integration.test_shedding import SETTINGS as FULL_LANE
 from tests.integration.test_shedding import full_queue
-from tests.support import MODEL_NAME, RunningApp, metric_samples, running_app, sample_png
+from tests.support import MODEL_NAME, PulledBody, RunningApp, metric_samples, running_app, sample_png
 
 MOUNT = "/tight"
 
@@ -57,14 +57,6 @@ async def test_predictions_under_a_prefix_are_served_and_refused_past_the_router
 
 
 async def test_the_admin_gate_holds_under_a_prefix(make_settings: SettingsFactory) -> None:
-    pulled = 0
-
-    async def huge():  # type: ignore[no-untyped-def]
-        nonlocal pulled
-        for _ in range(64):
-            pulled += 1
-            yield b" " * (1 << 20)
-
     json_type = {"Content-Type": "application/json"}
     async with running_app(admin_settings(make_settings)) as running, mounted(running) as client:
         policy = f"{MOUNT}/admin/policy"
@@ -72,8 +64,9 @@ async def test_the_admin_gate_holds_under_a_prefix(make_settings: SettingsFactor
         assert malformed.status_code == 401, "refused for its token, not parsed first"
         big = await client.put(policy, headers={**AUTH, **json_type}, content=b" " * (1 << 20))
         assert big.status_code == 413 and big.json()["code"] == "body_too_large"
-        chunked = await client.put(policy, content=huge(), headers={**AUTH, **json_type})
-        assert chunked.status_code == 411 and chunked.json()["code"] == "length_required" and pulled < 64
+        body = PulledBody()
+        chunked = await client.put(policy, content=body, headers={**AUTH, **json_type})
+        assert chunked.status_code == 411 and chunked.json()["code"] == "length_required" and body.pulled < 64
         assert (await client.put(policy, headers=AUTH, json={"normal": {"max_batch": 4}})).is_success
         metrics = (await client.get(f"{MOUNT}/metrics")).text
     requests = metric_samples(metrics, f"{METRICS}_request_duration_seconds_count")

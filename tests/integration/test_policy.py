@@ -21,7 +21,7 @@ from app.errors import SchemaError
 from app.policy import PolicyManager
 from app.settings import SettingsError, file_stamp, load_settings, read_settings
 from tests.conftest import SettingsFactory
-from tests.support import MODEL_NAME, running_app, sample_png
+from tests.support import MODEL_NAME, PulledBody, running_app, sample_png
 
 TOKEN = "s3cret-admin-token-0123456789"
 BIGGER = {"normal": {"max_batch": 64, "max_queue": 64}}  # a bigger max batch than the tests' policy
@@ -564,25 +564,18 @@ async def test_the_admin_token_is_checked_before_any_body_is_read(make_settings:
             "/admin/policy", content=b"{not json", headers={"Content-Type": "application/json"}
         )
         assert malformed.status_code == 401, "refused for its token, not parsed first"
-        pulled = 0
-
-        async def huge():  # type: ignore[no-untyped-def]
-            nonlocal pulled
-            for _ in range(64):
-                pulled += 1
-                yield b" " * (1 << 20)
-
-        unread = await running.client.put("/admin/policy", content=huge(), headers={"Content-Type": "application/json"})
-        assert unread.status_code == 401 and pulled < 64
+        body = PulledBody()
+        unread = await running.client.put("/admin/policy", content=body, headers={"Content-Type": "application/json"})
+        assert unread.status_code == 401 and body.pulled < 64
         big = await running.client.put(
             "/admin/policy", headers={**AUTH, "Content-Type": "application/json"}, content=b" " * (1 << 20)
         )
         assert big.status_code == 413 and big.json()["code"] == "body_too_large"
-        pulled = 0
+        body = PulledBody()
         chunked = await running.client.put(
-            "/admin/policy", content=huge(), headers={**AUTH, "Content-Type": "application/json"}
+            "/admin/policy", content=body, headers={**AUTH, "Content-Type": "application/json"}
         )
-        assert chunked.status_code == 411 and chunked.json()["code"] == "length_required" and pulled < 64
+        assert chunked.status_code == 411 and chunked.json()["code"] == "length_required" and body.pulled < 64
         assert (await running.client.put("/admin/policy", headers=AUTH, json={"normal": {"max_batch": 4}})).is_success
 
 
