@@ -32,10 +32,10 @@ def _hermetic_environment() -> Iterator[None]:
         yield
 
 
-# What a test may change process-wide without meaning to: ``main(["serve"])`` sets SIGTERM to
-# end start-up early and ignores SIGHUP (as a fresh process should), and every app's lifespan
+# What a test may change process-wide without meaning to: ``main(["serve"])`` sets SIGTERM (and
+# SIGQUIT) to end start-up early and ignores SIGHUP (as a fresh process should), and every app's lifespan
 # leaves SIGHUP ignored once it takes its reload handler down.
-_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
+_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGQUIT", "SIGHUP", "SIGINT") if hasattr(signal, name))
 
 
 @pytest.fixture(autouse=True)

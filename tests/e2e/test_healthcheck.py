@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tests.e2e.server import HOST, spawn_digits
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, server_environment
 
 
 def _check(pid: int, temp: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("AI_SERVICE_")}
     return subprocess.run(
         [sys.executable, "-m", "app.healthcheck", "--pid", str(pid)],
         cwd=REPO_ROOT,
-        env=clean | {"TMPDIR": str(temp), **env},
+        env=server_environment({"TMPDIR": str(temp), **env}),
         capture_output=True,
         text=True,
         timeout=60,

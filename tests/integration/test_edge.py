@@ -34,6 +34,9 @@ from app.telemetry.metrics import PREFIX
 from tests.conftest import SettingsFactory
 from tests.support import cyclic_garbage, metric_samples, sample_png
 
+# windows longer than the short deadlines these tests send: the predicted wait refuses them on an idle lane
+WINDOWS = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}
+
 
 @dataclass
 class Served:
@@ -127,8 +130,7 @@ async def test_a_refusal_is_answered_by_the_protocol_exactly_as_the_app_answers_
     # early for it, ``no_hurry``): the predicted wait refuses every such request on an idle lane,
     # and a deadline no busy machine passes on the way to the app's check: with 1 ms, the app's
     # path, slower than the edge's, could find it already past (deadline_exceeded)
-    windows = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}
-    async with served(make_settings(**SETTINGS, **windows)) as running:
+    async with served(make_settings(**SETTINGS, **WINDOWS)) as running:
         ((warm, _),) = await running.exchange(predict())
         assert warm.status == 200 and running.reached == ["POST /predict"], "a prediction reaches the app"
         late = {"X_Request_Timeout": "90", "X_Request_ID": "edge-late-1"}
@@ -172,8 +174,7 @@ async def test_a_refusal_is_answered_by_the_protocol_exactly_as_the_app_answers_
 @pytest.mark.usefixtures("no_hurry")
 async def test_under_a_root_path_the_protocol_refuses_as_at_the_root(make_settings: SettingsFactory) -> None:
     # uvicorn puts its --root-path in front of each request's path, and names it in root_path
-    windows = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}  # as above
-    async with served(make_settings(**windows), root_path="/tight") as running:
+    async with served(make_settings(**WINDOWS), root_path="/tight") as running:
         ((warm, _),) = await running.exchange(predict())
         assert warm.status == 200 and running.reached == ["POST /tight/predict"], "a prediction reaches the app"
         late = await running.exchange(
@@ -369,8 +370,7 @@ async def test_refusals_leave_nothing_for_the_cycle_collector(make_settings: Set
     """At twice the load refusals outnumber answers; each must be freed when it is answered. A
     refusal kept with its traceback tied the frames that made it into a reference cycle, left
     for the cyclic collector, whose passes then held the GIL for tens of milliseconds at a time."""
-    windows = {"batching": {"urgent": {"window_ms": 100.0}, "normal": {"window_ms": 200.0}}}
-    async with served(make_settings(**windows)) as running:
+    async with served(make_settings(**WINDOWS)) as running:
         await running.exchange(predict())
         running.app.state.tracing = by == "app"  # with spans exported, the app's direct path refuses
         refusals = [predict(X_Request_Timeout="150") for _ in range(20)]

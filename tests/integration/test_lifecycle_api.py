@@ -70,13 +70,6 @@ def add_version(root: Path, version: str, accuracy: float | None = None) -> Path
     return target
 
 
-@pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
-    add_version(tmp_path, "2")
-    return tmp_path
-
-
 def settings_for(repository: Path, **model: object) -> Settings:
     return build_settings(
         model={"repository": repository, "load_versions": "all", "default_versions": {"digits": "1"}, **model},

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import threading
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -15,16 +14,9 @@ import pytest
 import torch
 
 from app.inference.loader import LayeredModel
-from tests.integration.test_lifecycle_api import AUTH, ROOT, add_version, settings_for
+from tests.integration.test_lifecycle_api import AUTH, add_version, settings_for
 from tests.lifecycle_support import StuckLoads
 from tests.support import RunningApp, running_app, sample_png
-
-
-@pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
-    add_version(tmp_path, "2")
-    return tmp_path
 
 
 @contextlib.asynccontextmanager

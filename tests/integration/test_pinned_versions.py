@@ -7,17 +7,8 @@ import asyncio
 import shutil
 from pathlib import Path
 
-import pytest
-
-from tests.integration.test_lifecycle_api import AUTH, ROOT, add_version, settings_for
+from tests.integration.test_lifecycle_api import AUTH, add_version, settings_for
 from tests.support import RunningApp, running_app, sample_png, truncate_file
-
-
-@pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
-    add_version(tmp_path, "2")
-    return tmp_path
 
 
 async def _pinned(running: RunningApp, version: str) -> tuple[int, str | None]:

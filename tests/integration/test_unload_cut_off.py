@@ -4,26 +4,17 @@ service shut down (it serves on); a shutdown still answers ``draining``."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from app.batching import Lane
-from tests.integration.test_lifecycle_api import AUTH, ROOT, add_version, settings_for
+from tests.integration.test_lifecycle_api import AUTH, settings_for
 from tests.support import RunningApp, running_app, sample_png
 
 PINNED = {"Content-Type": "image/png", "X-Model-Version": "2", "X-Request-Timeout": "20000"}
-
-
-@pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
-    add_version(tmp_path, "2")
-    return tmp_path
 
 
 async def _running_and_queued_on_version_2(running: RunningApp) -> tuple[list[asyncio.Future[httpx.Response]], Any]:

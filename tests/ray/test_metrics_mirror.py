@@ -184,10 +184,14 @@ async def test_a_last_copy_that_cannot_run_at_teardown_leaves_the_stop_a_cancel(
     copying = asyncio.create_task(MetricsMirror(metrics.registry, Factory()).run(3600))
     await asyncio.sleep(0)  # the copying waits out its interval
 
+    tried: list[object] = []
+
     async def no_threads(*args: object, **kwargs: object) -> None:
+        tried.append(args)
         raise RuntimeError("cannot schedule new futures after shutdown")
 
     monkeypatch.setattr(asyncio, "to_thread", no_threads)
     copying.cancel()
     with pytest.raises(asyncio.CancelledError):
         await copying
+    assert tried, "the last copy was tried"

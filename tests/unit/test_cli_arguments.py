@@ -60,14 +60,9 @@ def test_a_signal_once_the_server_has_stopped_is_not_taken_for_one_before_it_sta
         seen["during"] = signal.getsignal(signal.SIGTERM)
         return 0
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)}
-    monkeypatch.setattr(cli, "_run", served)
-    try:
-        assert cli.main(["serve", "--port", "0"]) == 0
-        assert seen["during"] is cli._stop_early, "start-up's handler, until uvicorn's"
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-        assert signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN
-        assert "before the server started" not in capsys.readouterr().err
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    monkeypatch.setattr(cli, "_run", served)  # the handlers it sets are put back by conftest's _signal_dispositions
+    assert cli.main(["serve", "--port", "0"]) == 0
+    assert seen["during"] is cli._stop_early, "start-up's handler, until uvicorn's"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN
+    assert "before the server started" not in capsys.readouterr().err

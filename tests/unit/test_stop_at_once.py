@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -36,18 +35,15 @@ async def test_a_halt_ends_the_drain_and_the_close_with_a_batch_held_on_the_devi
         drain = asyncio.create_task(service.drain(grace_s))  # the first signal's
         await asyncio.sleep(0.2)
         assert not drain.done(), "the drain waits for the held batch"
-        stopped = time.monotonic()
         service.halt()  # the second signal
         async with asyncio.timeout(3):
             await drain
         async with asyncio.timeout(5):
             await service.close(grace_s)  # the lifespan's, with the same grace
-        stopped_in = time.monotonic() - stopped
         outcomes = await asyncio.gather(running, queued, return_exceptions=True)
     finally:
         release.set()
     assert [type(outcome) for outcome in outcomes] == [Draining, Draining], outcomes
-    assert stopped_in < 3, f"the stop took {stopped_in:.1f}s"
     assert service.unfinished, "the thread still inside the call is named (the CLI exits without finalizing)"
     said = [r.getMessage() for r in caplog.records if r.name == "app.service" and r.levelno >= logging.WARNING]
     assert said == [
