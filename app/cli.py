@@ -104,11 +104,11 @@ def _json_format_unread() -> bool:
     from pydantic import ValidationError
     from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-    from app.settings import ENV_PREFIX, Settings
+    from app.settings import Settings
     from app.settings.groups import LoggingSettings
 
     class LoggingOnly(BaseSettings):
-        model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="ignore")
+        model_config = SettingsConfigDict(**{**Settings.model_config, "extra": "ignore"})  # Settings', all but extra
 
         logging: LoggingSettings = LoggingSettings()
 

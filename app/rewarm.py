@@ -45,10 +45,13 @@ class Rewarmer:
         self._step: asyncio.Task[int | None] | None = None  # its device call in progress, if any
 
     def start(self) -> None:
-        """Warm what the versions served lack under the policy now in force (on the event loop)."""
+        """Warm what the versions served lack under the policy now in force (on the event loop);
+        nothing starts where none lacks a size."""
+        versions = [(s.name, s.version) for s in self._served() if self._loader.unwarmed_size(s.model) is not None]
+        if not versions:
+            return
         if self.task is not None:
             self.task.cancel()
-        versions = [(served.name, served.version) for served in self._served()]
         self.task = asyncio.get_running_loop().create_task(self._warm(versions), name="rewarm")
 
     async def _warm(self, versions: list[tuple[str, str]]) -> None:

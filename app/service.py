@@ -210,8 +210,7 @@ class InferenceService:
             self.state = State.READY
             # a change made while it loaded (the watcher and the admin API run meanwhile) was not
             # warmed by ``set_policy``, which warms only once ready: the versions loaded before it lack its sizes
-            if any(self.loader.unwarmed_size(served.model) is not None for served in self.all_served()):
-                self.rewarm.start()
+            self.rewarm.start()
         except BaseException as exc:
             self.state = State.FAILED
             self.failure = str(exc)

@@ -118,8 +118,7 @@ class LifecycleManager:
             served.batcher.start()
             group.routing = group.routing.with_loaded(version, served)
             group.know(version)  # a pin to it, once it is unloaded, is told to retry (503), not 404
-            if self._service.loader.unwarmed_size(served.model) is not None:
-                self._service.rewarm.start()  # the sizes that policy brought, warmed in the background
+            self._service.rewarm.start()  # the sizes the policy brought that it lacks, warmed in the background
             log.info("loaded %s/%s", name, version, extra={"model": name, "version": version})
             return served
 
