@@ -1,10 +1,12 @@
 .PHONY: check test serve lint
+# uv as the README installs it (python3 -m uv), else one on the PATH (pipx's)
+UV ?= $(shell python3 -m uv --version >/dev/null 2>&1 && echo python3 -m uv || echo uv)
 check:  ## lint, types and tests, as CI runs them
 	bash scripts/check
 test:
-	python3 -m uv run --frozen pytest
+	$(UV) run --frozen pytest
 serve:
-	python3 -m uv run --frozen ai-backend serve
+	$(UV) run --frozen ai-backend serve
 lint:  ## what scripts/check runs before the tests
-	python3 -m uv run --frozen ruff check app tests && python3 -m uv run --frozen ruff format --check app tests \
-		&& python3 -m uv run --frozen mypy app
+	$(UV) run --frozen ruff check app tests && $(UV) run --frozen ruff format --check app tests \
+		&& $(UV) run --frozen mypy app

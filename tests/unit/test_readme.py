@@ -21,7 +21,8 @@ def test_the_readme_gives_the_two_commands() -> None:
 def test_ci_runs_the_readmes_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "scripts/check" in ci
-    assert TEST_COMMAND in (ROOT / "scripts" / "check").read_text()
+    commands = [line.split("#")[0] for line in (ROOT / "scripts" / "check").read_text().splitlines()]
+    assert any(TEST_COMMAND in command for command in commands)
 
 
 def test_the_settings_table_matches_the_settings() -> None:
