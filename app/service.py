@@ -114,7 +114,10 @@ class InferenceService:
             model.normal_nice,
         )
         self._device_thread = DeviceThread(
-            workers=self.threads.workers, urgent_workers=self.threads.urgent, normal_nice=self.threads.normal_nice
+            workers=self.threads.workers,
+            urgent_workers=self.threads.urgent,
+            normal_nice=self.threads.normal_nice,
+            urgent_slice_ns=round(model.urgent_slice_ms * 1_000_000),
         )
         server = settings.server
         self._tuning = Tuning(

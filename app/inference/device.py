@@ -299,8 +299,15 @@ def release_memory(device: torch.device) -> None:
 class DeviceThread(WorkerThreads):
     """The device's worker threads (one by default): whole batches, loads and warm-ups."""
 
-    def __init__(self, name: str = "device", workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0) -> None:
-        super().__init__(name, workers, urgent_workers, normal_nice)
+    def __init__(
+        self,
+        name: str = "device",
+        workers: int = 1,
+        urgent_workers: int = 0,
+        normal_nice: int = 0,
+        urgent_slice_ns: int = 0,
+    ) -> None:
+        super().__init__(name, workers, urgent_workers, normal_nice, urgent_slice_ns=urgent_slice_ns)
 
 
 class Fault(enum.Enum):

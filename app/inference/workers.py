@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from app.interpreter import short_time_slice
+
 T = TypeVar("T")
 
 URGENT, NORMAL = 0, 1
@@ -103,10 +105,19 @@ class WorkerThreads:
     batches take what is left, which on a busy machine is still everything they would have had.
     The offset is from the process's own priority: a service started niced stays below the rest.
     ``nice`` lowers every thread's (a pool of background work, such as model loads).
+    ``urgent_slice_ns`` gives the urgent-only threads that time slice (``short_time_slice``): woken
+    for an urgent call, one pre-empts a normal call's thread on its core rather than wait out
+    that thread's slice.
     """
 
     def __init__(
-        self, name: str, workers: int = 1, urgent_workers: int = 0, normal_nice: int = 0, nice: int = 0
+        self,
+        name: str,
+        workers: int = 1,
+        urgent_workers: int = 0,
+        normal_nice: int = 0,
+        nice: int = 0,
+        urgent_slice_ns: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"{name} needs at least one worker thread")
@@ -121,6 +132,7 @@ class WorkerThreads:
         self._closing = False
         self._normal_nice = normal_nice
         self._nice = nice  # every thread's, whatever it takes (a pool of background work: loads)
+        self._urgent_slice_ns = urgent_slice_ns
         # without urgent-only threads a niced thread would run urgent calls at the low priority
         kind = NORMAL_ONLY if normal_nice and urgent_workers else ANY
         names = [name if workers == 1 else f"{name}-{i}" for i in range(workers)]
@@ -223,6 +235,8 @@ class WorkerThreads:
             with contextlib.suppress(OSError):
                 priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the process's, inherited
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, priority + offset))
+        if kind == URGENT_ONLY and self._urgent_slice_ns:
+            short_time_slice(self._urgent_slice_ns)
         while True:
             with self._lock:
                 while (call := self._next(kind, own)) is None and not self._closing:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import os
+import platform
 import shutil
+import struct
 import sys
 import threading
 import weakref
@@ -17,7 +20,7 @@ from typing import TypeVar
 import pytest
 
 from app.batching import Lane
-from app.interpreter import Tuning, no_wakeup_preemption
+from app.interpreter import Tuning, no_wakeup_preemption, short_time_slice
 from app.service import InferenceService
 from app.settings import Settings
 
@@ -289,3 +292,68 @@ async def test_a_close_cut_short_still_gives_the_loops_thread_back(tmp_path: Pat
         gate.set()
         await asyncio.gather(prediction, return_exceptions=True)
         await service.close(0)
+
+
+def _time_slice(thread_id: int = 0) -> int:
+    """The thread's time slice under the fair scheduler, in ns (sched_getattr(2), x86-64)."""
+    attr = ctypes.create_string_buffer(48)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(ctypes.c_long(315), ctypes.c_int(thread_id), attr, ctypes.c_uint(48), ctypes.c_uint(0)) == 0
+    return int(struct.unpack_from("=IIQiIQ", attr.raw)[5])
+
+
+def _custom_slices() -> bool:
+    """Whether this kernel keeps a thread's own slice (EEVDF's, Linux 6.12+): tried on a throwaway thread."""
+    return _on_a_thread(lambda: short_time_slice(300_000) and _time_slice() == 300_000)
+
+
+custom_slices = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not hasattr(os, "SCHED_BATCH"), reason="sched_getattr read as on x86-64 Linux"
+)
+
+
+@custom_slices
+def test_a_short_time_slice_keeps_the_threads_nice_value() -> None:
+    if not _custom_slices():
+        pytest.skip("this kernel keeps no slice of a thread's own (Linux before 6.12)")
+
+    def niced_then_sliced() -> tuple[bool, int, int]:
+        me = threading.get_native_id()
+        niced = min(19, os.getpriority(os.PRIO_PROCESS, me) + 3)
+        os.setpriority(os.PRIO_PROCESS, me, niced)
+        return short_time_slice(150_000), _time_slice(), os.getpriority(os.PRIO_PROCESS, me) - niced
+
+    assert _on_a_thread(niced_then_sliced) == (True, 150_000, 0)
+
+
+@custom_slices
+def test_a_thread_of_another_policy_keeps_its_slice() -> None:
+    def batch_then_sliced() -> tuple[bool, bool]:
+        before = _time_slice()
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # as the loop's thread runs, or an operator set
+        return short_time_slice(150_000), _time_slice() == before
+
+    assert _on_a_thread(batch_then_sliced) == (False, True)
+
+
+@custom_slices
+async def test_the_services_urgent_device_thread_alone_runs_a_short_slice(tmp_path: Path) -> None:
+    if not _custom_slices():
+        pytest.skip("this kernel keeps no slice of a thread's own (Linux before 6.12)")
+    shutil.copytree(ROOT / "models" / "digits" / "1", tmp_path / "digits" / "1")
+    default = _on_a_thread(_time_slice)
+    for slice_ms, urgent_slice in ((0.25, 250_000), (0, default)):
+        settings = Settings(
+            model={"repository": tmp_path, "warmup": False, "urgent_workers": 1, "urgent_slice_ms": slice_ms},  # type: ignore[arg-type]
+        )
+        service = InferenceService(settings)
+        await service.start()
+        try:
+            slices = {t.name: _time_slice(t.native_id or 0) for t in service._device_thread._threads}
+            decode = {_time_slice(t.native_id or 0) for t in service._pool._threads}
+        finally:
+            await service.close(0)
+        urgent = {name: value for name, value in slices.items() if "urgent" in name}
+        assert list(urgent.values()) == [urgent_slice], (slice_ms, slices)
+        assert {value for name, value in slices.items() if name not in urgent} == {default}, slices
+        assert decode == {default} and _time_slice() == default, "no other thread's slice changes"
