@@ -25,7 +25,14 @@ class VersionNotLoaded(Unavailable):
 
 @dataclass(frozen=True)
 class Routing(Generic[V]):
-    """Loaded versions, the default, the previous default (for rollback), and canary weights."""
+    """Loaded versions, the default, the previous default (for rollback), and canary weights.
+
+    Three rules, which the README states next to the admin commands: a promotion drops the
+    promoted version's canary share (it takes the rest now), keeps the others' and makes the old
+    default ``previous``, with no share; a rollback promotes ``previous`` back and clears it, so
+    a second rollback is refused; an unload drops the version's share (its traffic goes to the
+    default) and, when it was ``previous``, clears that too.
+    """
 
     loaded: Mapping[str, V]
     default: str
@@ -75,9 +82,16 @@ class Routing(Generic[V]):
         )
 
     def rolled_back(self) -> Routing[V]:
+        """``previous`` serves again, ungated, and is cleared: a rollback undoes one promotion
+        once. Were the demoted version kept as ``previous``, a second rollback (a retried
+        request) would put it back as the default without the gates a promotion applies."""
         if self.previous is None or self.previous not in self.loaded:
-            raise ValueError("there is no loaded previous default to roll back to")
-        return self.promoted(self.previous)
+            raise ValueError(
+                f"there is no previous default to roll back to: version {self.default} is the default, and a "
+                "rollback returns once to the default the last promotion replaced (unless it was unloaded); "
+                "to change the default now, promote a version"
+            )
+        return replace(self.promoted(self.previous), previous=None)
 
     def with_canary(self, weights: Mapping[str, float]) -> Routing[V]:
         return replace(self, canary=dict(weights))

@@ -130,14 +130,18 @@ class LifecycleManager:
             if served is None:  # 404 if the repository has no such version; else, as for a promotion, 409
                 await self._known(group, version)
                 raise Conflict(f"version {version} of {name} is not loaded")
+            share = group.routing.canary.get(version)
             try:
                 group.routing = group.routing.without(version)
             except ValueError as exc:
                 raise Conflict(str(exc)) from exc
+            default = group.routing.default
         await self._service.retire(served)
         del served  # the last reference here: what it held can be collected now
         await self._service.release_unloaded()
-        log.info("unloaded %s/%s", name, version, extra={"model": name, "version": version})
+        # its canary share went to the default with it: said, as a change of who answers is
+        shed = f" (its canary share {share} went to version {default})" if share else ""
+        log.info("unloaded %s/%s%s", name, version, shed, extra={"model": name, "version": version})
         # a version removed from disk before its unload is unknown from now on: pinned, a 404, not
         # a 503 telling clients to retry a version that cannot come back (until the next listing)
         with contextlib.suppress(ServiceError):
@@ -173,7 +177,15 @@ class LifecycleManager:
                     if reasons and not force:
                         raise Conflict("promotion refused: " + " ".join(reasons), code="promotion_refused")
                     group.routing = group.routing.promoted(version)
-                    log.info("promoted %s/%s (was %s)%s", name, version, current, " by force" if reasons else "")
+                    canary = dict(group.routing.canary)  # the others' shares, kept
+                    log.info(
+                        "promoted %s/%s (was %s)%s%s",
+                        name,
+                        version,
+                        current,
+                        " by force" if reasons else "",
+                        f"; canary still {canary}" if canary else "",
+                    )
                     return reasons
             # its head not loaded yet (``model.warmup`` off): loaded outside the lock, which a
             # rollback or an unload does not wait for; the routing may change meanwhile, so every
@@ -218,12 +230,13 @@ class LifecycleManager:
         return check_promotion(candidate, current, precision, settings.promotion_accuracy_margin, settings.fp16_margin)
 
     async def rollback(self, name: str) -> str:
-        """Make the previous default the default again, in one call; returns it."""
+        """Make the previous default the default again, in one call; returns it. Once: a
+        second rollback is a 409, not the demoted version put back without the gates."""
         async with self._lock:
             group = self._group(name)
             try:
                 group.routing = group.routing.rolled_back()
-            except ValueError as exc:
+            except ValueError as exc:  # none since start-up, or this rollback was made already
                 raise Conflict(str(exc)) from exc
             log.info("rolled %s back to version %s", name, group.routing.default)
             return group.routing.default

@@ -135,6 +135,48 @@ async def test_promotion_and_rollback_under_load_fail_no_request(repository: Pat
     assert sum(1 for p, _, _ in log if p == "v2") > 0 and sum(1 for p, _, _ in log if p == "back") > 0
 
 
+async def test_a_retried_rollback_is_a_409_and_the_canary_rules_hold(
+    repository: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second rollback (a retried request) put the demoted version back as the default without
+    the promotion's gates; now it is a 409 in the error envelope. A promotion ends the promoted
+    version's canary share and keeps the others'; an unload drops its share, said in its log."""
+    add_version(repository, "3")
+    caplog.set_level(logging.INFO, logger="app.lifecycle.manager")
+    async with running_app(settings_for(repository)) as running:
+
+        async def state() -> tuple[str, str | None, dict[str, float]]:
+            described = (await running.client.get("/v1/models/digits")).json()
+            return described["loaded_version"], described["previous_version"], described["canary"]
+
+        split = await running.client.put(
+            "/admin/models/digits/canary", headers=AUTH, json={"weights": {"2": 0.1, "3": 0.2}}
+        )
+        assert split.status_code == 200, split.text
+        promoted = await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)
+        assert promoted.status_code == 200, promoted.text
+        assert await state() == ("2", "1", {"3": 0.2})
+        assert "promoted digits/2 (was 1); canary still {'3': 0.2}" in caplog.messages
+        rolled = await running.client.post("/admin/models/digits/rollback", headers=AUTH)
+        assert rolled.status_code == 200 and rolled.json()["loaded_version"] == "1", rolled.text
+        assert await state() == ("1", None, {"3": 0.2})
+        again = await running.client.post("/admin/models/digits/rollback", headers=AUTH)
+        assert again.status_code == 409, again.text
+        assert again.json()["code"] == "conflict"
+        assert "no previous default to roll back to: version 1 is the default" in again.json()["message"]
+        assert "promote" in again.json()["message"], "it says what to do instead"
+        assert await state() == ("1", None, {"3": 0.2}), "the refused rollback changed nothing"
+        pinned = await running.predict_png(sample_png(2), headers={"X-Model-Version": "2"})
+        assert pinned.status_code == 200 and pinned.json()["version"] == "2", "the demoted version stays loaded"
+        unloaded = await running.client.post("/admin/models/digits/versions/3/unload", headers=AUTH)
+        assert unloaded.status_code == 200 and unloaded.json()["canary"] == {}, unloaded.text
+        assert "unloaded digits/3 (its canary share 0.2 went to version 1)" in caplog.messages
+        assert (await running.client.post("/admin/models/digits/versions/2/promote", headers=AUTH)).status_code == 200
+        gone = await running.client.post("/admin/models/digits/versions/1/unload", headers=AUTH)
+        assert gone.status_code == 200 and gone.json()["previous_version"] is None, gone.text
+        assert (await running.client.post("/admin/models/digits/rollback", headers=AUTH)).status_code == 409
+
+
 async def test_the_canary_split_stays_within_statistical_bounds(
     repository: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

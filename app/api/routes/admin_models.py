@@ -55,7 +55,7 @@ async def load_version(name: str, version: str, request: Request) -> ModelVersio
 
 @router.post("/{name}/versions/{version}/unload", response_model=ModelVersion, responses=_ERRORS)
 async def unload_version(name: str, version: str, request: Request) -> ModelVersion:
-    """Stop routing to a version and drain it; the default cannot be unloaded."""
+    """Stop routing to a version (its canary share goes to the default) and drain it; the default cannot be unloaded."""
     await _manager(request).unload(name, version)
     return describe_model(request.app.state.service, name)
 
@@ -67,14 +67,19 @@ async def promote_version(
     request: Request,
     force: Annotated[bool, Query(description="promote even if a gate fails")] = False,
 ) -> PromotionResponse:
-    """Make a loaded version the default, if its recorded accuracy passes the gates (409 says which failed)."""
+    """Make a loaded version the default, if its recorded accuracy passes the gates (409 says which failed).
+
+    Its canary share ends (it takes the rest); the other versions keep theirs; the old default
+    becomes the previous one, which a rollback returns to, and gets no share."""
     waived = await _manager(request).promote(name, version, force)
     return PromotionResponse(**describe_model(request.app.state.service, name).model_dump(), waived=waived)
 
 
 @router.post("/{name}/rollback", response_model=ModelVersion, responses=_ERRORS)
 async def rollback(name: str, request: Request) -> ModelVersion:
-    """The previous default becomes the default again."""
+    """The previous default becomes the default again, once: with no previous default (none
+    replaced since start-up, a rollback made already, or it was unloaded) it is a 409; the version
+    rolled back from stays loaded, with no share of unpinned traffic, and returns through a promotion, gated."""
     await _manager(request).rollback(name)
     return describe_model(request.app.state.service, name)
 
