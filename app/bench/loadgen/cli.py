@@ -16,7 +16,11 @@ time it was runnable but kept waiting for one (``server_threads``, Linux schedst
 ``--server-metrics`` adds the server's own account of its event loop over the window
 (``server_loop_lag``: the lag it sampled, from its ``/metrics``; ``app.bench.loadgen.scrape``).
 ``--api-key-file`` measures a service with ``server.api_key`` set (a URL's ``USER:PASSWORD@`` is
-refused, never dropped: the run would measure a wall of 401s).
+refused, never dropped: the run would measure a wall of 401s). ``--path`` sends the same body to
+another server's route, to compare servers on one model and images. ``latency`` counts the answers;
+``latency_sent`` every request sent in the window, one given up on at no less than ``--timeout``.
+The client raises its soft descriptor limit to the hard one, and refuses a load that could need
+more connections than that (``app.bench.loadgen.descriptors``).
 
 Exit status: 0; 1 when nothing answers at the URL, when no request sent in the measured window
 succeeded (a run of errors is not a measurement), or when ``--out`` could not be written (the
@@ -32,14 +36,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.bench.loadgen.drive import bench, event_loop_run
+from app.bench.loadgen.descriptors import connections_needed, raise_soft_limit, too_many
+from app.bench.loadgen.drive import HTTPX_OPEN_LOOP_CONNECTIONS, bench, event_loop_run
 from app.bench.loadgen.senders import load_images, read_api_key
-from app.bench.loadgen.summary import behind_schedule
+from app.bench.loadgen.summary import behind_schedule, failed_share_line
 from app.bench.loadgen.target import Target, loopback_addresses, parse_url, reachable
 from app.bench.output import unwritable, write_text
 from app.settings import ServerSettings
 
-DEFAULT_IMAGE = Path("models/digits/samples/digit_3.png")
+# the repository's, wherever the command runs from (a rival's checkout, say)
+DEFAULT_IMAGE = Path(__file__).resolve().parents[3] / "models" / "digits" / "samples" / "digit_3.png"
 
 
 # what a service on its default settings accepts; one may be set to take more (server.max_timeout_ms)
@@ -52,13 +58,27 @@ def _deadline_accepted(deadline_ms: float) -> bool:
     return math.isfinite(deadline_ms) and round(deadline_ms) >= 1
 
 
+def _path_sendable(path: str) -> bool:
+    """Whether ``path`` can go in a request line as it is: absolute, printable ASCII, no spaces (a
+    space or a line break would end the request line and send something else)."""
+    return path.startswith("/") and path.isascii() and path.isprintable() and " " not in path
+
+
 def _report(report: dict[str, Any], out: Path | None, requests_cap: int | None = None) -> int:
-    """Print the report (then a warning if the client fell behind its schedule) and write it to
+    """Print the report (then warnings: the client fell behind its schedule, the ``--requests`` cap
+    cut the window short, many requests went unanswered, figures were dropped) and write it to
     ``out``. 1 when no request in the window succeeded or the file could not be written."""
     text = json.dumps(report, indent=2)
     print(text)
-    if (warning := behind_schedule(report)) is not None:
-        print(f"ai-backend bench: {warning}", file=sys.stderr)
+    for warning in (behind_schedule(report), _cut_short(report, requests_cap), failed_share_line(report)):
+        if warning is not None:
+            print(f"ai-backend bench: {warning}", file=sys.stderr)
+    for name, count in report.get("ignored_figures", {}).items():
+        print(
+            f"ai-backend bench: warning: {count} of the {report['ok']} answers had a {name} that could not be read "
+            "(dropped from the figures; the answers count as successes)",
+            file=sys.stderr,
+        )
     code = 0
     if report["errors"] and not report["ok"]:
         errors = ", ".join(f"{key} x{count}" for key, count in report["errors"].items())
@@ -76,6 +96,20 @@ def _report(report: dict[str, Any], out: Path | None, requests_cap: int | None =
     return code
 
 
+def _cut_short(report: dict[str, Any], requests_cap: int | None) -> str | None:
+    """A warning when the ``--requests`` cap, not ``--duration``, ended a run that reached its
+    window: the window is shorter than asked, and a faster server gets the shorter one."""
+    if report.get("ended_by") != "requests_cap" or not report.get("sent_in_window"):
+        return None
+    cap = "" if requests_cap is None else f" of {requests_cap}"
+    asked = report.get("duration_s")
+    of = "" if asked is None else f" of the {asked:g} s asked"
+    return (
+        f"warning: the --requests cap{cap} ended the run after {report['measured_s']:g} s{of} "
+        "(raise --requests for a full window)"
+    )
+
+
 def _why_none(report: dict[str, Any], requests_cap: int | None) -> str:
     """Why a run sent nothing in its window, when it is known: the ``--requests`` cap was used up
     in the warm-up (the window was never reached, and "none sent" read as a service fault)."""
@@ -90,7 +124,13 @@ def _parser() -> argparse.ArgumentParser:
     """The command's arguments; ``main`` checks their bounds."""
     parser = argparse.ArgumentParser(prog="ai-backend bench", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback URL of a running service")
-    parser.add_argument("--model", help="target /v1/models/NAME/predict instead of /predict")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--model", help="target /v1/models/NAME/predict instead of /predict")
+    target.add_argument(
+        "--path",
+        help="target this path instead (another server's prediction route, say /classify); the body is the same "
+        '{"image_base64", "top_k"} JSON, and the host stays --url\'s',
+    )
     parser.add_argument("--image", default=str(DEFAULT_IMAGE), help="the image every request sends")
     parser.add_argument("--images", type=Path, help="a folder of images: request n sends the n-th, cycling")
     parser.add_argument(
@@ -123,6 +163,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_bounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 (``parser.error``) for an argument out of its bounds."""
+    if args.path is not None and not _path_sendable(args.path):
+        parser.error(f"--path {args.path!r}: give an absolute path (/...), of printable ASCII and no spaces")
+    if not 0 < args.duration <= 600 or not 0 <= args.warmup <= 600 or not 0 <= args.urgent_fraction <= 1:
+        parser.error("need 0 < duration <= 600, 0 <= warmup <= 600 and 0 <= urgent-fraction <= 1")
+    if args.rate is not None and not 0 < args.rate <= 100_000:
+        parser.error("need 0 < rate <= 100000 arrivals a second")
+    if args.concurrency < 1 or args.requests < 1 or not 0 < args.timeout <= 600:
+        parser.error("need concurrency >= 1, requests >= 1 and 0 < timeout <= 600")
+    if args.deadline_ms is not None and not _deadline_accepted(args.deadline_ms):
+        parser.error("need a finite --deadline-ms of at least 1 (as the service's X-Request-Timeout)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -134,14 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         addresses = loopback_addresses(host)
     except ValueError as exc:
         parser.error(f"--url must point at a loopback address (127.0.0.0/8, ::1 or localhost): {exc}")
-    if not 0 < args.duration <= 600 or not 0 <= args.warmup <= 600 or not 0 <= args.urgent_fraction <= 1:
-        parser.error("need 0 < duration <= 600, 0 <= warmup <= 600 and 0 <= urgent-fraction <= 1")
-    if args.rate is not None and not 0 < args.rate <= 100_000:
-        parser.error("need 0 < rate <= 100000 arrivals a second")
-    if args.concurrency < 1 or args.requests < 1 or not 0 < args.timeout <= 600:
-        parser.error("need concurrency >= 1, requests >= 1 and 0 < timeout <= 600")
-    if args.deadline_ms is not None and not _deadline_accepted(args.deadline_ms):
-        parser.error("need a finite --deadline-ms of at least 1 (as the service's X-Request-Timeout)")
+    _check_bounds(parser, args)
     if args.deadline_ms is not None and round(args.deadline_ms) > MAX_DEADLINE_MS:
         print(
             f"ai-backend bench: warning: --deadline-ms {args.deadline_ms:g} is over {MAX_DEADLINE_MS}, "
@@ -152,10 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--server-pid {args.server_pid}: no such process (or no /proc)")
     if args.out is not None and (why := unwritable(args.out)) is not None:
         parser.error(f"--out {args.out}: {why}")
+    # the client's own descriptors: past them its connections fail, and read as the server's errors
+    pool_cap = None if args.client == "raw" or args.rate is None else HTTPX_OPEN_LOOP_CONNECTIONS
+    needed = connections_needed(args.concurrency, args.rate, args.timeout, args.requests, pool_cap)
+    if (why := too_many(needed, raise_soft_limit())) is not None:
+        parser.error(why)
     try:
         images = load_images(Path(args.image), args.images)
     except OSError as exc:
-        parser.error(str(exc))
+        parser.error(f"{'--images' if args.images is not None else '--image'}: {exc}")
     try:  # once: a key rotated in its file during the run is not followed
         args.api_key = None if args.api_key_file is None else read_api_key(args.api_key_file)
     except ValueError as exc:

@@ -19,7 +19,7 @@ from app.bench.loadgen.scrape import scrape_lag
 from app.bench.loadgen.senders import httpx_sender, json_bodies, raw_sender
 from app.bench.loadgen.summary import summarise
 from app.bench.loadgen.target import Target
-from app.bench.loadgen.usage import cpu_snapshot, rss_mb, thread_snapshot
+from app.bench.loadgen.usage import cpu_snapshot, thread_snapshot, tree_memory
 
 # The client's own collections must not read as the server's latency. Every object the process
 # tracks is frozen out of the collector this often (``gc.freeze`` acts on the whole process), so
@@ -27,6 +27,7 @@ from app.bench.loadgen.usage import cpu_snapshot, rss_mb, thread_snapshot
 # samples kept stalled the client for 74.3 ms at twice the load (760 requests/s), and the stall read
 # as the server's. Garbage frozen in a cycle stays until the run ends and thaws it, which is bounded.
 FREEZE_EVERY_S = 1.0
+HTTPX_OPEN_LOOP_CONNECTIONS = 1000  # httpx queues past its cap: an open loop's in flight beyond it wait in the client
 
 
 async def _freeze_what_is_kept() -> None:
@@ -61,23 +62,35 @@ async def _drive_load(send: Send, args: argparse.Namespace, run: Run) -> dict[st
         if args.server_metrics:
             run.lag_before = await scrape_lag(args.target)
 
+    def read_memory(pid: int) -> bool:
+        if (memory := tree_memory(pid)) is None:
+            return False
+        run.rss_mb.append(memory.mb)
+        run.memory_measure.add(memory.measure)
+        run.memory_processes = max(run.memory_processes, memory.processes)
+        return True
+
     async def watch_memory(pid: int) -> None:
         await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
-        while (rss := rss_mb(pid)) is not None:
-            run.rss_mb.append(rss)
+        while True:
+            if not read_memory(pid):  # the server is gone
+                return
             await asyncio.sleep(1.0)
 
     watcher = asyncio.create_task(watch_cpu())
     memory = asyncio.create_task(watch_memory(args.server_pid)) if args.server_pid is not None else None
     ran_to_stop = False  # a closed loop's clients send until stop_at, and their last answers come after it
     if args.rate is None:
-        await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
+        capped = await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
         mode: dict[str, Any] = {"mode": "closed", "concurrency": args.concurrency}
     else:
         ran_to_stop = await open_loop(
             send, args.rate, args.urgent_fraction, stop_at, args.requests, run, rng, args.timeout
         )
+        capped = not ran_to_stop
         mode = {"mode": "open", "rate_rps": args.rate}
+    # what ended the sending: the --duration, or the --requests cap before it (a shorter window)
+    mode["ended_by"] = "requests_cap" if capped else "duration"
     # stop_at, or the last answer when the request cap ended the run first; an open loop's schedule
     # that ran to stop_at ends there, however quiet its last seconds were (not at its last answer)
     if ran_to_stop:
@@ -95,14 +108,14 @@ async def _drive_load(send: Send, args: argparse.Namespace, run: Run) -> dict[st
             run.lag_after = await scrape_lag(args.target)
     if memory is not None:
         memory.cancel()
-        if (rss := rss_mb(args.server_pid)) is not None and run.rss_mb:
-            run.rss_mb.append(rss)
+        if run.rss_mb:
+            read_memory(args.server_pid)
     return mode
 
 
 async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, Any]:
     bodies = json_bodies(images)
-    path = f"/v1/models/{args.model}/predict" if args.model else "/predict"
+    path = getattr(args, "path", None) or (f"/v1/models/{args.model}/predict" if args.model else "/predict")
     run = Run()
     target: Target = args.target
     if args.client == "raw":
@@ -114,7 +127,9 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
         mode["connections"] = pool.size
         mode["retried"] = pool.retried
     else:
-        limits = httpx.Limits(max_connections=max(args.concurrency, 64) if args.rate is None else 1000)
+        limits = httpx.Limits(
+            max_connections=max(args.concurrency, 64) if args.rate is None else HTTPX_OPEN_LOOP_CONNECTIONS
+        )
         # trust_env=False: a proxy in the environment would take the load off loopback; the
         # resolved address, so that the name is not resolved again, and the URL's Host header
         async with httpx.AsyncClient(
@@ -133,8 +148,10 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
         "mean_body_bytes": round(sum(map(len, bodies)) / len(bodies)),
         "urgent_fraction": args.urgent_fraction,
         "warmup_s": args.warmup,
+        "duration_s": args.duration,
+        "timeout_s": args.timeout,
     }
-    return summarise(run, settings, args.deadline_ms)
+    return summarise(run, settings, args.deadline_ms, args.timeout)
 
 
 T = TypeVar("T")

@@ -4,9 +4,11 @@ and the record each request they send leaves."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,11 +37,12 @@ class Sample:
     timings_ms: dict[str, float] | None = None  # the server's own stages (preprocess, queue, ...)
     finished: float = 0.0  # time.perf_counter() at its answer: throughput counts answers inside the window
     lag_s: float | None = None  # open loop: how long after its scheduled arrival the client sent it
+    dropped: tuple[str, ...] = ()  # a success's figures that could not be read (``figures``)
 
     @property
     def ok(self) -> bool:
-        """A success: a 200 whose body is a JSON object (a 200 that is not has the code ``non_json``)
-        with well-formed figures (one with a broken ``batch_size`` or ``timings`` has ``bad_body``)."""
+        """A success: a 200 whose body is a JSON object (a 200 that is not has the code ``non_json``);
+        its figures that could not be read are dropped, not held against it."""
         return self.status == 200 and self.code is None
 
     @property
@@ -61,7 +64,9 @@ class Run:
     cpu_after: dict[str, float] | None = None
     threads_before: dict[int, Scheduled] | None = None  # the server's threads, by the scheduler's account
     threads_after: dict[int, Scheduled] | None = None
-    rss_mb: list[float] = field(default_factory=list)  # the server's resident memory, once a second
+    rss_mb: list[float] = field(default_factory=list)  # the server's process tree's memory, once a second
+    memory_measure: set[str] = field(default_factory=set)  # how it was read: "pss", or "rss" where PSS was not
+    memory_processes: int = 0  # the most processes the tree held at a reading
     lag_before: LagHistogram | None = None  # the server's event-loop lag histogram at the window's ends
     lag_after: LagHistogram | None = None
 
@@ -71,12 +76,13 @@ def _outcome(status: int, body: bytes) -> tuple[str | None, dict[str, Any]]:
     object (a proxy's, a balancer's, a broken server's) keeps its status, with the code
     ``non_json``: a 200 too, which is then a failed request the server answered, not the client's.
 
-    A 200 whose own figures are broken (a ``batch_size`` that is not a positive integer, ``timings``
-    that are not finite durations) has the code ``bad_body``: a failed request, not a success with
-    the figure dropped. Dropped, the report would show a mean batch and stage times taken from the
-    rest as if that were all, and a service that sent nothing but such answers would pass; kept, a
-    string crashed the run and NaN or a negative size wrote NaN (not JSON) or an absurd mean. Either
-    figure absent is fine: a rival service need not send them."""
+    An error's code is the body's string ``code`` (this service's envelope), else its ``detail``
+    (FastAPI, LitServe, Ray Serve) or ``error`` (Triton), shortened and normalised so that the codes
+    stay few, else ``no_code``: never the string "None", which read the same for a 422 and a 500.
+
+    A 200 is a success whatever its optional figures hold: a ``batch_size`` or ``timings`` that
+    cannot be read is dropped from the figures (``figures`` says which) and counted in the report,
+    not made a failed request (a rival's ``"batch_size": 0`` failed every correct answer)."""
     try:
         payload = json.loads(body)
     except ValueError:
@@ -84,27 +90,64 @@ def _outcome(status: int, body: bytes) -> tuple[str | None, dict[str, Any]]:
     if not isinstance(payload, dict):
         return "non_json", {}
     if status != 200:
-        return str(payload.get("code")), payload
-    return (None, payload) if _figures_well_formed(payload) else ("bad_body", {})
+        return _error_name(payload), payload
+    return None, payload
 
 
-def _figures_well_formed(payload: dict[str, Any]) -> bool:
-    """Whether an answer's ``batch_size`` (if any) is a positive integer and its ``timings`` (if
-    any) an object of finite durations in milliseconds, none below 0."""
-    size, timings = payload.get("batch_size"), payload.get("timings")
-    if size is not None and not (type(size) is int and size >= 1):  # not True, not 2.0
-        return False
-    if timings is None:
-        return True
-    return isinstance(timings, dict) and all(
-        type(ms) in (int, float) and math.isfinite(ms) and ms >= 0 for ms in timings.values()
-    )
+CODE_CHARS = 40  # a longer detail is cut: a message that names a request would make a code per request
+
+
+def _error_name(payload: dict[str, Any]) -> str:
+    """An error body's code: ``code``, else a short form of ``detail`` or ``error``, else ``no_code``."""
+    code = payload.get("code")
+    if isinstance(code, str) and code.strip():
+        return code
+    if type(code) is int:
+        return str(code)
+    for key in ("detail", "error"):
+        text = payload.get(key)
+        if isinstance(text, list) and text and isinstance(text[0], dict):  # FastAPI's 422: a list of problems
+            text = text[0].get("type") or text[0].get("msg")
+        elif isinstance(text, dict):
+            text = text.get("code") or text.get("type") or text.get("message")
+        if isinstance(text, str) and (short := re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")):
+            return short[:CODE_CHARS].rstrip("_")
+    return "no_code"
+
+
+def figures(payload: dict[str, Any]) -> tuple[int | None, dict[str, float] | None, tuple[str, ...]]:
+    """A success's ``batch_size`` (a positive integer, else None) and ``timings`` (the stages that
+    are finite durations in milliseconds, none below 0), and the names of the figures dropped as
+    unreadable: ``batch_size``, ``timings`` (when any stage of it was). Absent is not dropped."""
+    dropped: list[str] = []
+    size = payload.get("batch_size")
+    if size is not None and not (type(size) is int and size >= 1):  # not True, not 2.0, not 0
+        size = None
+        dropped.append("batch_size")
+    timings = payload.get("timings")
+    kept: dict[str, float] | None = None
+    if timings is not None:
+        if not isinstance(timings, dict):
+            dropped.append("timings")
+        else:
+            kept = {
+                stage: ms for stage, ms in timings.items() if type(ms) in (int, float) and math.isfinite(ms) and ms >= 0
+            }
+            if len(kept) < len(timings):
+                dropped.append("timings")
+    return size, kept, tuple(dropped)
 
 
 def _error_code(exc: BaseException) -> str:
     """A failed request's code: ``connection_closed`` when the server closed the connection
-    after the request was written and before a byte of its answer, else the error's type."""
-    return "connection_closed" if isinstance(exc, rawhttp.ConnectionClosed) else type(exc).__name__
+    after the request was written and before a byte of its answer; an ``OSError`` by its errno's
+    name (``EMFILE``: the client out of descriptors, ``ECONNREFUSED``: nothing listening), which
+    tells the client's own failures from the server's; else the error's type."""
+    if isinstance(exc, rawhttp.ConnectionClosed):
+        return "connection_closed"
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return errno.errorcode.get(exc.errno, f"errno_{exc.errno}")
+    return type(exc).__name__
 
 
 async def _send(send: Send, number: int, urgent: bool, run: Run, scheduled: float | None = None) -> None:
@@ -132,19 +175,9 @@ def _record(
     run: Run, lane: str, started: float, status: int, code: str | None, payload: dict[str, Any], lag: float | None
 ) -> None:
     ended = time.perf_counter()
-    timings = payload.get("timings") if code is None else None
+    size, timings, dropped = figures(payload) if code is None else (None, None, ())
     run.samples.append(
-        Sample(
-            lane,
-            ended - started,
-            status,
-            code,
-            payload.get("batch_size") if code is None else None,
-            started >= run.measured_from,
-            timings if isinstance(timings, dict) else None,
-            ended,
-            lag,
-        )
+        Sample(lane, ended - started, status, code, size, started >= run.measured_from, timings, ended, lag, dropped)
     )
 
 
@@ -156,14 +189,29 @@ async def closed_loop(
     max_requests: int,
     run: Run,
     rng: random.Random,
-) -> None:
+) -> bool:
+    """``concurrency`` clients, each sending its next request when the last is answered, until
+    ``stop_at``; True when ``max_requests`` ended it before then.
+
+    A request that fails in the client (a refused connection, no descriptor left) may fail
+    without ever waiting: the client then hands the event loop a turn before its next, or it
+    would spin through the cap without the answers on the other connections being read."""
+    capped = False
+
     async def client_loop() -> None:
-        while time.perf_counter() < stop_at and run.sent < max_requests:
+        nonlocal capped
+        while time.perf_counter() < stop_at:
+            if run.sent >= max_requests:
+                capped = True
+                return
             number = run.sent
             run.sent += 1
             await _send(send, number, rng.random() < urgent_fraction, run)
+            if run.samples and run.samples[-1].status == 0:
+                await asyncio.sleep(0)
 
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return capped
 
 
 async def open_loop(

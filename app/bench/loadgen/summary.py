@@ -95,10 +95,49 @@ def schedule_line(report: dict[str, Any]) -> str:
     return line
 
 
-def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = None) -> dict[str, Any]:
-    """The report: throughput, latency percentiles per lane (answers, and 503 refusals),
-    errors, mean batch size, answers later than their deadline, the server's memory, and in
-    open loop how far the client fell behind its schedule."""
+# what each latency figure counts, written into the report beside them
+LATENCY_BASIS = {
+    "latency": (
+        "answered requests only: all, urgent and normal over the successes (200), refused over the 503s; "
+        "a request that failed, timed out or went unanswered is in none of them"
+    ),
+    "latency_sent": (
+        "every request sent in the window: an answer (success or error) at its latency, a request the client "
+        "gave up on (TimeoutError, unanswered) at no less than --timeout, another failure at its elapsed time"
+    ),
+}
+GAVE_UP = ("TimeoutError", "unanswered")  # status 0 codes of requests still waiting when the client stopped
+
+
+def sent_latency_s(sample: Sample, timeout_s: float | None) -> float:
+    """What a request sent in the window counts for in ``latency_sent``: its latency, or, given up on
+    by the client, no less than the client's ``timeout_s`` (it would have waited longer still)."""
+    if sample.status == 0 and sample.code in GAVE_UP and timeout_s is not None:
+        return max(sample.latency_s, timeout_s)
+    return sample.latency_s
+
+
+def failed_share_line(report: dict[str, Any]) -> str | None:
+    """A warning when more than 1% of the requests sent in the window got no answer at all
+    (timed out, unanswered, a connection failure): ``latency`` leaves them out, ``latency_sent`` not."""
+    sent, lost = report.get("latency_sent", {}).get("count", 0), report.get("latency_sent", {}).get("without_answer", 0)
+    if not sent or lost * 100 <= sent:
+        return None
+    answered = report["latency"]["all"]
+    return (
+        f"warning: {lost} of the {sent} requests sent in the window got no answer (timed out, unanswered or failed "
+        f'in the client): "latency" counts answers only (p99 {answered["p99_ms"]:g} ms); over every request '
+        f'sent, "latency_sent", p99 is {report["latency_sent"]["p99_ms"]:g} ms'
+    )
+
+
+def summarise(
+    run: Run, settings: dict[str, Any], deadline_ms: float | None = None, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """The report: throughput, latency percentiles per lane (answers, and 503 refusals) and over
+    every request sent (``latency_sent``, the failed and given-up ones at their cost, at least
+    ``timeout_s`` for those given up on), errors, mean batch size, answers later than their
+    deadline, the server's memory, and in open loop how far the client fell behind its schedule."""
     counted = [s for s in run.samples if s.counted]
     ok = [s for s in counted if s.ok]
     refused = [s for s in counted if s.status == 503]
@@ -107,7 +146,9 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
     answered = sum(1 for s in run.samples if s.ok and run.measured_from <= s.finished <= run.ended)
 
     def latencies(samples: list[Sample]) -> dict[str, float | int]:
-        values = [s.latency_s * 1000 for s in samples]
+        return latencies_of([s.latency_s * 1000 for s in samples])
+
+    def latencies_of(values: list[float]) -> dict[str, float | int]:
         return {
             "count": len(values),
             "p50_ms": round(percentile(values, 50), 3),
@@ -116,10 +157,11 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
             "max_ms": round(max(values, default=0.0), 3),
         }
 
-    def mean_batch(samples: list[Sample]) -> float:
-        # per batch, not per request: a batch of b holds b of the answers (the harmonic mean)
+    def mean_batch(samples: list[Sample]) -> float | None:
+        # per batch, not per request: a batch of b holds b of the answers (the harmonic mean);
+        # None where no answer said its batch size (a rival's): 0.0 read as batches of nothing
         sizes = [s.batch_size for s in samples if s.batch_size]
-        return round(len(sizes) / sum(1 / b for b in sizes), 2) if sizes else 0.0
+        return round(len(sizes) / sum(1 / b for b in sizes), 2) if sizes else None
 
     extra: dict[str, Any] = {}
     if any(s.timings_ms for s in ok):  # where each lane's time went, by the server's account
@@ -149,8 +191,14 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
         # to the answer built; the client's count adds the network, its own sending late, its reading
         if timed := [s.timings_ms["total"] for s in ok if s.timings_ms and "total" in s.timings_ms]:
             extra["ok_past_deadline_server"] = sum(1 for total in timed if float(total) > deadline_ms)
-    if run.rss_mb:
+    if run.rss_mb:  # over the server's process tree, as its CPU is: PSS where every reading had it
         extra["server_rss_mb"] = memory_summary(run.rss_mb)
+        extra["server_memory"] = {
+            "measure": "+".join(sorted(run.memory_measure)),  # "pss+rss": the readings differed
+            "processes": run.memory_processes,
+        }
+    if ignored := Counter(name for s in ok for name in s.dropped):  # figures that could not be read
+        extra["ignored_figures"] = dict(ignored)
     if run.lag_before is not None and run.lag_after is not None:
         extra["server_loop_lag"] = lag_report(run.lag_before, run.lag_after)
     if any(s.lag_s is not None for s in run.samples):
@@ -168,14 +216,19 @@ def summarise(run: Run, settings: dict[str, Any], deadline_ms: float | None = No
             "normal": latencies([s for s in ok if s.lane == "normal"]),
             "refused": latencies(refused),
         },
+        "latency_sent": {
+            **latencies_of([sent_latency_s(s, timeout_s) * 1000 for s in counted]),
+            "without_answer": sum(1 for s in counted if s.status == 0),
+        },
+        "latency_basis": LATENCY_BASIS,
         "errors": dict(Counter(f"{s.status}:{s.code}" for s in counted if not s.ok)),
         "mean_batch_size": mean_batch(ok),
+        "answers_with_batch_size": sum(1 for s in ok if s.batch_size),
         # by the lane each request asked for: a normal request that rode an urgent batch counts
         # that batch's size under normal (the answer does not say which lane its batch ran in);
-        # null for a lane no answer came in (0.0 read as batches of nothing)
+        # null for a lane no answer (or none that said its batch size) came in
         "mean_batch_size_by_request_lane": {
-            lane: mean_batch(in_lane) if (in_lane := [s for s in ok if s.lane == lane]) else None
-            for lane in ("urgent", "normal")
+            lane: mean_batch([s for s in ok if s.lane == lane]) for lane in ("urgent", "normal")
         },
         **extra,
     }

@@ -7,6 +7,7 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from app.bench.processes import descendants, stat_fields
@@ -54,15 +55,39 @@ def memory_summary(samples_mb: Sequence[float]) -> dict[str, float]:
     }
 
 
-def rss_mb(pid: int) -> float | None:
-    """The resident memory of ``pid`` in MiB (Linux ``/proc``), or None."""
+def _kib(path: Path, key: str) -> int | None:
+    """The ``KEY:  N kB`` figure of a ``/proc`` file, or None (no such line, or unreadable)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
+        for line in path.read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+@dataclass(frozen=True)
+class TreeMemory:
+    """The memory of a server's process tree at one moment."""
+
+    mb: float
+    measure: str  # "pss": proportional set size (a page shared by n processes counts 1/n); "rss": resident
+    processes: int
+
+
+def tree_memory(pid: int) -> TreeMemory | None:
+    """The memory of ``pid`` and every process under it, in MiB, as ``tree_cpu_s`` charges their CPU:
+    a server that runs its model in child processes (LitServe's workers, a Ray replica) holds it
+    there. PSS (``/proc/PID/smaps_rollup``) where every process's is readable, so that pages shared
+    after a fork count once; else RSS (``VmRSS``), which counts them in each. None once ``pid`` is gone."""
+    rss = {p: _kib(Path(f"/proc/{p}/status"), "VmRSS:") for p in [pid, *(c for c, _ in descendants(pid))]}
+    if rss[pid] is None:
+        return None
+    live = {p: kib for p, kib in rss.items() if kib is not None}  # a child that ended meanwhile: left out
+    pss = {p: _kib(Path(f"/proc/{p}/smaps_rollup"), "Pss:") for p in live}
+    if all(kib is not None for kib in pss.values()):
+        return TreeMemory(sum(kib or 0 for kib in pss.values()) / 1024, "pss", len(live))
+    return TreeMemory(sum(live.values()) / 1024, "rss", len(live))
 
 
 def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float]:
