@@ -9,6 +9,8 @@ written, and a write that fails all the same (the disk filled meanwhile) is one 
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 
@@ -37,10 +39,32 @@ def unwritable(path: Path) -> str | None:
 
 
 def write_text(path: Path, text: str) -> str | None:
-    """Write ``text`` to ``path``, making its folder; None, or why it could not, in one line."""
+    """Write ``text`` to ``path``, making its folder; None, or why it could not, in one line.
+
+    Atomic: written to a file beside it and renamed over it, so that a reader (or a run killed
+    while it writes, the kernel's OOM killer say) finds the old whole file or the new one, never
+    half of one. A link is written through, as ``unwritable`` tried it."""
+    temporary: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        target = path.resolve()
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", delete=False) as file:
+            temporary = Path(file.name)
+            file.write(text)
+        os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, target)
+        temporary = None
     except OSError as exc:
         return exc.strerror or str(exc)
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
     return None
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, and put back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -230,6 +230,8 @@ def test_process_memory_reads_rss_and_peak(tmp_path: Path) -> None:
         "peak_rss_bytes": 4096 * 1024,
         "rss_after_bytes": 1536 * 1024,
         "growth_bytes": 3072 * 1024,
+        "baseline_rss_bytes": 1024 * 1024,
+        "peak_above_baseline_bytes": 3072 * 1024,
     }
     assert clear_refs.read_text() == "5"
     probe = ProcessMemory(status, tmp_path / "missing" / "clear_refs")
@@ -270,10 +272,14 @@ def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
         assert 1 <= row["iterations"] <= 5
         assert 0 < row["min_ms"] <= row["median_ms"] <= row["p90_ms"]
         assert row["throughput"] == pytest.approx(row["batch_size"] / row["median_ms"] * 1000)
-        assert set(row["memory"]) == {"rss_before_bytes", "peak_rss_bytes", "rss_after_bytes", "growth_bytes"}
+        assert set(row["memory"]) == {
+            "rss_before_bytes", "peak_rss_bytes", "rss_after_bytes", "growth_bytes",
+            "baseline_rss_bytes", "peak_above_baseline_bytes",
+        }  # fmt: skip
     rec = report["recommendation"]
     assert rec["knee"] in (1, 2, 4, 8) and rec["max_batch"] == rec["knee"] and rec["reason"]
     assert report["settings"]["max_batch"] == 8 and report["settings"]["latency_budget_ms"] == 10000
+    assert report["complete"] is True, "every size ran: the last write is the whole report"
     # timed with the threads each of the service's batches runs with, not torch's one per core
     service_threads = plan_threads(torch.device("cpu"), 0, 0, 0, cpu_cores()).intra_op
     assert report["host"]["torch_threads"] == service_threads
@@ -285,7 +291,8 @@ def test_a_real_sweep_of_the_digits_model_writes_table_json_and_png(
         assert image.size == (report["plot"]["width"], report["plot"]["height"])
 
     table = capsys.readouterr().out
-    assert "| batch | iters | median ms | p90 ms | items/s | RSS growth MiB | peak RSS MiB | note |" in table
+    columns = "| batch | iters | median ms | p90 ms | items/s | peak RSS above post-load baseline MiB | peak RSS MiB |"
+    assert columns in table
     assert f"recommended max batch: {rec['max_batch']}" in table
 
 

@@ -11,7 +11,9 @@ a size is recorded and ends the sweep there.
 The knee is where batching stops paying: the smallest size beyond which no doubling
 raises throughput by ``--knee-gain`` or more. The recommended max batch is the knee,
 lowered, if a ``--latency-budget-ms`` is given, to the largest size within it.
-Output: a markdown table on stdout, a JSON report and a PNG plot.
+Output: a markdown table on stdout, a JSON report and a PNG plot. The JSON is written after
+every size (atomically, ``"complete": false`` until the last), so that a size the kernel's OOM
+killer ends keeps the sizes before it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from app.bench.sweep.memory import CudaMemory, MemoryProbe, ProcessMemory
 from app.bench.sweep.report import build_report, markdown
 from app.bench.sweep.timing import Limits, SizeResult, batch_sizes, sweep
 from app.inference.device import cpu_cores, plan_threads
+
+MAX_BATCH_WARNING = 4096  # past it, a size on a host is likely to need more memory than the host has
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, float]:
@@ -81,23 +85,9 @@ def _run(args: argparse.Namespace, model: Any, load_s: float) -> dict[str, Any]:
         with torch.inference_mode():
             return model.probabilities(batch)
 
-    def progress(r: SizeResult) -> None:
-        detail = "out of memory" if r.status == "oom" else f"{r.iterations} passes, median {r.median_ms:.2f} ms"
-        print(f"batch {r.batch_size}: {detail}", file=sys.stderr, flush=True)
-
     if not cuda and model.dtype != torch.float32:
         print("note: reduced precision on the CPU is many times slower than float32", file=sys.stderr)
     load_before = os.getloadavg()
-    results = sweep(
-        forward,
-        lambda size: model.batch(list(model.dummy_batch(size))),
-        batch_sizes(args.max_batch),
-        probe,
-        limits,
-        sync=(lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None),
-        on_result=progress,
-    )
-    rec = recommend(results, args.knee_gain, args.latency_budget_ms)
     meta = {
         "model": args.model,
         "version": args.version,
@@ -110,7 +100,6 @@ def _run(args: argparse.Namespace, model: Any, load_s: float) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "loadavg_1m_before": round(load_before[0], 2),
-            "loadavg_1m_after": round(os.getloadavg()[0], 2),
         },
         "settings": {
             **asdict(limits),
@@ -121,7 +110,33 @@ def _run(args: argparse.Namespace, model: Any, load_s: float) -> dict[str, Any]:
         "memory": {"kind": probe.kind, "description": probe.description},
         "plot": {"path": str(args.out_png), "width": PLOT_SIZE[0], "height": PLOT_SIZE[1]},
     }
-    return build_report(meta, results, rec)
+    done: list[SizeResult] = []
+
+    def report(complete: bool) -> dict[str, Any]:
+        meta["host"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+        meta["memory"]["description"] = probe.description  # it says when the peak could not be reset
+        rec = recommend(done, args.knee_gain, args.latency_budget_ms)
+        return {**build_report(meta, done, rec), "complete": complete}
+
+    def progress(r: SizeResult) -> None:
+        detail = "out of memory" if r.status == "oom" else f"{r.iterations} passes, median {r.median_ms:.2f} ms"
+        print(f"batch {r.batch_size}: {detail}", file=sys.stderr, flush=True)
+        done.append(r)
+        # every size's results on disk as it ends: a larger size that the kernel's OOM killer ends
+        # (it kills; it does not raise) leaves the sizes before it, marked "complete": false
+        if (why := write_text(args.out_json, json.dumps(report(False), indent=2) + "\n")) is not None:
+            print(f"ai-backend sweep: could not write {args.out_json}: {why}", file=sys.stderr, flush=True)
+
+    sweep(
+        forward,
+        lambda size: model.batch(list(model.dummy_batch(size))),
+        batch_sizes(args.max_batch),
+        probe,
+        limits,
+        sync=(lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None),
+        on_result=progress,
+    )
+    return report(True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-json", type=Path, help="default: out/sweep-<model>.json")
     parser.add_argument("--out-png", type=Path, help="default: out/sweep-<model>.png")
     args = parser.parse_args(argv)
+    if args.max_batch > MAX_BATCH_WARNING:
+        print(
+            f"ai-backend sweep: warning: --max-batch {args.max_batch} is over {MAX_BATCH_WARNING}: a size past the "
+            "machine's memory may be killed by the kernel's OOM killer rather than fail; each size's results are "
+            "written to --out-json as it ends, so the sizes before it are kept",
+            file=sys.stderr,
+        )
     if args.max_batch < 1 or args.iterations < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
         parser.error("need --max-batch >= 1, --iterations >= 1, --warmup >= 0 and --threads >= 1")
     if (

@@ -17,6 +17,12 @@ class Recommendation:
     knee_reached: bool  # False: throughput still rose at the largest size that ran
     max_batch: int | None
     reason: str
+    # the smallest size within NEAR_BEST of the best throughput measured: a curve that climbs a few
+    # percent a doubling past the knee may still gain much in all (the knee compares doublings)
+    near_best_batch: int | None = None
+
+
+NEAR_BEST = 0.95
 
 
 def _measured(results: Sequence[SizeResult]) -> list[SizeResult]:
@@ -52,6 +58,8 @@ def recommend(
         reason = f"out of memory at batch {oom}" if oom is not None else "nothing was measured"
         return Recommendation(None, False, None, reason)
     measured = _measured(results)
+    best = max(r.throughput for r in measured)
+    near = min(r.batch_size for r in measured if r.throughput >= best * NEAR_BEST)
     if len(measured) == 1:
         reason = f"only batch {knee} was measured"
     elif reached:
@@ -61,16 +69,16 @@ def recommend(
     if oom is not None:
         reason += f" (batch {oom} ran out of memory)"
     if latency_budget_ms is None:
-        return Recommendation(knee, reached, knee, reason)
+        return Recommendation(knee, reached, knee, reason, near)
     by_size = {r.batch_size: r for r in measured}
     within = [size for size, r in by_size.items() if size <= knee and r.median_ms <= latency_budget_ms]
     if not within:
         reason += f"; but no size up to it has a median latency within {latency_budget_ms:g} ms"
-        return Recommendation(knee, reached, None, reason)
+        return Recommendation(knee, reached, None, reason, near)
     chosen = max(within)
     if chosen < knee:
         reason += (
             f"; capped to {chosen} by the {latency_budget_ms:g} ms latency budget "
             f"(batch {knee} takes {by_size[knee].median_ms:.1f} ms)"
         )
-    return Recommendation(knee, reached, chosen, reason)
+    return Recommendation(knee, reached, chosen, reason, near)

@@ -57,11 +57,16 @@ class ProcessMemory:
     def __init__(self, status: Path = Path("/proc/self/status"), clear_refs: Path = Path("/proc/self/clear_refs")):
         self._status, self._clear_refs = status, clear_refs
         self._before = 0
+        # RSS at the first size's start (after the load and its self-check): sizes run in order in one
+        # process, and a size's own start holds what the allocators kept from the sizes before it, so
+        # growth over it reads as the difference between sizes, not as what a size needs
+        self._baseline: int | None = None
         self.peak_resets = True
         self.description = (
             "process RSS (/proc/self/status, whole process, includes allocator caches): "
-            "growth = peak RSS (VmHWM) during the size - RSS (VmRSS) at its start; "
-            "VmHWM is reset before each size through /proc/self/clear_refs"
+            "peak RSS above post-load baseline = peak RSS (VmHWM) during the size - RSS (VmRSS) after the load, "
+            "before the first size; growth = peak RSS during the size - RSS at its start (what earlier sizes "
+            "left cached is not counted again); VmHWM is reset before each size through /proc/self/clear_refs"
         )
 
     def _read(self) -> dict[str, int]:
@@ -77,13 +82,18 @@ class ProcessMemory:
                 "is reset before each size", "could not be reset (whole-run peak)"
             )
         self._before = self._read().get("VmRSS", 0)
+        if self._baseline is None:
+            self._baseline = self._before
 
     def stop(self) -> dict[str, int]:
         now = self._read()
         peak = now.get("VmHWM", 0)
+        baseline = self._before if self._baseline is None else self._baseline
         return {
             "rss_before_bytes": self._before,
             "peak_rss_bytes": peak,
             "rss_after_bytes": now.get("VmRSS", 0),
             "growth_bytes": max(0, peak - self._before),
+            "baseline_rss_bytes": baseline,
+            "peak_above_baseline_bytes": max(0, peak - baseline),
         }

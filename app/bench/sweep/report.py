@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from app.bench.chart import knee_text
-from app.bench.sweep.knee import Recommendation
+from app.bench.sweep.knee import NEAR_BEST, Recommendation
 from app.bench.sweep.memory import CudaMemory
 from app.bench.sweep.timing import SizeResult
 
@@ -17,8 +17,12 @@ MIB = 2**20
 def markdown(report: dict[str, Any]) -> str:
     """The report as a markdown table with a heading and the recommendation."""
     cuda = report["memory"]["kind"] == CudaMemory.kind
-    memory_columns = ("peak alloc MiB", "peak reserved MiB") if cuda else ("RSS growth MiB", "peak RSS MiB")
-    memory_keys = ("peak_allocated_bytes", "peak_reserved_bytes") if cuda else ("growth_bytes", "peak_rss_bytes")
+    memory_columns = (
+        ("peak alloc MiB", "peak reserved MiB") if cuda else ("peak RSS above post-load baseline MiB", "peak RSS MiB")
+    )
+    memory_keys = (
+        ("peak_allocated_bytes", "peak_reserved_bytes") if cuda else ("peak_above_baseline_bytes", "peak_rss_bytes")
+    )
     rec = report["recommendation"]
     lines = [
         f"## sweep: {report['model']} v{report['version']} on {report['device']} ({report['dtype']})",
@@ -45,6 +49,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"memory: {report['memory']['description']}",
         f"{knee_text(rec)}; recommended max batch: {rec['max_batch']} ({rec['reason']})",
     ]
+    if (near := rec.get("near_best_batch")) is not None and near != rec["knee"]:
+        best = max(row["throughput"] for row in report["sizes"] if row["status"] == "ok")
+        lines.append(
+            f"near the best: batch {near} reaches {NEAR_BEST:.0%} of the best throughput measured ({best:.1f} items/s)"
+        )
     return "\n".join(lines)
 
 

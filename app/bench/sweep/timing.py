@@ -94,12 +94,14 @@ def sweep(
     clock: Callable[[], float] = time.perf_counter,
     on_result: Callable[[SizeResult], None] = lambda _: None,
 ) -> list[SizeResult]:
-    """Time every size in order; a CUDA out-of-memory is recorded and ends the sweep."""
+    """Time every size in order; an out-of-memory (CUDA's, or the host allocator's, the dummy
+    batch's own included) is recorded and ends the sweep."""
     results: list[SizeResult] = []
     for size in sizes:
-        batch = make_batch(size)
-        probe.start()
+        batch: torch.Tensor | None = None
         try:
+            batch = make_batch(size)  # in here: a host batch too large for the machine is this size's OOM
+            probe.start()
             timings = time_passes(forward, batch, sync, limits, clock)
         except Exception as exc:  # CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError
             if device_fault(exc) is not Fault.MEMORY:
