@@ -63,7 +63,10 @@ SECURITY_SCHEMES = {
 }
 _HEADERS = {
     "X-Request-ID": {"description": "the request's id", "schema": {"type": "string"}},
-    "X-Trace-Id": {"description": "its trace, while spans are exported", "schema": {"type": "string"}},
+    "X-Trace-Id": {
+        "description": "its trace: while tracing is on, or the caller's when the request carries a `traceparent`",
+        "schema": {"type": "string"},
+    },
 }
 _RETRY_AFTER = {"description": "seconds to wait before a retry", "schema": {"type": "integer"}}
 # what no operation can declare: OpenAPI describes a method a path has, and a 405 is the answer to

@@ -393,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--epochs must be 1 or more")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with warnings.catch_warnings():
-        # write_version uses TorchScript on purpose (see DESIGN.md); its deprecation
-        # notices would only bury the lines this command prints.
+        # write_version uses TorchScript on purpose: it is the repository's format, a graph file
+        # of code only beside safetensors weights (README, "The model repository"); its
+        # deprecation notices would only bury the lines this command prints.
         warnings.filterwarnings("ignore", message=r".*torch\.jit.* is deprecated", category=FutureWarning)
         try:
             folder = build(args.out, args.version, args.seed, epochs=args.epochs, overwrite=args.overwrite)
