@@ -154,5 +154,13 @@ def image_body(content_type: str, raw: bytes, max_image_bytes: int) -> ImageBody
     text = parsed.image_base64
     decoded_size = len(text) // 4 * 3 - text.count("=", -2)  # exact for valid base64
     if decoded_size > max_image_bytes:
-        raise PayloadTooLarge(f"image is {decoded_size} bytes; the limit is {max_image_bytes}", code="image_too_large")
+        # Past the limit, the text is decoded to tell: the size is only right for valid base64, and
+        # line-wrapped base64 of an image under the limit looked over it (a 413 asking for a smaller
+        # image, where the mend is to drop the line breaks: the 400 that says so answers instead).
+        # SIMD, about 0.1 ms a megabyte, and only for a body already refused.
+        decoded_size = len(base64_bytes(text))
+        if decoded_size > max_image_bytes:
+            raise PayloadTooLarge(
+                f"image is {decoded_size} bytes; the limit is {max_image_bytes}", code="image_too_large"
+            )
     return ImageBody(text, parsed.top_k)

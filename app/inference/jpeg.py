@@ -20,8 +20,9 @@ APP14, a TEM marker, an EXIF resolution of the wrong type) but libjpeg-turbo rea
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import simplejpeg
@@ -31,48 +32,76 @@ SOI, SOS, EOI, APP1, APP2 = 0xD8, 0xDA, 0xD9, 0xE1, 0xE2
 JPEG_START = b"\xff\xd8"  # SOI, every JPEG's first two bytes
 EXIF, XMP, MPF = b"Exif\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00", b"MPF\x00"
 ORIENTATION, SHORT = 0x0112, 3
-# markers and fill bytes walked before the first scan: a camera's header has a few dozen
+# markers, and runs of junk or fill bytes, walked before the first scan: a camera's header has a few dozen
 MAX_STEPS = 512
+# junk and fill bytes between those markers, all told: writers leave a few hundred to a few thousand
+# (zeros after an EXIF, an APPn shorter than it says), which libjpeg skips with a warning; Pillow's walk
+# skips them a byte at a time in Python, holding the GIL (a megabyte of junk took it 230-350 ms;
+# this many, 4 ms to open and load a 64x64 JPEG, against 0.1 ms without them)
+MAX_JUNK = 64 * 1024
 BYTE_ORDERS: dict[bytes, Literal["little", "big"]] = {b"II": "little", b"MM": "big"}
 SCAN_START = b"\xff\xda"  # SOS: a 0xFF in entropy-coded data is followed by 0x00, so this counts every scan
-# scans in a file: libjpeg's progressive scripts write 6 (grey), 10 (colour) or 18 (CMYK), an EXIF
-# thumbnail its own. Each scan is a pass over every block of the image, and nothing else bounds
-# them: a 4000 x 4000 grey JPEG whose last scan was repeated 1,000 times (94 KB) kept a decode
-# thread for 31 s, and every prediction waited behind it; a megabyte holds 33,000 such scans.
+# the frame headers (SOF0-SOF15 but DHT, JPG and DAC), which give the image's size
+FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Scans are bounded by the work they make, scans x pixels: each is a pass of the decoder over every
+# block of the image, whatever scale it decodes at (a 4000 x 4000 grey JPEG: about 31 ms a scan, so a
+# 1,000-scan file of 94 KB kept a decode thread for 31 s). libjpeg's progressive scripts write 6
+# (grey), 10 (colour) or 18 (CMYK) scans, and a stereo MPO's second picture as many again (20 for
+# colour); an EXIF thumbnail's scans lie in its APP1 segment, before the first scan, and are not
+# counted. So SCAN_PASSES passes over server.max_image_pixels are allowed, which every encoder's
+# output of an allowed size passes with room to spare: 0.75 s of a core at the 16 Mpx default, where
+# 64 scans of any size (2 s) were before.
+SCAN_PASSES = 24
+# and at most this many scans whatever the size (each has a cost of its own: markers, tables, buffers)
 MAX_SCANS = 64
 # the colour spaces simplejpeg's header reports that convert as Pillow converts them
 COLOURS = {"YCbCr", "Gray"}
 
 
 class HeaderTooLong(ValueError):
-    """A JPEG with more markers before its image data than any encoder writes: refused before
-    either walk (this module's or Pillow's, both in Python, holding the GIL) goes through it."""
+    """A JPEG with more markers, or more junk bytes, before its image data than any encoder writes:
+    refused before either walk (this module's or Pillow's, both in Python, holding the GIL) goes
+    through it."""
 
 
 class TooManyScans(ValueError):
-    """A JPEG with more scans than ``MAX_SCANS``: refused before any decoder passes over them."""
+    """A JPEG whose scans make more work than ``SCAN_PASSES`` allows: refused before any decoder
+    passes over them."""
 
 
-def check_scans(data: bytes) -> None:
-    """Raises ``TooManyScans`` for a JPEG whose scans cost more passes than any encoder writes."""
-    if data.startswith(JPEG_START) and (scans := _scan_count(data)) > MAX_SCANS:
-        raise TooManyScans(f"the JPEG has {scans} scans; at most {MAX_SCANS} are decoded")
+class Header(NamedTuple):
+    """What the walk to a JPEG's first scan found (``read_header``)."""
+
+    orientation: int | None  # its EXIF orientation (1 without one); None: Pillow's path tells it
+    width: int  # the frame's size (0 where no frame header came before the first scan)
+    height: int
+    first_scan: int  # where the first scan starts (the data's length where there is none)
 
 
-def _scan_count(data: bytes) -> int:
-    """The SOS markers in ``data``, counted by numpy's comparisons, which let go of the GIL:
-    ``bytes.count`` held it for 160 µs over a 190 KB photo, the event loop waiting. Two masks
+def read_header(data: bytes) -> Header | None:
+    """The walk to a JPEG's first scan, or None for what is no JPEG. Raises ``HeaderTooLong``."""
+    return _walk(data) if data.startswith(JPEG_START) else None
+
+
+def check_scans(data: bytes, header: Header, max_pixels: int) -> None:
+    """Raises ``TooManyScans`` for a JPEG whose scans make more work than any encoder's output of
+    an allowed size (``max_pixels``) makes."""
+    scans, pixels = _scan_count(data, header.first_scan), header.width * header.height
+    most = min(MAX_SCANS, SCAN_PASSES * max_pixels // pixels) if pixels else MAX_SCANS
+    if scans > most:
+        raise TooManyScans(
+            f"the JPEG has {scans} scans over {header.width}x{header.height} pixels; at most {most} are decoded"
+        )
+
+
+def _scan_count(data: bytes, start: int = 0) -> int:
+    """The SOS markers in ``data`` from ``start`` on, counted by numpy's comparisons, which let go of
+    the GIL: ``bytes.count`` held it for 160 µs over a 190 KB photo, the event loop waiting. Two masks
     and'ed, not the bytes after each 0xFF picked out by a mask: that indexing held the GIL over
     the whole photo (a device thread's most frequent line holding it, by ``py-spy --gil``); for
     the 69 KB photos, 15-17 against 22 µs, and half again as many calls beside a busy thread."""
-    octets = np.frombuffer(data, dtype=np.uint8)
+    octets = np.frombuffer(data, dtype=np.uint8, offset=min(start, len(data)))
     return int(np.count_nonzero((octets[:-1] == SCAN_START[0]) & (octets[1:] == SCAN_START[1])))
-
-
-def check_header(data: bytes) -> None:
-    """Raises ``HeaderTooLong`` for a JPEG whose header is longer than a photo's."""
-    if data.startswith(JPEG_START):
-        _orientation(data)
 
 
 def decode_reduced(
@@ -81,18 +110,22 @@ def decode_reduced(
     wanted: Callable[[int, int], tuple[int, int]],
     max_pixels: int,
     padded: bool = True,
+    header: Header | None = None,
 ) -> np.ndarray | None:
     """``data``'s pixels, uint8, decoded at the largest reduction that leaves at least
     ``wanted(width, height)`` pixels, or None: Pillow's path decodes it (not such a JPEG, more
     than ``max_pixels``, broken, or anything this path does not do alike). Raises
-    ``HeaderTooLong`` (see ``check_header``).
+    ``HeaderTooLong`` (see ``read_header``).
 
     Grey is ``H x W x 1``; colour is ``H x W x 4``, RGB and a padding byte, the layout Pillow
     keeps RGB in (four bytes a pixel): Pillow takes it as it is (``pillow_image``), without the
     copy that spreading three bytes a pixel out to four costs, holding the GIL. ``padded=False``
     gives colour as ``H x W x 3``, for torch to resize: a padding byte left in memory makes every
-    later copy of the pixels a strided one, and dropping it costs more than decoding without it."""
-    if not data.startswith(JPEG_START) or _orientation(data) != 1:
+    later copy of the pixels a strided one, and dropping it costs more than decoding without it.
+    ``header``: ``read_header``'s, where the caller has it (else the header is walked here)."""
+    if header is None:
+        header = read_header(data)
+    if header is None or header.orientation != 1:
         return None
     try:
         height, width, colour, _ = simplejpeg.decode_jpeg_header(data)
@@ -146,46 +179,64 @@ def reduced_size(width: int, height: int, scale: int) -> tuple[int, int]:
     return width // scale, height // scale
 
 
-def _orientation(data: bytes) -> int | None:
+_FILL = re.compile(rb"\xff+")
+
+
+def _past_padding(data: bytes, at: int) -> int:
+    """Where the marker after the run of junk (not 0xFF) or fill bytes (0xFF) at ``at`` starts, or
+    the data's length: found by C, not a byte at a time. Of fill bytes, the last starts the marker."""
+    if data[at] != 0xFF:
+        after = data.find(b"\xff", at)
+        return len(data) if after < 0 else after
+    run = _FILL.match(data, at)
+    assert run is not None
+    return run.end() - 1
+
+
+def _walk(data: bytes) -> Header:
     """The EXIF orientation of a JPEG (1 without one), or None where it cannot be told here
-    (an XMP packet, a multi-picture file, malformed markers or EXIF): Pillow then reads it.
+    (an XMP packet, a multi-picture file, malformed markers or EXIF): Pillow then reads it; and
+    the size its frame header gives, and where its first scan starts.
 
     The walk goes on to the first scan even once the answer is None, stepping over what
-    Pillow's walk steps over (junk bytes one at a time, fill bytes, segments), so that
-    ``HeaderTooLong`` bounds both: they run in Python holding the GIL, and a crafted megabyte
-    of junk or empty segments kept the event loop waiting for 80 ms here, 230-350 ms in Pillow."""
+    Pillow's walk steps over (junk bytes, fill bytes, segments), so that ``HeaderTooLong``
+    bounds both: they run in Python holding the GIL, and a crafted megabyte of junk or empty
+    segments kept the event loop waiting for 80 ms here, 230-350 ms in Pillow. A run of junk or
+    fill bytes is one step here (found by C, not a byte at a time), and their bytes all told
+    are bounded apart (``MAX_JUNK``), for Pillow's walk, which steps over them a byte at a time."""
     at, end, found, sure = 2, len(data), 1, True
-    exif_seen = False
+    exif_seen, junk, width, height = False, 0, 0, 0
     for _ in range(MAX_STEPS):
         if at + 2 > end:
-            return None  # no scan: Pillow refuses it
-        if data[at] != 0xFF:  # junk, skipped a byte at a time by Pillow too
-            sure, at = False, at + 1
-            continue
-        marker = data[at + 1]
-        if marker == 0xFF:  # fill byte
-            at += 1
-            continue
-        if marker in (SOS, EOI):
-            return found if sure else None  # the markers before the first scan are all Pillow reads
-        if marker in (SOI, 0x00, 0x01) or 0xD0 <= marker <= 0xD7:  # no length follows
-            sure, at = sure and marker != 0x00, at + 2
-            continue
-        length = int.from_bytes(data[at + 2 : at + 4], "big")
-        if marker == APP2 and data[at + 4 : at + 8] == MPF:
-            sure = False  # Pillow opens a multi-picture file as MPO, and decodes it without a draft
-        elif marker == APP1 and length >= 2:
-            segment = data[at + 4 : at + 2 + length]
-            if segment.startswith(XMP):
-                sure = False
-            elif segment.startswith(EXIF) and not exif_seen:  # Pillow reads the first EXIF only
-                exif_seen = True
-                orientation = _tiff_orientation(segment[len(EXIF) :])
-                sure, found = sure and orientation is not None, orientation or 1
-        if length < 2:
-            sure = False
-        at += 2 + max(length, 2)
-    raise HeaderTooLong(f"more than {MAX_STEPS} markers before the image data")
+            return Header(None, width, height, end)  # no scan: Pillow refuses it
+        if data[at] != 0xFF or data[at + 1] == 0xFF:  # junk (Pillow skips it too), or fill bytes
+            after = _past_padding(data, at)
+            sure, junk, at = sure and data[at] == 0xFF, junk + after - at, after
+        else:
+            marker = data[at + 1]
+            if marker in (SOS, EOI):  # the markers before the first scan are all Pillow reads
+                return Header(found if sure else None, width, height, at)
+            if marker in (SOI, 0x00, 0x01) or 0xD0 <= marker <= 0xD7:  # no length follows
+                sure, at = sure and marker != 0x00, at + 2
+                continue
+            length = int.from_bytes(data[at + 2 : at + 4], "big")
+            if marker == APP2 and data[at + 4 : at + 8] == MPF:
+                sure = False  # Pillow opens a multi-picture file as MPO, and decodes it without a draft
+            elif marker == APP1 and length >= 2:
+                segment = data[at + 4 : at + 2 + length]
+                if segment.startswith(XMP):
+                    sure = False
+                elif segment.startswith(EXIF) and not exif_seen:  # Pillow reads the first EXIF only
+                    exif_seen = True
+                    orientation = _tiff_orientation(segment[len(EXIF) :])
+                    sure, found = sure and orientation is not None, orientation or 1
+            elif marker in FRAMES and not width and length >= 7:  # libjpeg refuses a second frame header
+                height = int.from_bytes(data[at + 5 : at + 7], "big")
+                width = int.from_bytes(data[at + 7 : at + 9], "big")
+            sure, at = sure and length >= 2, at + 2 + max(length, 2)
+        if junk > MAX_JUNK:
+            raise HeaderTooLong(f"the JPEG has more than {MAX_JUNK} junk bytes between its markers")
+    raise HeaderTooLong(f"the JPEG has more than {MAX_STEPS} markers before its image data")
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:

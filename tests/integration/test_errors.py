@@ -8,7 +8,10 @@ the device thread shows up here.
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
+import io
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from PIL import Image
 
 from tests.support import (
     MODEL_NAME,
@@ -279,3 +283,52 @@ async def test_an_identity_content_encoding_is_served(running: RunningApp) -> No
     headers = {"Content-Type": "image/png", "Content-Encoding": "identity"}
     response = await running.client.post("/predict", content=PNG, headers=headers)
     assert response.status_code == 200, response.text
+
+
+def _line_wrapped(image: bytes) -> bytes:
+    """The JSON body ``base64.encodebytes`` makes (as GNU base64 and MIME encoders do: a line break every 76)."""
+    return json.dumps({"image_base64": base64.encodebytes(image).decode()}).encode()
+
+
+async def test_the_base64_mistakes_clients_make_are_told_apart(running: RunningApp) -> None:
+    """Found in review: a wrapped text and a browser's data: URI both got 'not valid base64'."""
+    wrapped = await running.client.post("/predict", content=_line_wrapped(JPEG), headers={"Content-Type": JSON})
+    data_uri = await running.client.post("/predict", json={"image_base64": "data:image/jpeg;base64," + b64(JPEG)})
+    for response, says in ((wrapped, "line breaks"), (data_uri, "data: URI")):
+        assert response.status_code == 400 and response.json()["code"] == "invalid_base64", response.text
+        assert says in response.json()["message"], response.text
+
+
+async def test_line_wrapped_base64_of_an_image_under_the_limit_is_a_400_not_a_413(running: RunningApp) -> None:
+    """The image's size was estimated from the text's length, exact for valid base64 only: the line
+    breaks of an image under the limit made it look over it, and the client was told to send a
+    smaller image (413) where it had to drop the line breaks."""
+    image = b"\x89PNG\r\n\x1a\n" + bytes(MAX_IMAGE_BYTES - 536 - 8)  # 65,000 bytes, under the limit
+    body = _line_wrapped(image)
+    text = json.loads(body)["image_base64"]
+    assert len(text) // 4 * 3 - text.count("=", -2) > MAX_IMAGE_BYTES, "the estimate is over the limit"
+    assert len(body) <= running.service.settings.server.max_body_bytes
+    response = await running.client.post("/predict", content=body, headers={"Content-Type": JSON})
+    assert response.status_code == 400, response.text
+    assert response.json()["code"] == "invalid_base64" and "line breaks" in response.json()["message"]
+
+
+async def test_an_image_whose_exif_pillow_cannot_parse_is_served(running: RunningApp) -> None:
+    """Found in review: Pillow's EXIF parser raised struct.error for a WebP whose EXIF is a bare TIFF
+    signature, and the request got a 500 internal_error; metadata never decides whether it is served."""
+    out = io.BytesIO()
+    Image.open(io.BytesIO(PNG)).convert("RGB").save(out, "WEBP", lossless=True, exif=b"II*\x00")
+    response = await running.client.post("/predict", content=out.getvalue(), headers={"Content-Type": "image/webp"})
+    assert response.status_code == 200, response.text
+    assert top_label(response.json()) == "3"
+
+
+@pytest.mark.parametrize(
+    ("image", "kind"), [(JPEG, "image/jpeg"), (PNG, "image/png"), (WEBP, "image/webp")], ids=["jpeg", "png", "webp"]
+)
+async def test_a_truncated_upload_is_told_truncated(running: RunningApp, image: bytes, kind: str) -> None:
+    """Found in review: every decoding failure was 'the image could not be decoded', and the most
+    common client bug (a partial read) was not told apart. No byte of the payload is echoed."""
+    response = await running.client.post("/predict", content=image[: len(image) // 2], headers={"Content-Type": kind})
+    assert response.status_code == 400 and response.json()["code"] == "undecodable_image", response.text
+    assert "truncated" in response.json()["message"], response.text

@@ -67,3 +67,30 @@ def test_anything_but_strict_standard_base64_is_a_400(text: str) -> None:
         base64_bytes(text)
     assert raised.value.code == "invalid_base64"
     assert raised.value.status == 400
+
+
+_IMAGE_LIKE = bytes(range(256)) * 4  # every byte value: its base64 has + and /, and wraps
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (base64.encodebytes(_IMAGE_LIKE).decode(), "line breaks or spaces (the first at offset 76)"),
+        (base64.b64encode(_IMAGE_LIKE).decode().replace("A", "A ", 1), "line breaks or spaces"),
+        ("data:image/png;base64," + base64.b64encode(_IMAGE_LIKE).decode(), "send only what follows 'base64,'"),
+        (base64.urlsafe_b64encode(_IMAGE_LIKE).decode(), "URL-safe alphabet"),
+        (base64.b64encode(_IMAGE_LIKE[:10]).decode().rstrip("="), "not a multiple of 4: pad it with '='"),
+        ("QQ==QQ==", "'=' padding before its end"),
+        ("QUJé", "outside the base64 alphabet at offset 3"),
+    ],
+    ids=["wrapped", "a-space", "data-uri", "url-safe", "unpadded", "two-texts", "not-ascii"],
+)
+def test_the_common_mistakes_are_each_told_apart(text: str, says: str) -> None:
+    """Found in review: every mistake got 'not valid base64', and a client could not tell which of the
+    usual ones its code made (GNU base64's wrapping, a browser's data: URI, Go's unpadded or Python's
+    URL-safe encoding). Still refused: only the message says what to change."""
+    with pytest.raises(BadRequest) as raised:
+        base64_bytes(text)
+    assert raised.value.code == "invalid_base64"
+    assert says in raised.value.message, raised.value.message
+    assert len(raised.value.message) < 200 and "AAEC" not in raised.value.message  # no payload echoed

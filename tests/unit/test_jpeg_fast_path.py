@@ -259,13 +259,14 @@ def test_a_jpeg_header_longer_than_any_encoder_writes_is_refused_before_it_is_wa
     base = synthetic_photo(6)
     padded = base[:2] + b"\xff\xfe\x00\x02" * 100_000 + base[2:]  # 100,000 empty comments
     with pytest.raises(jpeg.HeaderTooLong):
-        jpeg.check_header(Counting(padded))
+        jpeg.read_header(Counting(padded))
     assert len(steps) <= 3 * jpeg.MAX_STEPS
     for spec in (IMAGENET, DIGITS):
         with pytest.raises(BadRequest) as refused:
             decode(padded, spec, LIMITS)
         assert refused.value.code == "undecodable_image"
-    assert jpeg._orientation(base[:2] + b"\xff\xfe\x00\x02" * 20 + base[2:]) == 1  # a few are walked
+    header = jpeg.read_header(base[:2] + b"\xff\xfe\x00\x02" * 20 + base[2:])  # a few are walked
+    assert header is not None and header.orientation == 1
 
 
 XMP_SEGMENT = b"\xff\xe1\x00\x1fhttp://ns.adobe.com/xap/1.0/\x00"
@@ -273,12 +274,13 @@ XMP_SEGMENT = b"\xff\xe1\x00\x1fhttp://ns.adobe.com/xap/1.0/\x00"
 
 @pytest.mark.parametrize(
     "prefix",
-    [XMP_SEGMENT + b"\x00" * 5_000, XMP_SEGMENT, XMP_SEGMENT + b"\xff\xfe\x00\x02" * 5_000],
+    [XMP_SEGMENT + b"\x00" * (jpeg.MAX_JUNK + 1), XMP_SEGMENT, XMP_SEGMENT + b"\xff\xfe\x00\x02" * 5_000],
     ids=["xmp-then-junk", "xmp-then-a-short-header", "xmp-then-a-long-header"],
 )
 def test_the_bound_holds_past_what_makes_the_fast_path_stand_aside(prefix: bytes) -> None:
-    """Pillow skips junk a byte at a time, and an XMP packet first must not end the walk before
-    the bound: the long ones are refused, the short one decodes as before (Pillow's path)."""
+    """Pillow skips junk a byte at a time (so its bytes are bounded, MAX_JUNK), and an XMP packet
+    first must not end the walk before the bound: the long ones are refused, the short one decodes
+    as before (Pillow's path)."""
     data = synthetic_photo(7)
     data = data[:2] + prefix + data[2:]
     if len(prefix) > 1_000:

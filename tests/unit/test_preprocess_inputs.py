@@ -314,3 +314,36 @@ def test_with_reduced_decoding_off_a_jpeg_is_decoded_whole(orientation: int) -> 
     reduced = decode(data, spec, ImageLimits(1 << 24, 4_000_000)).float()
     assert float((exact - whole).abs().max()) <= 1.0
     assert float((reduced - whole).abs().mean()) > 0.1, "the default reduces it"
+
+
+def test_a_webp_whose_exif_is_a_bare_tiff_signature_decodes() -> None:
+    """Found in review: Pillow's EXIF parser raised struct.error (a 500) for a TIFF header of 4
+    bytes; metadata never decides whether an image is served, and such a file is served as stored."""
+    out = io.BytesIO()
+    Image.new("RGB", (300, 300), (200, 30, 30)).save(out, "WEBP", exif=b"II*\x00")
+    assert tuple(decode(out.getvalue(), IMAGENET, LIMITS).shape) == (3, 224, 224)
+
+
+def test_a_jfif_dpi_jpeg_whose_exif_is_cut_short_decodes() -> None:
+    """Pillow reads no EXIF while opening a JPEG whose JFIF segment gives its dpi: ours was the
+    first read, and it raised struct.error for an EXIF cut short."""
+    out = io.BytesIO()
+    Image.new("RGB", (300, 300), (200, 30, 30)).save(out, "JPEG", dpi=(300, 300), exif=b"Exif\x00\x00II*\x00")
+    assert tuple(decode(out.getvalue(), IMAGENET, LIMITS).shape) == (3, 224, 224)
+
+
+def test_a_rotated_jpeg_with_a_signed_resolution_decodes_upright() -> None:
+    """Orientation 6 beside an XResolution stored as SRATIONAL -72/1: ImageOps.exif_transpose
+    rewrote the EXIF with Pillow's type for the tag (RATIONAL), and packing -1 raised struct.error.
+    The pixels are turned as the orientation says, and the EXIF is left as it came."""
+    rng = np.random.default_rng(3)
+    stored = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize((320, 240))
+    entries = struct.pack("<HHI", 0x0112, 3, 1) + struct.pack("<H", 6).ljust(4, b"\0")
+    entries += struct.pack("<HHII", 0x011A, 10, 1, 8 + 2 + 2 * 12 + 4)  # SRATIONAL, its value after the IFD
+    tiff = b"II*\x00" + struct.pack("<IH", 8, 2) + entries + struct.pack("<I", 0) + struct.pack("<ii", -72, 1)
+    out = io.BytesIO()
+    stored.save(out, "JPEG", quality=95, exif=b"Exif\x00\x00" + tiff)
+    data = out.getvalue()
+    upright = io.BytesIO()
+    Image.open(io.BytesIO(data)).convert("RGB").transpose(Image.Transpose.ROTATE_270).save(upright, "PNG")
+    assert torch.equal(decode(data, IMAGENET, LIMITS), decode(upright.getvalue(), IMAGENET, LIMITS))

@@ -1,0 +1,135 @@
+"""What decoding bounds before the decoders walk it (PNG chunks, JPEG scans and padding), and what
+its 400s say (found in review): each bound refuses the crafted file and lets real ones through."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import pytest
+import torch
+from PIL import Image
+
+from app.bench.limit.photos import synthetic_photo
+from app.errors import BadRequest
+from app.inference import jpeg
+from app.inference.preprocess import MAX_PNG_CHUNKS, ImageLimits, decode
+from tests.unit.test_preprocess import IMAGENET, LIMITS
+from tests.unit.test_preprocess_inputs import DIGITS
+
+LARGE = ImageLimits(max_bytes=1 << 22, max_pixels=16_000_000)  # the default pixel limit
+
+
+def _chunk(kind: bytes, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def _png_with_empty_chunks(count: int) -> tuple[bytes, bytes]:
+    """A 64x64 PNG with ``count`` empty private chunks (valid CRCs) before its IDAT, and the plain one."""
+    out = io.BytesIO()
+    Image.effect_noise((64, 64), 40).convert("RGB").save(out, "PNG")
+    plain = out.getvalue()
+    after_header = 8 + 25  # the signature and IHDR
+    return plain[:after_header] + _chunk(b"prVt") * count + plain[after_header:], plain
+
+
+def test_a_png_of_fifty_thousand_empty_chunks_is_refused_before_pillow_walks_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pillow walks a PNG's chunks in Python, holding the GIL: 50,000 empty ones (600 KB) cost it
+    hundreds of times a normal decode. They are counted first, at a fraction of a µs each."""
+    data, _ = _png_with_empty_chunks(50_000)
+
+    def no_open(*args: object, **kwargs: object) -> Image.Image:
+        raise AssertionError("Pillow opened it")
+
+    monkeypatch.setattr(Image, "open", no_open)
+    for spec in (IMAGENET, DIGITS):
+        with pytest.raises(BadRequest) as refused:
+            decode(data, spec, LIMITS)
+        assert refused.value.code == "undecodable_image"
+        assert f"more than {MAX_PNG_CHUNKS} chunks" in refused.value.message
+
+
+def test_a_png_of_a_few_hundred_chunks_decodes_as_the_plain_one() -> None:
+    data, plain = _png_with_empty_chunks(300)
+    assert torch.equal(decode(data, IMAGENET, LIMITS), decode(plain, IMAGENET, LIMITS))
+
+
+def _progressive_with_scans(size: tuple[int, int], scans: int) -> bytes:
+    """A black progressive grey JPEG (libjpeg's script: 6 scans) whose last scan is written again
+    until it has ``scans``: each repeat is a few bytes, and another pass over every block."""
+    buffer = io.BytesIO()
+    Image.new("L", size).save(buffer, format="JPEG", progressive=True)
+    data = buffer.getvalue()
+    last, end = data.rindex(b"\xff\xda"), len(data) - 2
+    assert jpeg._scan_count(data) == 6
+    return data[:end] + data[last:end] * (scans - 6) + data[end:]
+
+
+def test_scans_are_bounded_by_their_work_not_their_count_alone() -> None:
+    """60 scans passed the count of 64; over 4000 x 4000 pixels each is about 31 ms of a core (2 s
+    for the file, tens of KB). Scans x pixels is bounded: at this size 24 scans are decoded."""
+    data = _progressive_with_scans((4000, 4000), 60)
+    assert len(data) < 100_000
+    with pytest.raises(BadRequest) as refused:
+        decode(data, IMAGENET, LARGE)
+    assert refused.value.code == "undecodable_image"
+    assert "60 scans over 4000x4000 pixels; at most 24" in refused.value.message
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "CMYK"])
+def test_an_encoders_progressive_jpeg_of_the_largest_size_allowed_passes_the_scan_bound(mode: str) -> None:
+    """libjpeg's scripts (6, 10 and 18 scans) over 16 Mpx, with a progressive EXIF thumbnail's
+    scans beside them (not counted: they lie in the APP1 segment)."""
+    thumbnail = io.BytesIO()
+    Image.new(mode, (160, 120)).save(thumbnail, "JPEG", progressive=True)
+    tiff = b"II*\x00" + struct.pack("<IH", 8, 0) + struct.pack("<I", 0)  # an empty IFD0, then the thumbnail
+    buffer = io.BytesIO()
+    Image.new(mode, (4000, 4000)).save(
+        buffer, "JPEG", progressive=True, exif=b"Exif\x00\x00" + tiff + thumbnail.getvalue()
+    )
+    data = buffer.getvalue()
+    header = jpeg.read_header(data)
+    assert header is not None and (header.width, header.height) == (4000, 4000)
+    jpeg.check_scans(data, header, LARGE.max_pixels)  # passes
+    small = _progressive_with_scans((64, 48), 64)  # a small image keeps the count of 64
+    jpeg.check_scans(small, jpeg.read_header(small), LARGE.max_pixels)  # type: ignore[arg-type]
+
+
+def _after_app0(data: bytes) -> int:
+    assert data[2:4] == b"\xff\xe0"
+    return 4 + int.from_bytes(data[4:6], "big")
+
+
+@pytest.mark.parametrize("padding", [b"\x00" * 600, b"\xff" * 600, (b"\x00" * 99 + b"\xff") * 6])
+def test_a_jpeg_with_some_padding_between_its_markers_decodes_as_the_clean_file(padding: bytes) -> None:
+    """Writers leave zeros after an EXIF or an APPn shorter than it says, and libjpeg skips them with a
+    warning. Each junk or fill byte was a step of the 512 the walk allows: a 400 for a file that
+    every viewer opens. A run is one step now."""
+    clean = synthetic_photo(3)
+    at = _after_app0(clean)
+    padded = clean[:at] + padding + clean[at:]
+    for spec in (IMAGENET, DIGITS):
+        assert torch.equal(decode(padded, spec, LIMITS), decode(clean, spec, LIMITS))
+
+
+def test_junk_between_markers_is_bounded_in_bytes_and_the_400_says_why() -> None:
+    """Pillow skips junk a byte at a time in Python, so the bytes are bounded apart from the steps."""
+    clean = synthetic_photo(3)
+    at = _after_app0(clean)
+    padded = clean[:at] + b"\x00" * (jpeg.MAX_JUNK + 1) + clean[at:]
+    with pytest.raises(BadRequest) as refused:
+        decode(padded, IMAGENET, LIMITS)
+    assert refused.value.code == "undecodable_image"
+    assert f"more than {jpeg.MAX_JUNK} junk bytes" in refused.value.message
+
+
+def test_a_header_of_too_many_markers_says_so() -> None:
+    clean = synthetic_photo(6)
+    padded = clean[:2] + b"\xff\xfe\x00\x02" * 1_000 + clean[2:]  # 1,000 empty comments
+    with pytest.raises(BadRequest) as refused:
+        decode(padded, IMAGENET, LIMITS)
+    assert refused.value.code == "undecodable_image"
+    assert f"more than {jpeg.MAX_STEPS} markers before its image data" in refused.value.message
