@@ -65,14 +65,26 @@ def bench_under_a_descriptor_limit(*argv: str) -> subprocess.CompletedProcess[st
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
 
 
-def test_the_soft_descriptor_limit_is_raised_and_a_load_that_cannot_fit_is_refused() -> None:
+def test_the_soft_descriptor_limit_is_raised_and_a_closed_loop_that_cannot_fit_is_refused() -> None:
     fits = bench_under_a_descriptor_limit("--concurrency", "100")
     assert fits.stdout.split() == ["soft", "256", "exit", "1"], fits.stdout + fits.stderr
-    assert "nothing answers" in fits.stderr
-    for argv in (["--concurrency", "1000"], ["--rate", "100", "--timeout", "60"]):
-        refused = bench_under_a_descriptor_limit(*argv)
-        assert refused.stdout.split()[-2:] == ["exit", "2"], refused.stdout + refused.stderr
-        assert "256" in refused.stderr and "ulimit -n" in refused.stderr, refused.stderr
+    assert "nothing answers" in fits.stderr and "warning" not in fits.stderr
+    refused = bench_under_a_descriptor_limit("--concurrency", "1000")
+    assert refused.stdout.split()[-2:] == ["exit", "2"], refused.stdout + refused.stderr
+    assert "256" in refused.stderr and "ulimit -n" in refused.stderr, refused.stderr
+    # an open loop's rate x timeout is a worst case (every request held unanswered): warned of
+    warned = bench_under_a_descriptor_limit("--rate", "100", "--timeout", "60")
+    assert warned.stdout.split()[-2:] == ["exit", "1"], warned.stdout + warned.stderr
+    assert "warning: at overload the load may hold 6000 connections" in warned.stderr, warned.stderr
+    assert "256" in warned.stderr and "ulimit -n" in warned.stderr
+
+
+def test_requests_that_found_no_descriptor_are_told_apart_as_the_client_s(capsys: pytest.CaptureFixture[str]) -> None:
+    report = {"ok": 5, "errors": {"0:EMFILE": 40, "503:queue_full": 2}, "client_fd_limit": 1024}
+    assert cli._report(report, None) == 0
+    err = capsys.readouterr().err
+    assert "40 requests failed in the client, which had no file descriptor left (its limit: 1024)" in err
+    assert "not the server's" in err
 
 
 async def test_a_closed_loop_whose_sends_fail_at_once_still_lets_the_event_loop_run() -> None:

@@ -19,8 +19,8 @@ time it was runnable but kept waiting for one (``server_threads``, Linux schedst
 refused, never dropped: the run would measure a wall of 401s). ``--path`` sends the same body to
 another server's route, to compare servers on one model and images. ``latency`` counts the answers;
 ``latency_sent`` every request sent in the window, one given up on at no less than ``--timeout``.
-The client raises its soft descriptor limit to the hard one, and refuses a load that could need
-more connections than that (``app.bench.loadgen.descriptors``).
+The client raises its soft descriptor limit to the hard one, refuses a closed loop that could need
+more connections than that, and warns of an open loop that could (``app.bench.loadgen.descriptors``).
 
 Exit status: 0; 1 when nothing answers at the URL, when no request sent in the measured window
 succeeded (a run of errors is not a measurement), or when ``--out`` could not be written (the
@@ -32,11 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import sys
 from pathlib import Path
 from typing import Any
 
-from app.bench.loadgen.descriptors import connections_needed, raise_soft_limit, too_many
+from app.bench.loadgen.descriptors import connections_needed, out_of_descriptors_line, raise_soft_limit, too_many
 from app.bench.loadgen.drive import HTTPX_OPEN_LOOP_CONNECTIONS, bench, event_loop_run
 from app.bench.loadgen.senders import load_images, read_api_key
 from app.bench.loadgen.summary import behind_schedule, failed_share_line
@@ -70,7 +71,8 @@ def _report(report: dict[str, Any], out: Path | None, requests_cap: int | None =
     ``out``. 1 when no request in the window succeeded or the file could not be written."""
     text = json.dumps(report, indent=2)
     print(text)
-    for warning in (behind_schedule(report), _cut_short(report, requests_cap), failed_share_line(report)):
+    warnings = (behind_schedule(report), _cut_short(report, requests_cap), failed_share_line(report))
+    for warning in (*warnings, out_of_descriptors_line(report)):
         if warning is not None:
             print(f"ai-backend bench: {warning}", file=sys.stderr)
     for name, count in report.get("ignored_figures", {}).items():
@@ -202,8 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     # the client's own descriptors: past them its connections fail, and read as the server's errors
     pool_cap = None if args.client == "raw" or args.rate is None else HTTPX_OPEN_LOOP_CONNECTIONS
     needed = connections_needed(args.concurrency, args.rate, args.timeout, args.requests, pool_cap)
-    if (why := too_many(needed, raise_soft_limit())) is not None:
-        parser.error(why)
+    limit = raise_soft_limit()
+    args.fd_limit = None if limit == resource.RLIM_INFINITY else limit
+    if (why := too_many(needed, limit)) is not None and args.rate is None:
+        parser.error(f"{why}, or lower --concurrency")
+    if why is not None:  # a worst case (a server that answers nothing): warned of, and told apart if it comes
+        print(
+            f"ai-backend bench: warning: at overload {why}, or lower --rate or --timeout; past it requests fail "
+            "in the client as 0:EMFILE",
+            file=sys.stderr,
+        )
     try:
         images = load_images(Path(args.image), args.images)
     except OSError as exc:

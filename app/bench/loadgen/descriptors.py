@@ -2,8 +2,12 @@
 
 Many shells start with a soft ``RLIMIT_NOFILE`` of 1024. Past it every new connection fails in
 the client (``EMFILE``), and those failures read as the server's errors. So the soft limit is
-raised to the hard one at start, and a load that could still need more connections than that is
-refused before it runs, not measured wrong.
+raised to the hard one at start. A closed loop that needs more connections than that leaves (one
+per client) is refused before it runs, not measured wrong. An open loop's need is a worst case
+(``--rate`` x ``--timeout``, reached only by a server that holds every request unanswered until
+the client gives up), so it is warned of, not refused (the project's own overload runs, at twice
+the saturation rate with a 30 or 60 s timeout, would need tens of thousands); a request that then
+finds no descriptor fails as ``0:EMFILE``, and the report's warning says whose failure it was.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+from typing import Any
 
 SPARE = 32  # beyond what is open now: the /metrics scrape, /proc reads, the event loop's own
 
@@ -57,5 +62,22 @@ def too_many(needed: int, limit: int) -> str | None:
     return (
         f"the load may hold {needed} connections open at once, and this process may open {limit} files "
         f"(RLIMIT_NOFILE, raised to its hard limit; {room} left for connections): raise the limit "
-        "(`ulimit -n`, or the hard limit it is capped by), or lower --concurrency (open loop: --rate or --timeout)"
+        "(`ulimit -n`, or the hard limit it is capped by)"
+    )
+
+
+OUT_OF_DESCRIPTORS = ("0:EMFILE", "0:ENFILE")  # the process's limit, the system's
+
+
+def out_of_descriptors_line(report: dict[str, Any]) -> str | None:
+    """A warning when requests failed in the client for want of a descriptor: the client's failures,
+    however they would read beside the server's errors."""
+    failed = sum(report.get("errors", {}).get(code, 0) for code in OUT_OF_DESCRIPTORS)
+    if not failed:
+        return None
+    limit = report.get("client_fd_limit")
+    return (
+        f"warning: {failed} requests failed in the client, which had no file descriptor left"
+        + ("" if limit is None else f" (its limit: {limit})")
+        + ": the client's failures, not the server's; raise `ulimit -n`, or lower --rate or --timeout"
     )

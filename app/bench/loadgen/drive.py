@@ -150,6 +150,7 @@ async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, 
         "warmup_s": args.warmup,
         "duration_s": args.duration,
         "timeout_s": args.timeout,
+        "client_fd_limit": getattr(args, "fd_limit", None),  # RLIMIT_NOFILE, as raised at start
     }
     return summarise(run, settings, args.deadline_ms, args.timeout)
 
