@@ -107,8 +107,9 @@ lines = [
 for label, r in results.items():
     lat = r["latency"]
     errors = ", ".join(f"{k} x{v}" for k, v in r["errors"].items()) or "none"
+    batch = "-" if r["mean_batch_size"] is None else f"{r['mean_batch_size']:.1f}"
     lines.append(f"| {label} | {r['throughput_rps']:.0f} | {lat['urgent']['p99_ms']:.0f} | {lat['normal']['p99_ms']:.0f} "
-                 f"| {lat['normal']['p50_ms']:.0f} | {r['mean_batch_size']:.1f} | {errors} |")
+                 f"| {lat['normal']['p50_ms']:.0f} | {batch} | {errors} |")
 text = "\n".join(lines) + "\n"
 (out / "ray.md").write_text(text)
 (out / "ray.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -118,6 +118,14 @@ def test_variants_are_compared_by_the_median_of_their_rounds() -> None:
     assert "| b | 350.0 (360, 340)" in compare_markdown(result)
 
 
+def test_a_rival_whose_answers_carry_no_batch_size_is_compared_all_the_same() -> None:
+    unsized = bench(64, 300.0) | {"mean_batch_size": None}  # what bench reports for such a server
+    result = compare(LIMIT, [("rival", unsized, None), ("rival", unsized, None), ("ours", bench(64, 330.0), None)])
+    rows = {row["variant"]: row for row in result["variants"]}
+    assert rows["rival"]["mean_batch_size"] is None and rows["ours"]["mean_batch_size"] is not None
+    assert "| rival | 300.0 (300, 300) | 0.75 (0.75, 0.75) | 5.000 | 0.90 | - |" in compare_markdown(result)
+
+
 def test_each_round_is_divided_by_its_own_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     slow = {"limit": {"images_per_s": 300.0, "cpu_ms_per_image": 6.0, "best_batch": 16}}
     files = {"limit.json": LIMIT, "r1.json": LIMIT, "r2.json": slow}

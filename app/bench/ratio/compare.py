@@ -43,7 +43,8 @@ def compare(limit: dict[str, Any], runs: Sequence[Run]) -> dict[str, Any]:
                 "ratios": [round(r, 3) for r in ratios],
                 "server_ms_per_request": round(statistics.median(server), 4) if server else None,
                 "cpu_ratio": round(statistics.median(cpu_ratios), 4) if cpu_ratios else None,
-                "mean_batch_size": round(statistics.median(b["mean_batch_size"] for b in benches), 2),
+                # null where the server's answers carry no batch size (a rival may send none)
+                "mean_batch_size": round(statistics.median(sizes), 2) if (sizes := _sizes(benches)) else None,
                 "p50_ms": round(statistics.median(b["latency"]["all"]["p50_ms"] for b in benches), 1),
                 "other_cores": [b.get("cpu", {}).get("other_cores") for b in benches],
             }
@@ -76,11 +77,17 @@ def compare_markdown(result: dict[str, Any]) -> str:
     for row in result["variants"]:
         server = "-" if row["server_ms_per_request"] is None else f"{row['server_ms_per_request']:.3f}"
         cpu_ratio = "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}"
+        batch = "-" if row["mean_batch_size"] is None else f"{row['mean_batch_size']:.1f}"
         others = ", ".join("-" if o is None else f"{o:.2f}" for o in row["other_cores"])
         lines.append(
             f"| {row['variant']} | {row['median_rps']:.1f} ({', '.join(f'{r:.0f}' for r in row['throughput_rps'])}) "
             f"| {row['ratio']:.2f} ({', '.join(f'{r:.2f}' for r in row['ratios'])}) | {server} | {cpu_ratio} "
-            f"| {row['mean_batch_size']:.1f} | {row['p50_ms']:.0f} "
+            f"| {batch} | {row['p50_ms']:.0f} "
             f"| {others} |"
         )
     return "\n".join(lines)
+
+
+def _sizes(benches: list[dict[str, Any]]) -> list[float]:
+    """The runs' mean batch sizes, where their answers gave one."""
+    return [b["mean_batch_size"] for b in benches if b.get("mean_batch_size") is not None]
