@@ -68,6 +68,7 @@ def input_spec_for(arch: str) -> InputSpec:
         ),
         mean=tuple(float(value) for value in transforms.mean),
         std=tuple(float(value) for value in transforms.std),
+        background="drop",  # torchvision's loader: img.convert("RGB"), transparent pixels as stored
     )
 
 

@@ -61,7 +61,13 @@ class ResizeSpec(_Strict):
 
 
 class InputSpec(_Strict):
-    """The model's input: a ``channels x height x width`` float tensor, ``(x / 255 - mean) / std``."""
+    """The model's input: a ``channels x height x width`` float tensor, ``(x / 255 - mean) / std``.
+
+    ``background`` is what an image's transparent pixels become: composited onto ``black`` (the
+    bundled digits model reads light digits on a dark ground) or ``white``, or ``drop``: the alpha
+    is dropped and every pixel keeps its stored colour, as torchvision's reference loader
+    (``img.convert("RGB")``) gives ImageNet models their input.
+    """
 
     channels: Literal[1, 3]
     height: int = Field(ge=1, le=4096)
@@ -69,6 +75,7 @@ class InputSpec(_Strict):
     resize: ResizeSpec = ResizeSpec()
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    background: Literal["black", "white", "drop"] = "black"
 
     @model_validator(mode="after")
     def _per_channel(self) -> InputSpec:

@@ -206,23 +206,28 @@ def _undecodable(exc: BaseException, data: bytes, part: str) -> BadRequest:
     return BadRequest(message, code="undecodable_image")
 
 
-def _to_mode(image: Image.Image, channels: int) -> Image.Image:
+_GROUNDS = {"black": 0, "white": 255}  # the grey of each background a manifest may name
+
+
+def _to_mode(image: Image.Image, channels: int, background: str = "black") -> Image.Image:
+    """``image`` as ``L`` or ``RGB``, its transparent pixels made as ``background`` says
+    (``InputSpec.background``: composited onto black or white, or the alpha dropped)."""
     mode = "L" if channels == 1 else "RGB"
+    ground = _GROUNDS.get(background)  # None: the alpha is dropped, the stored colours kept
     if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         # 16-bit grey (a PNG's): Pillow's conversions clip at 255, so scale it to 8 bits first
         # (clipped before the cast: mode I is signed, and a negative value would wrap to white)
         wide = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
         gray = (wide >> 8).astype(np.uint8)
-        if isinstance(key := image.info.get("transparency"), int):  # its transparent grey (tRNS):
-            gray[wide == key] = 0  # black, as below, which the rebuilt image would not know of
+        if isinstance(key := image.info.get("transparency"), int) and ground is not None:
+            gray[wide == key] = ground  # its transparent grey (tRNS), which the rebuilt image would not know of
         image = Image.fromarray(gray, mode="L")
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        # transparent pixels become black: the bundled model reads light digits on a dark ground.
         # A palette's transparency, or a grey or colour PNG's transparent colour (its tRNS chunk),
         # is only in ``info``: convert applies it (such pixels came out as their colour, white say)
-        rgba = image.convert("RGBA")
-        ground = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
-        image = Image.alpha_composite(ground, rgba)
+        image = image.convert("RGBA")
+        if ground is not None:
+            image = Image.alpha_composite(Image.new("RGBA", image.size, (ground, ground, ground, 255)), image)
     return image.convert(mode) if image.mode != mode else image
 
 
@@ -381,7 +386,7 @@ def decode(data: bytes, spec: InputSpec, limits: ImageLimits, draft_tolerance: f
         image.load()
         if turned != 1:
             image = image.transpose(_TRANSPOSES[turned])
-        image = _to_mode(image, spec.channels)
+        image = _to_mode(image, spec.channels, spec.background)
         if _by_torch(spec) and _torch_resize_fits(*image.size, spec, limits.max_pixels):
             return _resized_tensor(_pixels(image), spec)
         image = _resize(image, spec, limits.max_pixels)

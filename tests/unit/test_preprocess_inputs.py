@@ -347,3 +347,54 @@ def test_a_rotated_jpeg_with_a_signed_resolution_decodes_upright() -> None:
     upright = io.BytesIO()
     Image.open(io.BytesIO(data)).convert("RGB").transpose(Image.Transpose.ROTATE_270).save(upright, "PNG")
     assert torch.equal(decode(data, IMAGENET, LIMITS), decode(upright.getvalue(), IMAGENET, LIMITS))
+
+
+def _cut_out_png() -> bytes:
+    """An e-commerce cut-out: an opaque red square on a transparent ground whose stored colour is white,
+    with a semi-transparent edge."""
+    image = Image.new("RGBA", (300, 300), (255, 255, 255, 0))
+    image.paste((200, 30, 30, 255), (90, 90, 210, 210))
+    image.paste((200, 30, 30, 128), (80, 80, 90, 220))
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def test_an_exported_imagenet_model_sees_transparency_as_torchvisions_loader_gives_it() -> None:
+    """Found in review: transparent pixels were composited onto black for every model. torchvision's
+    reference (ImageFolder's pil_loader, ``img.convert("RGB")``, then the weights' transforms) keeps
+    their stored colour: a cut-out on white came out on black, its edges darkened. An exported
+    model's manifest says ``drop``, as torchvision does; the bundled digits model keeps black."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as tvf
+
+    from app.inference.export import input_spec_for
+
+    spec = input_spec_for("mobilenet_v3_small")
+    assert spec.background == "drop" and DIGITS.background == "black"
+    data = _cut_out_png()
+    ours = decode(data, spec, LIMITS).float()
+    loaded = Image.open(io.BytesIO(data)).convert("RGB")  # torchvision.datasets.folder.pil_loader
+    resized = tvf.resize(loaded, spec.resize.resize_to, interpolation=InterpolationMode.BILINEAR, antialias=True)
+    theirs = tvf.pil_to_tensor(tvf.center_crop(resized, spec.height)).float()
+    assert float((ours - theirs).abs().mean()) < 1.0, float((ours - theirs).abs().mean())
+    assert int(decode(data, IMAGENET, LIMITS)[:, :4, :4].max()) == 0, "a spec that names none: black"
+
+
+@pytest.mark.parametrize("background", ["black", "white", "drop"])
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "L"])
+def test_each_background_a_manifest_names_is_what_transparent_pixels_become(background: str, mode: str) -> None:
+    """A fully transparent image whose stored colour is mid grey (a palette's or a tRNS grey's too)."""
+    stored = {"RGBA": (128, 128, 128, 0), "LA": (128, 0), "P": 0, "L": 128}[mode]
+    image = Image.new(mode, (16, 16), stored)  # type: ignore[arg-type]
+    options: dict[str, object] = {}
+    if mode == "P":
+        image.putpalette([128, 128, 128])
+        options["transparency"] = 0
+    elif mode == "L":
+        options["transparency"] = 128
+    out = io.BytesIO()
+    image.save(out, "PNG", **options)
+    spec = IMAGENET.model_copy(update={"background": background})
+    expected = {"black": 0, "white": 255, "drop": 128}[background]
+    assert {int(value) for value in decode(out.getvalue(), spec, LIMITS).unique()} == {expected}
