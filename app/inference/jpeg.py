@@ -86,7 +86,10 @@ def read_header(data: bytes) -> Header | None:
 def check_scans(data: bytes, header: Header, max_pixels: int) -> None:
     """Raises ``TooManyScans`` for a JPEG whose scans make more work than any encoder's output of
     an allowed size (``max_pixels``) makes."""
-    scans, pixels = _scan_count(data, header.first_scan), header.width * header.height
+    pixels = header.width * header.height
+    if pixels > max_pixels:
+        return  # the pixel limit refuses it (413) before a scan is decoded
+    scans = _scan_count(data, header.first_scan)
     most = min(MAX_SCANS, SCAN_PASSES * max_pixels // pixels) if pixels else MAX_SCANS
     if scans > most:
         raise TooManyScans(

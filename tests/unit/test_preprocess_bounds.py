@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from app.bench.limit.photos import synthetic_photo
-from app.errors import BadRequest
+from app.errors import BadRequest, PayloadTooLarge
 from app.inference import jpeg
 from app.inference.preprocess import MAX_PNG_CHUNKS, ImageLimits, decode
 from tests.unit.test_preprocess import IMAGENET, LIMITS
@@ -133,3 +133,13 @@ def test_a_header_of_too_many_markers_says_so() -> None:
         decode(padded, IMAGENET, LIMITS)
     assert refused.value.code == "undecodable_image"
     assert f"more than {jpeg.MAX_STEPS} markers before its image data" in refused.value.message
+
+
+def test_a_progressive_jpeg_past_the_pixel_limit_is_a_413_not_a_scan_400() -> None:
+    """The scan bound shrinks as the image grows: past the pixel limit it must not answer first."""
+    data = bytearray(_progressive_with_scans((64, 48), 10))
+    frame = data.index(b"\xff\xc2")  # SOF2: length, precision, height, width
+    data[frame + 5 : frame + 9] = struct.pack(">HH", 8000, 8000)
+    with pytest.raises(PayloadTooLarge) as refused:
+        decode(bytes(data), IMAGENET, LARGE)
+    assert refused.value.code == "image_too_many_pixels"
