@@ -81,9 +81,10 @@ _IMAGE_LIKE = bytes(range(256)) * 4  # every byte value: its base64 has + and /,
         (base64.urlsafe_b64encode(_IMAGE_LIKE).decode(), "URL-safe alphabet"),
         (base64.b64encode(_IMAGE_LIKE[:10]).decode().rstrip("="), "not a multiple of 4: pad it with '='"),
         ("QQ==QQ==", "'=' padding before its end"),
-        ("QUJé", "outside the base64 alphabet at offset 3"),
+        ("QUJé", "characters outside the base64 alphabet"),
+        ("QUJD!", "characters outside the base64 alphabet"),
     ],
-    ids=["wrapped", "a-space", "data-uri", "url-safe", "unpadded", "two-texts", "not-ascii"],
+    ids=["wrapped", "a-space", "data-uri", "url-safe", "unpadded", "two-texts", "not-ascii", "punctuation"],
 )
 def test_the_common_mistakes_are_each_told_apart(text: str, says: str) -> None:
     """Found in review: every mistake got 'not valid base64', and a client could not tell which of the
