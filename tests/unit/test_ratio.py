@@ -95,6 +95,23 @@ def test_the_report_takes_the_best_throughput_as_saturation() -> None:
     assert "service / limit: 0.85" in text and "`a=1`" in text
 
 
+def test_an_end_whose_formula_is_below_what_every_core_served_then_is_raised_to_it() -> None:
+    # the limit timed in a slow stretch: the same measurement's every-core run served more
+    slow = {
+        "limit": {"images_per_s": 300.0, "cpu_ms_per_image": 6.0, "best_batch": 16, "every_core_images_per_s": 350.0}
+    }
+    after = {
+        "limit": {"images_per_s": 450.0, "cpu_ms_per_image": 4.0, "best_batch": 16, "every_core_images_per_s": 420.0}
+    }
+    report = build_report(slow, [bench(64, 320.0)], None, {}, limit_after=after)
+    assert report["limit_runs_images_per_s"] == [350.0, 450.0] and report["limit_images_per_s"] == 400.0
+    assert report["saturation"]["ratio"] == 0.8 and report["saturation"]["ratio_by_end"] == [0.9143, 0.7111]
+    assert report["limit_cpu_ms_per_image"] == pytest.approx((6.0 * 300 / 350 + 4.0) / 2, abs=1e-4)
+    text = markdown(report)
+    assert "service / limit: 0.80 (against each end of the run alone: 0.91, 0.71)" in text
+    assert "300.0 by the formula" in text and "450.0 by the formula" not in text
+
+
 def test_the_server_s_own_loop_lag_in_the_saturation_window_is_reported() -> None:
     lag = {"samples": 40, "mean_ms": 2.5, "p99_at_most_ms": 25.0, "max_at_most_ms": None, "over_250ms": 1}
     saturated = bench(64, 340.0) | {"server_loop_lag": lag}
