@@ -41,6 +41,11 @@ def test_a_sample_belongs_to_the_stage_of_its_deepest_named_frame() -> None:
     frames = ("a (x/starlette/routing.py)", "b (r/app/api/body.py)", "base64_bytes (r/app/inference/preprocess.py)")
     assert stage_of(frames) == "base64 decode"
     assert stage_of(("mystery (nowhere.py)",)) == "other: mystery (nowhere.py)"
+    # the fast path's decode and resize run in C under these frames (simplejpeg, torch's uint8 kernel)
+    run = ("run (r/app/inference/runner.py)", "decode (r/app/inference/preprocess.py)")
+    assert stage_of((*run, "_decode_reduced (r/app/inference/preprocess.py)")) == "JPEG decode"
+    assert stage_of((*run, "decode_reduced (r/app/inference/jpeg.py)")) == "JPEG decode"
+    assert stage_of((*run, "_resized_tensor (r/app/inference/preprocess.py)")) == "resize"
     assert short(f"f ({SITE}/starlette/routing.py)") == "f (starlette/routing.py)"
     assert short("g (/work/main/app/service.py)") == "g (app/service.py)"
 

@@ -18,8 +18,10 @@ from app.bench.threads import group_name, thread_cpu
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base64 decode", ("b64decode", "a2b_base64", "base64_bytes")),
     ("JSON body parse", ("model_validate_json",)),
-    ("JPEG decode", ("ImageFile.load", "JpegImagePlugin")),
-    ("resize", ("Image.resize",)),
+    # the fast path's decode (simplejpeg, reduced in the DCT) and resize (torch's uint8 kernel) are
+    # C under these Python frames
+    ("JPEG decode", ("ImageFile.load", "JpegImagePlugin", "decode_reduced (")),
+    ("resize", ("Image.resize", "_resized_tensor (")),
     ("other image work (open, convert, to tensor)", ("PIL/", "preprocess.py", "numpy/")),
     ("model forward", ("torch/nn/modules", "LayeredModel.", "runner.py")),
     ("tracing (OpenTelemetry)", ("opentelemetry", "TracedRunner")),
