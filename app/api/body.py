@@ -21,7 +21,8 @@ from app.errors import (
     UnsupportedMediaType,
     dotted,
 )
-from app.inference.preprocess import ACCEPTED_FORMATS, base64_bytes
+from app.inference.encoded import base64_bytes
+from app.inference.preprocess import ACCEPTED_FORMATS
 
 IMAGE_TYPES = frozenset(ACCEPTED_FORMATS.values())
 JSON_TYPE = "application/json"

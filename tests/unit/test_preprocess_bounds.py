@@ -14,7 +14,8 @@ from PIL import Image
 from app.bench.limit.photos import synthetic_photo
 from app.errors import BadRequest, PayloadTooLarge
 from app.inference import jpeg
-from app.inference.preprocess import MAX_PNG_CHUNKS, ImageLimits, decode
+from app.inference.encoded import MAX_PNG_CHUNKS
+from app.inference.preprocess import ImageLimits, decode
 from tests.unit.test_preprocess import IMAGENET, LIMITS
 from tests.unit.test_preprocess_inputs import DIGITS
 
