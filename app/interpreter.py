@@ -79,7 +79,8 @@ def short_time_slice(slice_ns: int, thread: int = 0) -> bool:
     than wait for that slice's end; its share of the core is its nice value's as before. Only
     for a thread of the normal policy; its nice value is kept. False where the OS has no such
     call or refused it (an older kernel takes the call and ignores the slice)."""
-    number = _SCHED_SETATTR.get(platform.machine())
+    # the numbers are the 64-bit ABIs': a 32-bit process on a 64-bit kernel has other ones
+    number = _SCHED_SETATTR.get(platform.machine()) if struct.calcsize("P") == 8 else None
     if number is None or not sys.platform.startswith("linux"):
         return False
     try:
