@@ -118,6 +118,10 @@ class InferenceService:
             urgent_workers=self.threads.urgent,
             normal_nice=self.threads.normal_nice,
             urgent_slice_ns=round(model.urgent_slice_ms * 1_000_000),
+            urgent_pause_s=model.urgent_pause_ms / 1000,
+            # normal batches that may wait for an urgent one at once: the threads beyond the cores,
+            # so that every core stays busy while they wait (none where the cores suffice)
+            pausable=max(0, self.threads.workers + self.threads.urgent - cores),
         )
         server = settings.server
         self._tuning = Tuning(

@@ -306,8 +306,18 @@ class DeviceThread(WorkerThreads):
         urgent_workers: int = 0,
         normal_nice: int = 0,
         urgent_slice_ns: int = 0,
+        urgent_pause_s: float = 0.0,
+        pausable: int = 0,
     ) -> None:
-        super().__init__(name, workers, urgent_workers, normal_nice, urgent_slice_ns=urgent_slice_ns)
+        super().__init__(
+            name,
+            workers,
+            urgent_workers,
+            normal_nice,
+            urgent_slice_ns=urgent_slice_ns,
+            urgent_pause_s=urgent_pause_s,
+            pausable=pausable,
+        )
 
 
 class Fault(enum.Enum):

@@ -140,6 +140,7 @@ class ModelRunner:
         self._use_intra_op()
         self._decode(batch)
         generation = self._generation
+        self._device.yield_to_urgent()
         try:
             self._compute(batch, range(len(images)), self.model)
         except Exception as exc:  # a bug (or a model that cannot serve) fails the batch: not those it left out
@@ -182,6 +183,7 @@ class ModelRunner:
             # asked image by image: a request may go while the images before it decode
             if not isinstance(image, Encoded) or not batch.now((i,)):
                 continue
+            self._device.yield_to_urgent()  # a normal batch: an urgent one running takes the core first
             encoded = True
             try:
                 batch.images[i] = image.decode()

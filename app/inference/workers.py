@@ -108,6 +108,13 @@ class WorkerThreads:
     ``urgent_slice_ns`` gives the urgent-only threads that time slice (``short_time_slice``): woken
     for an urgent call, one pre-empts a normal call's thread on its core rather than wait out
     that thread's slice.
+
+    ``urgent_pause_s``: a normal call that asks (``yield_to_urgent``, at points where it may wait:
+    between a batch's images, before its forward pass) waits while an urgent call runs on another
+    thread, for at most that long in all, while fewer than ``pausable`` threads wait so. Where
+    threads outnumber the cores, an urgent batch otherwise shares its core with a normal one
+    (niced: at nice 2 it keeps 0.61 of it); ``pausable`` (the threads beyond the cores) leaves
+    every core busy while they wait.
     """
 
     def __init__(
@@ -118,6 +125,8 @@ class WorkerThreads:
         normal_nice: int = 0,
         nice: int = 0,
         urgent_slice_ns: int = 0,
+        urgent_pause_s: float = 0.0,
+        pausable: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"{name} needs at least one worker thread")
@@ -133,6 +142,13 @@ class WorkerThreads:
         self._normal_nice = normal_nice
         self._nice = nice  # every thread's, whatever it takes (a pool of background work: loads)
         self._urgent_slice_ns = urgent_slice_ns
+        # urgent calls running, the normal calls waiting for them to end (``yield_to_urgent``), and
+        # each thread's time left to wait within its current normal call (none outside one)
+        self._calm = threading.Condition(threading.Lock())
+        self._urgent_running = 0
+        self._paused = 0
+        self._pause_s, self._pausable = urgent_pause_s, pausable
+        self._budget = threading.local()
         # without urgent-only threads a niced thread would run urgent calls at the low priority
         kind = NORMAL_ONLY if normal_nice and urgent_workers else ANY
         names = [name if workers == 1 else f"{name}-{i}" for i in range(workers)]
@@ -213,13 +229,55 @@ class WorkerThreads:
         finally:
             del outcomes
 
-    def _next(self, kind: tuple[int, ...], own: deque[Call]) -> Call | None:
+    def _next(self, kind: tuple[int, ...], own: deque[Call]) -> tuple[Call, bool] | None:
+        """The next call this thread takes, and whether it is urgent (its own calls are not)."""
         if own:
-            return own.popleft()
+            return own.popleft(), False
         for priority in kind:
             if self._queues[priority]:
-                return self._queues[priority].popleft()
+                return self._queues[priority].popleft(), priority == URGENT
         return None
+
+    def yield_to_urgent(self) -> None:
+        """Called by a normal call where it may wait (between a batch's images, before its forward
+        pass): while an urgent call runs on another thread, wait for it to end, for what is left
+        of this call's ``urgent_pause_s``, unless ``pausable`` threads wait so already. A no-op
+        outside a normal call on these threads, and with no urgent call running (a plain read)."""
+        budget: float = getattr(self._budget, "left", 0.0)
+        if budget <= 0 or not self._urgent_running:
+            return
+        with self._calm:
+            if not self._urgent_running or self._paused >= self._pausable:
+                return
+            self._paused += 1
+            began = time.monotonic()
+            try:
+                self._calm.wait_for(lambda: not self._urgent_running, timeout=budget)
+            finally:
+                self._paused -= 1
+                self._budget.left = budget - (time.monotonic() - began)
+
+    def _begin(self, urgent: bool) -> None:
+        """A call begins on this thread: counted among the urgent calls running, or given the
+        time a normal call may wait for them (``yield_to_urgent``)."""
+        if not self._pause_s:
+            return
+        if urgent:
+            with self._calm:
+                self._urgent_running += 1
+        else:
+            self._budget.left = self._pause_s
+
+    def _end(self, urgent: bool) -> None:
+        if not self._pause_s:
+            return
+        if urgent:
+            with self._calm:
+                self._urgent_running -= 1
+                if not self._urgent_running:
+                    self._calm.notify_all()
+        else:
+            self._budget.left = 0.0
 
     def _wake_all(self) -> None:
         """Wake every idle thread (each has a call of its own, or the threads close). Under the lock."""
@@ -239,18 +297,25 @@ class WorkerThreads:
             short_time_slice(self._urgent_slice_ns)
         while True:
             with self._lock:
-                while (call := self._next(kind, own)) is None and not self._closing:
+                while (taken := self._next(kind, own)) is None and not self._closing:
                     self._idle[index] = None
                     wake.wait()
                     self._idle.pop(index, None)  # woken by a call another thread took first: idle again above
-                if call is None:
+                if taken is None:
                     return
                 # woken for one call, it may have taken another (an urgent one, first in its order,
                 # whose own thread then finds nothing): the call it was woken for wakes someone else
                 for priority in kind:
                     if self._queues[priority]:
                         self._wake_one(priority)
-            _run(call)  # its own frame: nothing of the call stays referenced while this thread waits
+            call, urgent = taken
+            del taken
+            self._begin(urgent)
+            try:
+                _run(call)  # its own frame: nothing of the call stays referenced while this thread waits
+            finally:
+                self._end(urgent)
+            del call  # a failed call's traceback reaches this frame (its f_back): no cycle through it
 
     def close(self, timeout_s: float = 10.0, cancel_waiting: bool = False) -> list[str]:
         """Finish what is queued (or cancel it), then stop, and join the threads (blocking, bounded).

@@ -237,6 +237,14 @@ class ModelSettings(_Group):
         description="OS priority offset (nice) of the threads running normal batches, where urgent-only ones exist; "
         "unset: 10, or 2 where the device threads decode (server.decode=batch)",
     )
+    urgent_pause_ms: float = Field(
+        default=30.0,
+        ge=0,
+        le=1000,
+        description="while an urgent batch runs, a normal batch on another device thread waits for it between "
+        "its images and before its forward pass, at most this long in all, where the device threads outnumber "
+        "the cores (as many as are beyond them), so the urgent one has a core to itself; 0: never",
+    )
     urgent_slice_ms: float = Field(
         default=0,
         ge=0,

@@ -4,6 +4,7 @@ before its batch never decoded, and where ``auto`` decodes."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -239,3 +240,22 @@ def test_the_normal_threads_are_niced_less_where_they_decode() -> None:
     assert plan_threads(CPU, 0, 0, 0, cores=2, decode_mode="auto", normal_nice=7).normal_nice == 7, "as set"
     assert plan_threads(GPU, 0, 0, 0, cores=16, decode_mode="auto").normal_nice == 10
     assert load_settings().model.normal_nice is None, "config/default.toml leaves it to the service"
+
+
+async def test_a_normal_batch_waits_for_the_urgent_batch_running_before_it_decodes(model: LayeredModel) -> None:
+    """Where device threads outnumber the cores, a normal batch gives an urgent one the core first."""
+    device = DeviceThread("pausing", workers=1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
+    started, gate = threading.Event(), threading.Event()
+    try:
+        held = device.submit(lambda: (started.set(), gate.wait(10))[1], urgent=True)
+        assert started.wait(10)
+        pending = [Counted(sample_png(3), model.manifest.input, LIMITS)]
+        batch = asyncio.ensure_future(ModelRunner(model, device, top_k=2)(pending))
+        await asyncio.sleep(0.05)
+        assert not batch.done() and pending[0].threads == [], "nothing decoded while the urgent batch runs"
+        gate.set()
+        answers = await batch
+        assert held.result(10) and isinstance(answers[0], TopK) and pending[0].threads == ["pausing"]
+    finally:
+        gate.set()
+        device.close()

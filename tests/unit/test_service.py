@@ -262,3 +262,15 @@ async def test_the_thread_plan_is_made_for_model_cores_where_set(repository: Pat
         assert (service.threads.workers, service.threads.intra_op) == (1, 1), service.threads
     finally:
         await service.close(0)
+
+
+async def test_normal_batches_wait_for_urgent_ones_as_far_as_the_threads_outnumber_the_cores(repository: Path) -> None:
+    # 2 cores: three normal device threads decoding their batches and the urgent one, two beyond the
+    # cores; 8 cores: two normal threads of four torch threads and the urgent one, none beyond them
+    for cores, plan, beyond in ((2, (3, 1), 2), (8, (2, 1), 0)):
+        service = InferenceService(settings_for(repository, cores=cores))
+        try:
+            assert (service.threads.workers, service.threads.urgent) == plan, service.threads
+            assert service._device_thread._pausable == beyond and service._device_thread._pause_s == 0.03
+        finally:
+            await service.close(0)

@@ -447,3 +447,65 @@ def test_a_normal_call_does_not_wait_while_a_thread_that_takes_it_idles() -> Non
         finally:
             release.set()
             workers.close()
+
+
+def _held_urgent(workers: WorkerThreads) -> tuple[threading.Event, Future[object]]:
+    """An urgent call running on the urgent-only thread until the returned event is set."""
+    started, gate = threading.Event(), threading.Event()
+
+    def urgent() -> object:
+        started.set()
+        return gate.wait(10)
+
+    call = workers.submit(urgent, urgent=True)
+    assert started.wait(10)
+    return gate, call
+
+
+def test_a_normal_call_that_yields_waits_for_the_urgent_call_running() -> None:
+    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
+    order: list[str] = []
+    try:
+        gate, urgent = _held_urgent(workers)
+        normal = workers.submit(lambda: (workers.yield_to_urgent(), order.append("normal")))
+        time.sleep(0.05)
+        assert not normal.done(), "it waits while the urgent call runs"
+        order.append("urgent ended")
+        gate.set()
+        normal.result(10)
+        assert urgent.result(10) and order == ["urgent ended", "normal"]
+    finally:
+        workers.close()
+
+
+def test_a_normal_call_waits_for_urgent_ones_at_most_its_budget_in_all() -> None:
+    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=0.05, pausable=1)
+    try:
+        gate, _ = _held_urgent(workers)
+
+        def normal() -> str:
+            for _ in range(100):  # 100 points where it may wait: 0.05 s in all, not 5 s
+                workers.yield_to_urgent()
+            return "done"
+
+        assert workers.submit(normal).result(3) == "done", "it went on with the urgent call still running"
+        gate.set()
+    finally:
+        workers.close()
+
+
+def test_no_wait_beyond_the_pausable_threads_nor_outside_a_normal_call() -> None:
+    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=0)
+    others = WorkerThreads("other", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
+    try:
+        gate, _ = _held_urgent(workers)
+        assert workers.submit(lambda: (workers.yield_to_urgent(), "went")[1]).result(3) == "went", "pausable 0"
+        workers.yield_to_urgent()  # on the test's own thread: not a call of these threads
+        other_gate, _ = _held_urgent(others)
+        urgent = others.submit(lambda: (others.yield_to_urgent(), "urgent")[1], urgent=True)
+        other_gate.set()
+        assert urgent.result(3) == "urgent", "an urgent call never waits for another"
+        gate.set()
+    finally:
+        workers.close()
+        others.close()
