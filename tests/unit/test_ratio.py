@@ -117,6 +117,14 @@ def test_an_end_whose_formula_is_below_what_every_core_served_then_is_raised_to_
     assert "300.0 by the formula" in text and "450.0 by the formula" not in text
 
 
+def test_a_bench_with_no_batch_size_shows_a_dash_in_the_markdown() -> None:
+    """A concurrency whose answers all failed (or a rival's, which carry none): bench reports null."""
+    unsized = bench(64, 340.0) | {"mean_batch_size": None}
+    text = markdown(build_report(LIMIT, [unsized, bench(16, 300.0)], None, {}))
+    assert "requests/s, mean batch -" in text
+    assert "| 64 | 340.0 | 0.85 | - | 100 |" in text and "| 16 | 300.0 | 0.75 | 12.0 | 100 |" in text
+
+
 def test_the_server_s_own_loop_lag_in_the_saturation_window_is_reported() -> None:
     lag = {"samples": 40, "mean_ms": 2.5, "p99_at_most_ms": 25.0, "max_at_most_ms": None, "over_250ms": 1}
     saturated = bench(64, 340.0) | {"server_loop_lag": lag}
@@ -146,6 +154,25 @@ def test_a_rival_whose_answers_carry_no_batch_size_is_compared_all_the_same() ->
     rows = {row["variant"]: row for row in result["variants"]}
     assert rows["rival"]["mean_batch_size"] is None and rows["ours"]["mean_batch_size"] is not None
     assert "| rival | 300.0 (300, 300) | 0.75 (0.75, 0.75) | 5.000 | 0.90 | - |" in compare_markdown(result)
+
+
+RAISED = {"limit": {"images_per_s": 500.0, "cpu_ms_per_image": 6.0, "best_batch": 16, "every_core_images_per_s": 600.0}}
+
+
+def test_compare_takes_a_limit_as_the_report_does_raised_to_what_every_core_served() -> None:
+    result = compare(RAISED, [("a", bench(64, 300.0, 4.0), None)])
+    row = result["variants"][0]
+    assert result["limit_images_per_s"] == 600.0 and result["limit_cpu_ms_per_image"] == 5.0  # 6.0 * 500 / 600
+    assert row["ratio"] == 0.5 and row["cpu_ratio"] == 1.25
+    report = build_report(RAISED, [bench(64, 300.0, 4.0)], None, {})
+    assert (row["ratio"], row["cpu_ratio"]) == (report["saturation"]["ratio"], report["saturation"]["cpu_ratio"])
+    assert "(the formula read 500.0; raised to what every core served" in compare_markdown(result)
+    # a round's own limit likewise: the threads' run served more than the formula there
+    slow = {"limit": {**RAISED["limit"], "images_per_s": 300.0, "every_core_images_per_s": 280.0}}
+    slow["limit"]["every_thread_images_per_s"] = 400.0
+    rounds = compare(RAISED, [("a", bench(64, 300.0), RAISED), ("a", bench(64, 300.0), slow)])
+    assert rounds["round_limits"] == [600.0, 400.0] and rounds["round_limits_formula"] == [500.0, 300.0]
+    assert rounds["variants"][0]["ratios"] == [0.5, 0.75]
 
 
 def test_each_round_is_divided_by_its_own_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from app.bench.ratio.ends import EndLimit, end_limit
+
 Run = tuple[str, dict[str, Any], dict[str, Any] | None]
 """A variant's label, one round's bench report, and the limit measured in that round (if any)."""
 
@@ -16,19 +18,20 @@ def compare(limit: dict[str, Any], runs: Sequence[Run]) -> dict[str, Any]:
 
     A run with its round's own limit is divided by that one: the machine's speed drifts
     between rounds, and a ratio taken within a minute is steadier than one across the run.
+    Each limit is taken as ``ratio report`` takes an end's (``ends.end_limit``: the formula, or
+    what every core served in the same measurement where that was more).
     """
-    images_per_s = float(limit["limit"]["images_per_s"])
-    limit_ms = float(limit["limit"]["cpu_ms_per_image"])
-    by_label: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    headline = end_limit(limit)
+    by_label: dict[str, list[tuple[dict[str, Any], EndLimit]]] = defaultdict(list)
     for label, bench, round_limit in runs:
-        by_label[label].append((bench, (round_limit or limit)["limit"]))
+        by_label[label].append((bench, end_limit(round_limit or limit)))
     rows = []
     for label, pairs in by_label.items():
         benches = [bench for bench, _ in pairs]
         rps = statistics.median(float(b["throughput_rps"]) for b in benches)
-        ratios = [float(b["throughput_rps"]) / float(lim["images_per_s"]) for b, lim in pairs]
+        ratios = [float(b["throughput_rps"]) / lim.images_per_s for b, lim in pairs]
         cpu_ratios = [
-            float(lim["cpu_ms_per_image"]) / float(b["cpu"]["server_ms_per_request"])
+            lim.cpu_ms_per_image / float(b["cpu"]["server_ms_per_request"])
             for b, lim in pairs
             if b.get("cpu", {}).get("server_ms_per_request")
         ]
@@ -54,16 +57,25 @@ def compare(limit: dict[str, Any], runs: Sequence[Run]) -> dict[str, Any]:
         if round_limit is not None and not any(round_limit is seen for seen in round_limits):
             round_limits.append(round_limit)
     return {
-        "limit_images_per_s": images_per_s,
-        "limit_cpu_ms_per_image": limit_ms,
-        "round_limits": [float(r["limit"]["images_per_s"]) for r in round_limits],
+        "limit_images_per_s": headline.images_per_s,
+        "limit_cpu_ms_per_image": round(headline.cpu_ms_per_image, 4),
+        "limit_formula_images_per_s": headline.formula_images_per_s,
+        "round_limits": [end_limit(r).images_per_s for r in round_limits],
+        "round_limits_formula": [end_limit(r).formula_images_per_s for r in round_limits],
         "variants": rows,
     }
 
 
 def compare_markdown(result: dict[str, Any]) -> str:
+    """The variants as a markdown table, under the limit they were divided by."""
+    formula = result.get("limit_formula_images_per_s", result["limit_images_per_s"])
     lines = [
         f"limit {result['limit_images_per_s']:.1f} images/s, {result['limit_cpu_ms_per_image']:.3f} ms CPU per image"
+        + (
+            f" (the formula read {formula:.1f}; raised to what every core served in the same measurement)"
+            if formula < result["limit_images_per_s"]
+            else ""
+        )
         + (
             f"; per round: {', '.join(f'{v:.0f}' for v in result['round_limits'])}"
             if result.get("round_limits")

@@ -8,24 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.bench.loadgen.scrape import lag_line
+from app.bench.ratio.ends import end_limit
 from app.bench.threads import threads_text
 
 
 def saturation(benches: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The bench with the highest throughput."""
     return max(benches, key=lambda b: float(b["throughput_rps"]))
-
-
-def end_limit(end: dict[str, Any]) -> float:
-    """One end's limit in images/s: the formula's (cores / the CPU an image costs), or more where
-    a pipeline with no serving layer measured in the same run served more (every core at once,
-    in processes or in threads). Such a run is what the machine did then, so a formula below it
-    had its costs timed in a slow stretch, and dividing by it would flatter the ratio."""
-    measured = end["limit"]
-    return max(float(measured[key]) for key in ("images_per_s", *CEILINGS) if key in measured)
-
-
-CEILINGS = ("every_core_images_per_s", "every_thread_images_per_s")
 
 
 def build_report(
@@ -48,13 +37,10 @@ def build_report(
     """
     best = saturation(benches)
     ends = [limit] if limit_after is None else [limit, limit_after]
-    floored = [end_limit(end) for end in ends]
+    limits = [end_limit(end) for end in ends]
+    floored = [lim.images_per_s for lim in limits]
     images_per_s = statistics.mean(floored)
-    # the CPU an image costs at that rate: the formula's, scaled where the end was raised
-    limit_ms = statistics.mean(
-        float(end["limit"]["cpu_ms_per_image"]) * float(end["limit"]["images_per_s"]) / rate
-        for end, rate in zip(ends, floored, strict=True)
-    )
+    limit_ms = statistics.mean(lim.cpu_ms_per_image for lim in limits)
     cpu = best.get("cpu", {})
     server_ms = cpu.get("server_ms_per_request")
     report: dict[str, Any] = {
@@ -63,7 +49,7 @@ def build_report(
         "limit_cpu_ms_per_image": round(limit_ms, 4),
         "limit_runs_images_per_s": [round(rate, 1) for rate in floored],
         # the formula's own figures, where a run of the same end served more (see end_limit)
-        "limit_formula_images_per_s": [end["limit"]["images_per_s"] for end in ends],
+        "limit_formula_images_per_s": [lim.formula_images_per_s for lim in limits],
         "limit_best_batch": limit["limit"]["best_batch"],
         "saturation": {
             "concurrency": best.get("concurrency"),
@@ -142,7 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
         + ")",
         f"- service at saturation (concurrency {sat['concurrency']}, {sat.get('urgent_fraction', 0.0):.0%} urgent): "
         f"{sat['throughput_rps']:.1f} requests/s, "
-        f"mean batch {sat['mean_batch_size']:.1f}",
+        f"mean batch {_batch(sat['mean_batch_size'])}",
     ]
     lines += _ceilings(report)
     if "core" in report:
@@ -191,9 +177,9 @@ def markdown(report: dict[str, Any]) -> str:
         server = row["server_ms_per_request"]
         other = row["other_cores"]
         lines.append(
-            f"| {row['concurrency']} | {row['throughput_rps']:.1f} | {row['ratio']:.2f} | {row['mean_batch_size']:.1f} "
-            f"| {row['p50_ms']:.0f} | {row['p99_ms']:.0f} | {'-' if server is None else f'{server:.3f}'} "
-            f"| {'-' if other is None else f'{other:.2f}'} |"
+            f"| {row['concurrency']} | {row['throughput_rps']:.1f} | {row['ratio']:.2f} "
+            f"| {_batch(row['mean_batch_size'])} | {row['p50_ms']:.0f} | {row['p99_ms']:.0f} "
+            f"| {'-' if server is None else f'{server:.3f}'} | {'-' if other is None else f'{other:.2f}'} |"
         )
     profile = report.get("profile")
     if profile:
@@ -237,3 +223,8 @@ def _ceilings(report: dict[str, Any]) -> list[str]:
             + (f", its core with no HTTP {float(core['throughput_rps']) / threads:.2f}" if core else "")
         )
     return lines
+
+
+def _batch(size: float | None) -> str:
+    """A mean batch size; '-' where no answer gave one (none came back, or a rival's answers carry none)."""
+    return "-" if size is None else f"{size:.1f}"
