@@ -130,10 +130,13 @@ def errors_of(report: dict) -> str:
 
 
 def memory_line(report: dict) -> str:
-    rss = report.get("server_rss_mb", {})
+    rss, pss = report.get("server_rss_mb", {}), report.get("server_pss_mb")
+    processes = report.get("server_memory", {}).get("processes", 1)
     return (
-        f"- server memory (RSS, once a second): first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
+        f"- server memory (RSS{f' of its {processes} processes' if processes > 1 else ''}, once a second): "
+        f"first {rss.get('first')} MiB, last {rss.get('last')} MiB, "
         f"max {rss.get('max')} MiB; over the second half of the minute {rss.get('second_half_growth', 0):+} MiB"
+        + (f" (PSS, shared pages counted once: max {pss['max']} MiB, {pss['second_half_growth']:+} MiB)" if pss else "")
     )
 
 

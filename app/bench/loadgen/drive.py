@@ -62,23 +62,8 @@ async def _drive_load(send: Send, args: argparse.Namespace, run: Run) -> dict[st
         if args.server_metrics:
             run.lag_before = await scrape_lag(args.target)
 
-    def read_memory(pid: int) -> bool:
-        if (memory := tree_memory(pid)) is None:
-            return False
-        run.rss_mb.append(memory.mb)
-        run.memory_measure.add(memory.measure)
-        run.memory_processes = max(run.memory_processes, memory.processes)
-        return True
-
-    async def watch_memory(pid: int) -> None:
-        await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
-        while True:
-            if not read_memory(pid):  # the server is gone
-                return
-            await asyncio.sleep(1.0)
-
     watcher = asyncio.create_task(watch_cpu())
-    memory = asyncio.create_task(watch_memory(args.server_pid)) if args.server_pid is not None else None
+    memory = asyncio.create_task(watch_memory(args.server_pid, run)) if args.server_pid is not None else None
     ran_to_stop = False  # a closed loop's clients send until stop_at, and their last answers come after it
     if args.rate is None:
         capped = await closed_loop(send, args.concurrency, args.urgent_fraction, stop_at, args.requests, run, rng)
@@ -108,9 +93,34 @@ async def _drive_load(send: Send, args: argparse.Namespace, run: Run) -> dict[st
             run.lag_after = await scrape_lag(args.target)
     if memory is not None:
         memory.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await memory
         if run.rss_mb:
-            read_memory(args.server_pid)
+            await read_memory(args.server_pid, run)
     return mode
+
+
+async def watch_memory(pid: int, run: Run) -> None:
+    """The server's memory once a second from the measured window's start, until cancelled or
+    the server is gone."""
+    await asyncio.sleep(max(0.0, run.measured_from - time.perf_counter()))
+    while True:
+        if not await read_memory(pid, run):  # the server is gone
+            return
+        await asyncio.sleep(1.0)
+
+
+async def read_memory(pid: int, run: Run) -> bool:
+    """One reading of the server's memory into ``run``; False once the server is gone. Read in a
+    thread: PSS walks the server's page tables in the kernel, milliseconds per GB resident, and a
+    stall of this loop would hold the client's sends back and read as the server's latency."""
+    if (memory := await asyncio.to_thread(tree_memory, pid)) is None:
+        return False
+    run.rss_mb.append(memory.rss_mb)
+    if memory.pss_mb is not None:
+        run.pss_mb.append(memory.pss_mb)
+    run.memory_processes = max(run.memory_processes, memory.processes)
+    return True
 
 
 async def bench(args: argparse.Namespace, images: Sequence[bytes]) -> dict[str, Any]:

@@ -64,8 +64,8 @@ class Run:
     cpu_after: dict[str, float] | None = None
     threads_before: dict[int, Scheduled] | None = None  # the server's threads, by the scheduler's account
     threads_after: dict[int, Scheduled] | None = None
-    rss_mb: list[float] = field(default_factory=list)  # the server's process tree's memory, once a second
-    memory_measure: set[str] = field(default_factory=set)  # how it was read: "pss", or "rss" where PSS was not
+    rss_mb: list[float] = field(default_factory=list)  # the server's process tree's RSS, once a second
+    pss_mb: list[float] = field(default_factory=list)  # and its PSS, at the readings where it was readable
     memory_processes: int = 0  # the most processes the tree held at a reading
     lag_before: LagHistogram | None = None  # the server's event-loop lag histogram at the window's ends
     lag_after: LagHistogram | None = None

@@ -191,12 +191,14 @@ def summarise(
         # to the answer built; the client's count adds the network, its own sending late, its reading
         if timed := [s.timings_ms["total"] for s in ok if s.timings_ms and "total" in s.timings_ms]:
             extra["ok_past_deadline_server"] = sum(1 for total in timed if float(total) > deadline_ms)
-    if run.rss_mb:  # over the server's process tree, as its CPU is: PSS where every reading had it
+    if run.rss_mb:  # over the server's process tree, as its CPU is
+        # RSS counts a page that n of the tree's processes share n times; for a server of one
+        # process it is its VmRSS, comparable with earlier reports. PSS counts such a page once,
+        # and is given where every reading had it (another user's server keeps it unreadable).
         extra["server_rss_mb"] = memory_summary(run.rss_mb)
-        extra["server_memory"] = {
-            "measure": "+".join(sorted(run.memory_measure)),  # "pss+rss": the readings differed
-            "processes": run.memory_processes,
-        }
+        if len(run.pss_mb) == len(run.rss_mb):
+            extra["server_pss_mb"] = memory_summary(run.pss_mb)
+        extra["server_memory"] = {"processes": run.memory_processes}
     if ignored := Counter(name for s in ok for name in s.dropped):  # figures that could not be read
         extra["ignored_figures"] = dict(ignored)
     if run.lag_before is not None and run.lag_after is not None:

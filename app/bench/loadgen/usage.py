@@ -43,7 +43,7 @@ def tree_cpu_s(pid: int) -> float:
 
 
 def memory_summary(samples_mb: Sequence[float]) -> dict[str, float]:
-    """The server's resident memory over the window (samples once a second): first, last and
+    """The server's memory over the window (samples once a second): first, last and
     max, and how much it grew over the window's second half (from the middle sample to the last):
     queues filling and allocators reaching their largest batch show in the first half, while a
     leak goes on growing through the second."""
@@ -68,26 +68,30 @@ def _kib(path: Path, key: str) -> int | None:
 
 @dataclass(frozen=True)
 class TreeMemory:
-    """The memory of a server's process tree at one moment."""
+    """The memory of a server's process tree at one moment, in MiB, by two measures."""
 
-    mb: float
-    measure: str  # "pss": proportional set size (a page shared by n processes counts 1/n); "rss": resident
+    rss_mb: float  # resident set size (``VmRSS``): a page shared by n of the processes counts n times
+    pss_mb: float | None  # proportional set size: such a page counts 1/n in each; None where unreadable
     processes: int
 
 
 def tree_memory(pid: int) -> TreeMemory | None:
-    """The memory of ``pid`` and every process under it, in MiB, as ``tree_cpu_s`` charges their CPU:
-    a server that runs its model in child processes (LitServe's workers, a Ray replica) holds it
-    there. PSS (``/proc/PID/smaps_rollup``) where every process's is readable, so that pages shared
-    after a fork count once; else RSS (``VmRSS``), which counts them in each. None once ``pid`` is gone."""
+    """The memory of ``pid`` and every process under it, as ``tree_cpu_s`` charges their CPU: a
+    server that runs its model in child processes (LitServe's workers, a Ray replica) holds it
+    there. RSS (``/proc/PID/status``) always: for a server of one process it is that process's
+    VmRSS, the figure earlier reports gave; PSS (``/proc/PID/smaps_rollup``, which walks each
+    process's page tables: milliseconds per GB resident) where every process's is readable, so
+    that pages shared after a fork count once. None once ``pid`` is gone."""
     rss = {p: _kib(Path(f"/proc/{p}/status"), "VmRSS:") for p in [pid, *(c for c, _ in descendants(pid))]}
     if rss[pid] is None:
         return None
     live = {p: kib for p, kib in rss.items() if kib is not None}  # a child that ended meanwhile: left out
-    pss = {p: _kib(Path(f"/proc/{p}/smaps_rollup"), "Pss:") for p in live}
-    if all(kib is not None for kib in pss.values()):
-        return TreeMemory(sum(kib or 0 for kib in pss.values()) / 1024, "pss", len(live))
-    return TreeMemory(sum(live.values()) / 1024, "rss", len(live))
+    pss = [_kib(Path(f"/proc/{p}/smaps_rollup"), "Pss:") for p in live]
+    return TreeMemory(
+        rss_mb=sum(live.values()) / 1024,
+        pss_mb=None if None in pss else sum(kib or 0 for kib in pss) / 1024,
+        processes=len(live),
+    )
 
 
 def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float]:
