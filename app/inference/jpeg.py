@@ -29,10 +29,12 @@ import simplejpeg
 from PIL import Image
 
 SOI, SOS, EOI, APP1, APP2 = 0xD8, 0xDA, 0xD9, 0xE1, 0xE2
+TEM = 0x01  # a marker without a length, as SOI and EOI (and RST0-RST7)
 JPEG_START = b"\xff\xd8"  # SOI, every JPEG's first two bytes
 EXIF, XMP, MPF = b"Exif\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00", b"MPF\x00"
 ORIENTATION, SHORT = 0x0112, 3
 # markers, and runs of junk or fill bytes, walked before the first scan: a camera's header has a few dozen
+# (and the markers walked from it to the image's end: a progressive JPEG has two or three a scan)
 MAX_STEPS = 512
 # junk and fill bytes between those markers, all told: writers leave a few hundred to a few thousand
 # (zeros after an EXIF, an APPn shorter than it says), which libjpeg skips with a warning; Pillow's walk
@@ -40,17 +42,17 @@ MAX_STEPS = 512
 # this many, 4 ms to open and load a 64x64 JPEG, against 0.1 ms without them)
 MAX_JUNK = 64 * 1024
 BYTE_ORDERS: dict[bytes, Literal["little", "big"]] = {b"II": "little", b"MM": "big"}
-SCAN_START = b"\xff\xda"  # SOS: a 0xFF in entropy-coded data is followed by 0x00, so this counts every scan
 # the frame headers (SOF0-SOF15 but DHT, JPG and DAC), which give the image's size
 FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # Scans are bounded by the work they make, scans x pixels: each is a pass of the decoder over every
 # block of the image, whatever scale it decodes at (a 4000 x 4000 grey JPEG: about 31 ms a scan, so a
 # 1,000-scan file of 94 KB kept a decode thread for 31 s). libjpeg's progressive scripts write 6
-# (grey), 10 (colour) or 18 (CMYK) scans, and a stereo MPO's second picture as many again (20 for
-# colour); an EXIF thumbnail's scans lie in its APP1 segment, before the first scan, and are not
-# counted. So SCAN_PASSES passes over server.max_image_pixels are allowed, which every encoder's
-# output of an allowed size passes with room to spare: 0.75 s of a core at the 16 Mpx default, where
-# 64 scans of any size (2 s) were before.
+# (grey), 10 (colour) or 18 (CMYK) scans. Only the scans before the image's end (its EOI) are
+# counted: libjpeg stops there, and Pillow decodes an MPO's first picture only, so what follows is
+# never decoded (a Motion Photo's MP4, an MPO's second picture, an Ultra HDR gain map); nor are an
+# EXIF thumbnail's scans, which lie in its APP1 segment. So SCAN_PASSES passes over
+# server.max_image_pixels are allowed, which every encoder's output of an allowed size passes with
+# room to spare: 0.75 s of a core at the 16 Mpx default, where 64 scans of any size (2 s) were before.
 SCAN_PASSES = 24
 # and at most this many scans whatever the size (each has a cost of its own: markers, tables, buffers)
 MAX_SCANS = 64
@@ -98,13 +100,37 @@ def check_scans(data: bytes, header: Header, max_pixels: int) -> None:
 
 
 def _scan_count(data: bytes, start: int = 0) -> int:
-    """The SOS markers in ``data`` from ``start`` on, counted by numpy's comparisons, which let go of
-    the GIL: ``bytes.count`` held it for 160 µs over a 190 KB photo, the event loop waiting. Two masks
-    and'ed, not the bytes after each 0xFF picked out by a mask: that indexing held the GIL over
-    the whole photo (a device thread's most frequent line holding it, by ``py-spy --gil``); for
-    the 69 KB photos, 15-17 against 22 µs, and half again as many calls beside a busy thread."""
-    octets = np.frombuffer(data, dtype=np.uint8, offset=min(start, len(data)))
-    return int(np.count_nonzero((octets[:-1] == SCAN_START[0]) & (octets[1:] == SCAN_START[1])))
+    """The scans (SOS markers) from the marker at ``start`` to the image's end, its first EOI: the
+    markers walked as libjpeg reads them, a segment stepped over by its length (a comment or a
+    table between scans may hold bytes that read as an EOI or an SOS), entropy-coded data to the
+    next 0xFF that is no stuffed 0x00 nor a restart marker. Beyond ``MAX_STEPS`` markers the
+    walk stops, and every SOS pair after it is counted, as many as there can be.
+
+    The 0xFF bytes are found by numpy's comparison and ``flatnonzero``, which let go of the GIL
+    (``bytes.count`` held it for 160 µs over a 190 KB photo, the event loop waiting); what is then
+    indexed holding it is the 0xFF bytes alone (one in about 256 of entropy-coded data: a mask over
+    the whole photo, indexed, held it throughout), and Python steps over the markers alone, two for
+    a baseline photo, a few dozen for a progressive one."""
+    octets = np.frombuffer(data, dtype=np.uint8)
+    start = min(start, len(data))
+    ff_at = np.flatnonzero(octets[start:-1] == 0xFF) + start
+    after = octets[ff_at + 1]
+    # a marker is a 0xFF followed by neither 0x00 (a stuffed byte), 0xFF (fill) nor RST0-RST7
+    markers = ff_at[(after != 0x00) & (after != 0xFF) & ((after < 0xD0) | (after > 0xD7))]
+    scans, at, index = 0, start, 0
+    for _ in range(MAX_STEPS):
+        index = int(np.searchsorted(markers, at))
+        if index == len(markers):
+            return scans
+        at = int(markers[index])
+        marker = data[at + 1]
+        if marker == EOI:
+            return scans
+        if marker == SOS:
+            scans += 1
+        at += 2 if marker in (SOI, TEM) else 2 + max(int.from_bytes(data[at + 2 : at + 4], "big"), 2)
+    rest = markers[index + 1 :]
+    return scans + int(np.count_nonzero(octets[rest + 1] == SOS))
 
 
 def decode_reduced(

@@ -305,8 +305,34 @@ def test_pillow_reads_the_decoded_pixels_where_they_are(channels: int) -> None:
     assert (seen if channels == 1 else seen[0]) == pixels[7, 11, 0]  # type: ignore[index]
 
 
-@given(st.lists(st.sampled_from([b"\xff", b"\xda", b"\x00", b"\xff\xda", b"\xd8", b"a"]), max_size=200))
-def test_the_scan_count_is_the_count_of_sos_markers(pieces: list[bytes]) -> None:
-    """Counted by numpy's comparisons (which let go of the GIL), as ``bytes.count`` would count them."""
+def _scans_a_byte_at_a_time(data: bytes) -> int:
+    """The SOS markers up to the first EOI, read as libjpeg reads them: a segment stepped over by its
+    length, anything else up to the next 0xFF that is no stuffed 0x00, fill byte or RST0-RST7."""
+    scans, at = 0, 0
+    while at + 1 < len(data):
+        marker = data[at + 1]
+        if data[at] != 0xFF or marker in (0x00, 0xFF) or 0xD0 <= marker <= 0xD7:
+            at += 1
+            continue
+        if marker == 0xD9:
+            return scans
+        scans += marker == 0xDA
+        at += 2 if marker in (0xD8, 0x01) else 2 + max(int.from_bytes(data[at + 2 : at + 4], "big"), 2)
+    return scans
+
+
+_PIECES = [b"\xff", b"\xda", b"\x00", b"\xff\xda", b"\xff\xd9", b"\xff\xd0", b"\xff\xfe", b"\x00\x04", b"\xd8", b"a"]
+
+
+@given(st.lists(st.sampled_from(_PIECES), max_size=200))
+def test_the_scan_count_is_the_count_of_sos_markers_to_the_images_end(pieces: list[bytes]) -> None:
+    """Found by numpy's comparisons (which let go of the GIL) and a Python step a marker, the count
+    is a walk's a byte at a time: the scans before the first EOI, none inside a segment."""
     data = b"".join(pieces)
-    assert jpeg._scan_count(data) == data.count(b"\xff\xda")
+    assert jpeg._scan_count(data) == _scans_a_byte_at_a_time(data)
+
+
+def test_scans_past_the_markers_walked_are_all_counted() -> None:
+    """Past ``MAX_STEPS`` markers the walk stops, and the SOS markers after it are counted as they are."""
+    data = b"\xff\xd8" + b"\xff\xda\x00\x02" * 1_000 + b"\xff\xd9"
+    assert jpeg._scan_count(data) == 1_000 > jpeg.MAX_STEPS

@@ -144,3 +144,39 @@ def test_a_progressive_jpeg_past_the_pixel_limit_is_a_413_not_a_scan_400() -> No
     with pytest.raises(PayloadTooLarge) as refused:
         decode(bytes(data), IMAGENET, LARGE)
     assert refused.value.code == "image_too_many_pixels"
+
+
+def _jpeg(image: Image.Image, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "trailer",
+    [
+        b"\x00" * 1000 + b"\xff\xda\x00" * 40,  # as many as a Motion Photo's MP4 of 2.6 MB holds (one in 64 KiB)
+        _jpeg(Image.new("RGB", (640, 480)), progressive=True) * 4,  # pictures after the first, as an MPO's: 40 scans
+    ],
+    ids=["video", "pictures"],
+)
+def test_what_follows_a_jpegs_end_is_no_scan_of_it(trailer: bytes) -> None:
+    """libjpeg stops at the image's EOI (and Pillow decodes an MPO's first picture), so what follows
+    it is never decoded: a phone's Motion Photo (a 12.5 Mpx JPEG, then an MP4 of a few MB) was
+    refused as 'the JPEG has 41 scans over 4080x3072 pixels; at most 30 are decoded'."""
+    plain = _jpeg(Image.new("RGB", (4080, 3072)))
+    limits = ImageLimits(max_bytes=1 << 24, max_pixels=16_000_000)
+    assert torch.equal(decode(plain + trailer, IMAGENET, limits), decode(plain, IMAGENET, limits))
+
+
+def test_scans_past_the_bound_are_refused_whatever_bytes_a_segment_between_them_holds() -> None:
+    """The count stops at the image's EOI, found by walking the markers as libjpeg reads them: a
+    comment between two scans may hold the bytes of an EOI (or of an SOS), which end nothing."""
+    data = _progressive_with_scans((4000, 4000), 60)
+    second = data.index(b"\xff\xda", data.index(b"\xff\xda") + 2)
+    comment = b"\xff\xfe\x00\x06\xff\xd9\xff\xda"  # COM, its length, then 'EOI' and 'SOS'
+    crafted = data[:second] + comment + data[second:] + b"\xff\xda\x00" * 40  # and bytes after the EOI
+    assert jpeg._scan_count(crafted) == 60
+    with pytest.raises(BadRequest) as refused:
+        decode(crafted, IMAGENET, LARGE)
+    assert "60 scans over 4000x4000 pixels; at most 24" in refused.value.message
