@@ -14,11 +14,18 @@ from app.errors import BadRequest
 
 JPEG_SIGNATURE = b"\xff\xd8\xff"  # SOI and the first marker's 0xFF: what Pillow's JPEG plugin accepts
 PNG_START = b"\x89PNG\r\n\x1a\n"
-# chunks a PNG may have: libpng writes 8 KiB IDATs (a 1 MiB PNG has about 130 chunks, a 32 MiB one
-# 4,096). Pillow walks every chunk in Python holding the GIL (a read, a CRC check, a log call): a
-# 64x64 PNG with 50,000 empty chunks (611 KB) took it 135 ms to open and load, against 0.2 ms
-# without them and 6.2 ms for a 640x480 PNG of 713 KB; a megabyte holds 87,000 such chunks
+# chunks a PNG may have: MAX_PNG_CHUNKS, and one more for every PNG_CHUNK_BYTES of the file. Pillow
+# walks every chunk in Python holding the GIL (a read, a CRC check, a log call): a 64x64 PNG with
+# 50,000 empty chunks (611 KB) took it 135 ms to open and load, against 0.2 ms without them and
+# 6.2 ms for a 640x480 PNG of 713 KB; a megabyte holds 87,000 such chunks. libpng writes 8 KiB
+# IDATs, so its PNGs have half the chunks the size allows (a 1 MiB one about 130, a 64 MiB one,
+# server.max_image_bytes' largest, about 8,200, against 20,480 allowed): a fixed 4,096 refused
+# every libpng PNG over 32 MiB. Pillow's walk of as many chunks as the size allows costs it 2.7 µs
+# per 4 KiB of the file (by the figure above; 55 ms at 64 MiB).
 MAX_PNG_CHUNKS = 4096
+PNG_CHUNK_BYTES = 4096
+# an APNG's frame count as Pillow takes it from an acTL chunk (more is refused as invalid)
+MAX_APNG_FRAMES = 0x80000000
 
 
 def base64_bytes(text: str) -> bytes:
@@ -62,18 +69,40 @@ def base64_mistake(text: str) -> str:
     return "image_base64 is not valid base64"
 
 
+def png_chunk_limit(size: int) -> int:
+    """The chunks a PNG of ``size`` bytes may have before Pillow walks them."""
+    return MAX_PNG_CHUNKS + size // PNG_CHUNK_BYTES
+
+
 def check_png_chunks(data: bytes) -> None:
-    """400 for a PNG of more chunks than ``MAX_PNG_CHUNKS``, before Pillow walks them: a step
-    here is a length read and a skip (about 0.1 µs), where Pillow's is several µs."""
+    """400 for a PNG of more chunks than ``png_chunk_limit`` allows, before Pillow walks them: a
+    step here is a type compared, a length read and a skip (a fraction of a µs), where Pillow's is
+    several µs. Only the chunks Pillow walks are counted: an animated PNG's up to its second frame
+    (Pillow decodes the first, and stops at the next frame's fcTL), any other PNG's up to its IEND."""
     if not data.startswith(PNG_START):
         return
-    at, end = len(PNG_START), len(data)
-    for _ in range(MAX_PNG_CHUNKS):
-        if at + 8 > end or data[at + 4 : at + 8] == b"IEND":
-            return  # the end, or a file cut short: Pillow says what is wrong with it
+    at, end, most = len(PNG_START), len(data), png_chunk_limit(len(data))
+    frames: int | None = None  # an acTL's frame count, as Pillow reads it
+    framed = False  # an fcTL before the image data: the IDAT is the first frame, not a default image
+    animated: bool | None = None  # known at the image data, as Pillow's is_animated
+    for _ in range(most):
+        if at + 8 > end:
+            return  # a file cut short: Pillow says what is wrong with it
+        kind = data[at + 4 : at + 8]
+        if kind == b"IEND" or (kind == b"fcTL" and animated):
+            return
+        if animated is None and kind in (b"IDAT", b"fdAT"):
+            # Pillow's n_frames: the acTL's, and one more for an IDAT that no fcTL came before
+            animated = (frames or 1) + (frames is not None and not framed) > 1
+        elif animated is None and kind == b"acTL":
+            count = int.from_bytes(data[at + 8 : at + 12], "big")
+            frames = None if frames is not None or not 0 < count <= MAX_APNG_FRAMES else count  # a second unsets it
+        elif kind == b"fcTL":
+            framed = True
         at += 12 + int.from_bytes(data[at : at + 4], "big")  # length, type, data, CRC
     raise BadRequest(
-        f"the PNG has more than {MAX_PNG_CHUNKS} chunks; encoders write a few hundred", code="undecodable_image"
+        f"the PNG has more than {most} chunks in its {end} bytes; libpng writes a chunk per 8 KiB",
+        code="undecodable_image",
     )
 
 

@@ -7,6 +7,7 @@ import io
 import struct
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -14,7 +15,7 @@ from PIL import Image
 from app.bench.limit.photos import synthetic_photo
 from app.errors import BadRequest, PayloadTooLarge
 from app.inference import jpeg
-from app.inference.encoded import MAX_PNG_CHUNKS
+from app.inference.encoded import png_chunk_limit
 from app.inference.preprocess import ImageLimits, decode
 from tests.unit.test_preprocess import IMAGENET, LIMITS
 from tests.unit.test_preprocess_inputs import DIGITS
@@ -50,12 +51,79 @@ def test_a_png_of_fifty_thousand_empty_chunks_is_refused_before_pillow_walks_the
         with pytest.raises(BadRequest) as refused:
             decode(data, spec, LIMITS)
         assert refused.value.code == "undecodable_image"
-        assert f"more than {MAX_PNG_CHUNKS} chunks" in refused.value.message
+        assert f"more than {png_chunk_limit(len(data))} chunks in its {len(data)} bytes" in refused.value.message
 
 
 def test_a_png_of_a_few_hundred_chunks_decodes_as_the_plain_one() -> None:
     data, plain = _png_with_empty_chunks(300)
     assert torch.equal(decode(data, IMAGENET, LIMITS), decode(plain, IMAGENET, LIMITS))
+
+
+def _png(header: bytes, *chunks: bytes) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + b"".join(chunks) + _chunk(b"IEND")
+
+
+def test_a_libpng_png_past_32_mib_decodes_as_the_same_image_in_one_chunk() -> None:
+    """libpng writes 8 KiB IDATs: a fixed bound of 4,096 chunks refused every PNG it wrote over 32 MiB,
+    which server.max_image_bytes (up to 64 MiB) may let in. The bound grows with the file's size."""
+    side = 3400  # RGB, stored without compression: 34.7 MB, 4,235 IDATs of 8 KiB
+    rows = np.random.default_rng(0).integers(0, 256, (side, 1 + 3 * side), dtype=np.uint8)
+    rows[:, 0] = 0  # each row's filter: none
+    stream = zlib.compress(rows.tobytes(), 0)
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    libpng = _png(header, *(_chunk(b"IDAT", stream[at : at + 8192]) for at in range(0, len(stream), 8192)))
+    assert len(stream) // 8192 > 4096
+    limits = ImageLimits(max_bytes=64 << 20, max_pixels=16_000_000)
+    assert torch.equal(
+        decode(libpng, IMAGENET, limits), decode(_png(header, _chunk(b"IDAT", stream)), IMAGENET, limits)
+    )
+
+
+def _frame(sequence: int, side: int) -> bytes:
+    """An fcTL chunk: a ``side`` x ``side`` frame at the origin, 0.1 s, no disposal, no blending."""
+    return _chunk(b"fcTL", struct.pack(">IIIIIHHBB", sequence, side, side, 0, 0, 1, 10, 0, 0))
+
+
+def _pixels(side: int, grey: int) -> bytes:
+    return zlib.compress((b"\x00" + bytes([grey]) * 3 * side) * side)
+
+
+def test_an_apngs_chunks_after_its_first_frame_are_not_counted() -> None:
+    """Pillow decodes an animated PNG's first frame and stops at the next frame's fcTL: a valid APNG
+    of 2,100 frames (two chunks each) was refused for chunks Pillow never walks."""
+    side, frames = 16, 2_100
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    later = (
+        _frame(2 * n - 1, side) + _chunk(b"fdAT", struct.pack(">I", 2 * n) + _pixels(side, n % 256))
+        for n in range(1, frames)
+    )
+    first = _pixels(side, 200)
+    apng = _png(header, _chunk(b"acTL", struct.pack(">II", frames, 0)), _frame(0, side), _chunk(b"IDAT", first), *later)
+    assert 2 * frames > png_chunk_limit(len(apng))
+    with Image.open(io.BytesIO(apng)) as opened:
+        assert opened.n_frames == frames  # a valid APNG, as Pillow reads it
+    assert torch.equal(decode(apng, IMAGENET, LIMITS), decode(_png(header, _chunk(b"IDAT", first)), IMAGENET, LIMITS))
+
+
+@pytest.mark.parametrize("animated", [True, False], ids=["before-the-second-frame", "one-frame"])
+def test_the_chunks_pillow_walks_in_an_apng_are_counted(animated: bool) -> None:
+    """Counting stops at the second frame only where Pillow stops: chunks before it, and every chunk of
+    an APNG of one frame (Pillow walks it to its IEND), are counted as in any PNG."""
+    side = 16
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    flood = _chunk(b"prVt") * 50_000 if animated else b"".join(_frame(n, side) for n in range(1, 50_001))
+    data = _png(
+        header,
+        _chunk(b"acTL", struct.pack(">II", 2 if animated else 1, 0)),
+        _frame(0, side),
+        _chunk(b"IDAT", _pixels(side, 200)),
+        flood,
+        *([_frame(1, side), _chunk(b"fdAT", struct.pack(">I", 2) + _pixels(side, 9))] if animated else []),
+    )
+    with pytest.raises(BadRequest) as refused:
+        decode(data, IMAGENET, LARGE)
+    assert refused.value.code == "undecodable_image"
+    assert f"more than {png_chunk_limit(len(data))} chunks" in refused.value.message
 
 
 def _progressive_with_scans(size: tuple[int, int], scans: int) -> bytes:
