@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.errors import BadRequest
-from app.inference.encoded import base64_bytes
+from app.inference.encoded import DIAGNOSED_CHARS, base64_bytes
 
 _ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
@@ -95,3 +95,47 @@ def test_the_common_mistakes_are_each_told_apart(text: str, says: str) -> None:
     assert raised.value.code == "invalid_base64"
     assert says in raised.value.message, raised.value.message
     assert len(raised.value.message) < 200 and "AAEC" not in raised.value.message  # no payload echoed
+
+
+_LONG = "QUJD" * DIAGNOSED_CHARS  # twice as long as the two ends read: its middle is not read
+
+
+def _with(text: str, at: int, insert: str) -> str:
+    return text[:at] + insert + text[at + len(insert) :]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (_with(_LONG, len(_LONG) // 2, "-"), "image_base64 is not valid base64"),
+        (_with(_LONG, len(_LONG) // 2, "QQ=="), "image_base64 is not valid base64"),
+        (_with(_LONG, len(_LONG) // 2, "\n"), "image_base64 is not valid base64"),
+        (_with(_LONG, len(_LONG) // 2, "!"), "image_base64 is not valid base64"),
+        (_with(_LONG, len(_LONG) - 3, "-"), "URL-safe alphabet"),
+        (
+            _with(_LONG, len(_LONG) - DIAGNOSED_CHARS, "QQ=="),
+            f"before its end (at offset {len(_LONG) - DIAGNOSED_CHARS + 2})",
+        ),
+        (_LONG + "\n", f"line breaks or spaces (one at offset {len(_LONG)})"),
+        (_with(_LONG, 76, "\n") + "\n", "line breaks or spaces (the first at offset 76)"),
+    ],
+    ids=[
+        "url-safe",
+        "padding",
+        "line-break",
+        "punctuation",
+        "url-safe-at-the-end",
+        "padding-in-the-end",
+        "end",
+        "head",
+    ],
+)
+def test_the_diagnosis_reads_a_bounded_part_of_a_long_text(text: str, says: str) -> None:
+    """base64_mistake may run on the event loop, and read all of a refused text: about 55 ms for the
+    text of a 64 MiB image. It reads DIAGNOSED_CHARS at each end: a mistake there is told as before
+    (a trailing line break's offset is one, not the first, the middle unread); one in the middle
+    only is not, so the diagnosis costs the same whatever the text's length."""
+    with pytest.raises(BadRequest) as raised:
+        base64_bytes(text)
+    assert raised.value.code == "invalid_base64"
+    assert says in raised.value.message, raised.value.message
