@@ -7,6 +7,7 @@ has its sha256 recorded, and the layers name only files listed there.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -149,6 +150,16 @@ class Manifest(_Strict):
     @property
     def heads(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.role == "head")
+
+    def to_json(self) -> str:
+        """The manifest as ``manifest.json`` holds it. The input's ``background`` is left out where
+        it is the default (black, what every manifest meant before the field): a server built before
+        it refuses a manifest naming it (``extra="forbid"``), and models share a repository across a
+        rolling update or a rollback. Only a model that needs another background (an export's
+        ``drop``) needs a server that knows the field."""
+        default = InputSpec.model_fields["background"].default
+        left_out = {"input": {"background"}} if self.input.background == default else None
+        return json.dumps(self.model_dump(mode="json", exclude=left_out), indent=2) + "\n"
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:

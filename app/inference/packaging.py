@@ -8,7 +8,6 @@ the graph file holds code only and the weights can only come in through a safe l
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -106,9 +105,7 @@ def write_version(
             provenance=provenance,
             evaluation=evaluation,
         )
-        (staging / MANIFEST_FILE).write_text(
-            json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8"
-        )
+        (staging / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
         # mkdtemp makes the folder private; a repository is read by whoever serves it
         staging.chmod(0o755)
         for file in staging.iterdir():
