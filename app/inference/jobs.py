@@ -134,6 +134,7 @@ class TracedRunner:
                     [job.image for job in jobs],
                     [job.deadline for job in jobs],
                     urgent=lane is Lane.URGENT,
+                    riders=lane is Lane.URGENT and any(job.lane is Lane.NORMAL for job in jobs),
                     gone=lambda i: jobs[i].gone,
                     ids=lambda i: jobs[i].request_id,  # read only by a failure's log line
                 )

@@ -103,15 +103,29 @@ class ModelRunner:
         urgent: bool = False,
         gone: Callable[[int], bool] | None = None,
         ids: Callable[[int], str] | None = None,
+        riders: bool = False,
     ) -> list[TopK | ServiceError | None]:
         """Answers in order; ``None`` for an image whose request went before its batch reached
         the device, or before a retry: past its deadline (``time.monotonic()``), or ``gone(i)``
         (its client disconnected). It is not computed (an ``Encoded`` one not decoded). The error
         for an image the device could not compute while it computed others, or that did not
-        decode. Urgent batches go first. ``ids(i)``: image i's request id, for the log lines
-        about some of them."""
+        decode. Urgent batches go first, and one without ``riders`` (normal requests along) has a
+        core to itself where normal batches may wait for it (``holding_the_cores``). ``ids(i)``:
+        image i's request id, for the log lines about some of them."""
         batch = list(images)
+        if urgent and not riders:
+            return await self._device.run(lambda: self._alone(batch, deadlines, gone, ids), urgent=True)
         return await self._device.run(lambda: self.run_sync(batch, deadlines, gone, ids), urgent=urgent)
+
+    def _alone(
+        self,
+        images: list[torch.Tensor | Encoded],
+        deadlines: Sequence[float] | None,
+        gone: Callable[[int], bool] | None,
+        ids: Callable[[int], str] | None,
+    ) -> list[TopK | ServiceError | None]:
+        with self._device.holding_the_cores():
+            return self.run_sync(images, deadlines, gone, ids)
 
     def run_sync(
         self,

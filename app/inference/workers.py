@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -110,8 +110,9 @@ class WorkerThreads:
     that thread's slice.
 
     ``urgent_pause_s``: a normal call that asks (``yield_to_urgent``, at points where it may wait:
-    between a batch's images, before its forward pass) waits while an urgent call runs on another
-    thread, for at most that long in all, while fewer than ``pausable`` threads wait so. Where
+    between a batch's images, before its forward pass) waits while an urgent call that asked for
+    the cores (``holding_the_cores``) runs on another thread, for at most that long in all, while
+    fewer than ``pausable`` threads wait so. Where
     threads outnumber the cores, an urgent batch otherwise shares its core with a normal one
     (niced: at nice 2 it keeps 0.61 of it); ``pausable`` (the threads beyond the cores) leaves
     every core busy while they wait.
@@ -257,26 +258,30 @@ class WorkerThreads:
                 self._paused -= 1
                 self._budget.left = budget - (time.monotonic() - began)
 
-    def _begin(self, urgent: bool) -> None:
-        """A call begins on this thread: counted among the urgent calls running, or given the
-        time a normal call may wait for them (``yield_to_urgent``)."""
+    @contextlib.contextmanager
+    def holding_the_cores(self) -> Iterator[None]:
+        """In an urgent call: while it runs, normal calls that ``yield_to_urgent`` wait (an urgent
+        batch of urgent requests alone; one that carries normal requests along is their work too)."""
         if not self._pause_s:
+            yield
             return
-        if urgent:
-            with self._calm:
-                self._urgent_running += 1
-        else:
-            self._budget.left = self._pause_s
-
-    def _end(self, urgent: bool) -> None:
-        if not self._pause_s:
-            return
-        if urgent:
+        with self._calm:
+            self._urgent_running += 1
+        try:
+            yield
+        finally:
             with self._calm:
                 self._urgent_running -= 1
                 if not self._urgent_running:
                     self._calm.notify_all()
-        else:
+
+    def _begin(self, urgent: bool) -> None:
+        """A normal call begins on this thread: it may wait for urgent ones that long (``yield_to_urgent``)."""
+        if self._pause_s and not urgent:
+            self._budget.left = self._pause_s
+
+    def _end(self, urgent: bool) -> None:
+        if self._pause_s and not urgent:
             self._budget.left = 0.0
 
     def _wake_all(self) -> None:

@@ -247,15 +247,31 @@ async def test_a_normal_batch_waits_for_the_urgent_batch_running_before_it_decod
     device = DeviceThread("pausing", workers=1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
     started, gate = threading.Event(), threading.Event()
     try:
-        held = device.submit(lambda: (started.set(), gate.wait(10))[1], urgent=True)
-        assert started.wait(10)
+        runner = ModelRunner(model, device, top_k=2)
+        urgent = [Counted(sample_png(1), model.manifest.input, LIMITS)]
+
+        def first(i: int) -> bool:  # read by the urgent batch as it decodes: held there
+            started.set()
+            return not gate.wait(10)
+
+        held = asyncio.ensure_future(runner(urgent, urgent=True, gone=first))
+        assert await asyncio.to_thread(started.wait, 10)
         pending = [Counted(sample_png(3), model.manifest.input, LIMITS)]
-        batch = asyncio.ensure_future(ModelRunner(model, device, top_k=2)(pending))
+        batch = asyncio.ensure_future(runner(pending))
         await asyncio.sleep(0.05)
         assert not batch.done() and pending[0].threads == [], "nothing decoded while the urgent batch runs"
         gate.set()
         answers = await batch
-        assert held.result(10) and isinstance(answers[0], TopK) and pending[0].threads == ["pausing"]
+        assert (await held)[0] is not None and isinstance(answers[0], TopK) and pending[0].threads == ["pausing"]
+        # an urgent batch carrying normal requests (riders) is theirs too: the normal batch does not wait
+        started.clear()
+        gate.clear()
+        held = asyncio.ensure_future(runner(urgent, urgent=True, gone=first, riders=True))
+        assert await asyncio.to_thread(started.wait, 10)
+        normal = runner([Counted(sample_png(4), model.manifest.input, LIMITS)])
+        assert isinstance((await asyncio.wait_for(normal, 5))[0], TopK), "it would wait 10 s for the urgent batch"
+        gate.set()
+        await held
     finally:
         gate.set()
         device.close()

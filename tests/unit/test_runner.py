@@ -617,3 +617,27 @@ async def test_each_device_thread_takes_the_fallbacks_torch_threads_up_and_a_mod
     finally:
         device.close()
         torch.set_num_threads(before)  # torch's count for threads yet to start is process-wide
+
+
+class Recorded(ModelRunner):
+    """A model runner that records how each batch was asked of it."""
+
+    def __init__(self, model: LayeredModel, device: DeviceThread) -> None:
+        super().__init__(model, device, 3)
+        self.asked: list[tuple[bool, bool]] = []
+
+    async def __call__(self, images, deadlines=None, urgent=False, gone=None, ids=None, riders=False):  # type: ignore[no-untyped-def, override]
+        self.asked.append((urgent, riders))
+        return await super().__call__(images, deadlines, urgent=urgent, gone=gone, ids=ids, riders=riders)
+
+
+async def test_an_urgent_batch_says_whether_it_carries_normal_requests(
+    model: LayeredModel, device: DeviceThread
+) -> None:
+    runner = Recorded(model, device)
+    traced = TracedRunner(runner, trace.NoOpTracer(), "m", "1", "float32")
+    two = images(model, 2)
+    for lanes in ((Lane.URGENT, Lane.URGENT), (Lane.URGENT, Lane.NORMAL), (Lane.NORMAL, Lane.NORMAL)):
+        await traced([Job(image, lane, f"r{i}", None) for i, (image, lane) in enumerate(zip(two, lanes, strict=True))])
+    # alone, an urgent batch has a core to itself where normal batches may wait; with riders it is theirs too
+    assert runner.asked == [(True, False), (True, True), (False, False)]

@@ -449,13 +449,15 @@ def test_a_normal_call_does_not_wait_while_a_thread_that_takes_it_idles() -> Non
             workers.close()
 
 
-def _held_urgent(workers: WorkerThreads) -> tuple[threading.Event, Future[object]]:
-    """An urgent call running on the urgent-only thread until the returned event is set."""
+def _held_urgent(workers: WorkerThreads, holding: bool = True) -> tuple[threading.Event, Future[object]]:
+    """An urgent call running on the urgent-only thread until the returned event is set, holding
+    the cores (``holding_the_cores``) or not."""
     started, gate = threading.Event(), threading.Event()
 
     def urgent() -> object:
-        started.set()
-        return gate.wait(10)
+        with workers.holding_the_cores() if holding else contextlib.nullcontext():
+            started.set()
+            return gate.wait(10)
 
     call = workers.submit(urgent, urgent=True)
     assert started.wait(10)
@@ -494,6 +496,17 @@ def test_a_normal_call_waits_for_urgent_ones_at_most_its_budget_in_all() -> None
         workers.close()
 
 
+def test_a_normal_call_does_not_wait_for_an_urgent_call_that_does_not_hold_the_cores() -> None:
+    # an urgent batch carrying normal requests along (riders, while the service is behind) is their work too
+    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
+    try:
+        gate, _ = _held_urgent(workers, holding=False)
+        assert workers.submit(lambda: (workers.yield_to_urgent(), "went")[1]).result(3) == "went"
+        gate.set()
+    finally:
+        workers.close()
+
+
 def test_no_wait_beyond_the_pausable_threads_nor_outside_a_normal_call() -> None:
     workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=0)
     others = WorkerThreads("other", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
@@ -502,7 +515,7 @@ def test_no_wait_beyond_the_pausable_threads_nor_outside_a_normal_call() -> None
         assert workers.submit(lambda: (workers.yield_to_urgent(), "went")[1]).result(3) == "went", "pausable 0"
         workers.yield_to_urgent()  # on the test's own thread: not a call of these threads
         other_gate, _ = _held_urgent(others)
-        urgent = others.submit(lambda: (others.yield_to_urgent(), "urgent")[1], urgent=True)
+        urgent = others.submit(lambda: (others.yield_to_urgent(), "urgent")[1], urgent=True)  # no normal call
         other_gate.set()
         assert urgent.result(3) == "urgent", "an urgent call never waits for another"
         gate.set()
