@@ -120,8 +120,9 @@ class InferenceService:
             urgent_slice_ns=round(model.urgent_slice_ms * 1_000_000),
             urgent_pause_s=model.urgent_pause_ms / 1000,
             # normal batches that may wait for an urgent one at once: the threads beyond the cores,
-            # so that every core stays busy while they wait (none where the cores suffice)
-            pausable=max(0, self.threads.workers + self.threads.urgent - cores),
+            # so that every core stays busy while they wait (none where the cores suffice, nor on a
+            # GPU, whose batches wait for the device, not for a core)
+            pausable=max(0, self.threads.workers + self.threads.urgent - cores) if self.device.type == "cpu" else 0,
         )
         server = settings.server
         self._tuning = Tuning(

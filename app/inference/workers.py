@@ -148,7 +148,8 @@ class WorkerThreads:
         self._calm = threading.Condition(threading.Lock())
         self._urgent_running = 0
         self._paused = 0
-        self._pause_s, self._pausable = urgent_pause_s, pausable
+        # none may wait (the cores suffice): the counting off as well
+        self._pause_s, self._pausable = (urgent_pause_s if pausable > 0 else 0.0), pausable
         self._budget = threading.local()
         # without urgent-only threads a niced thread would run urgent calls at the low priority
         kind = NORMAL_ONLY if normal_nice and urgent_workers else ANY

@@ -241,9 +241,10 @@ class ModelSettings(_Group):
         default=30.0,
         ge=0,
         le=1000,
-        description="while an urgent batch runs, a normal batch on another device thread waits for it between "
-        "its images and before its forward pass, at most this long in all, where the device threads outnumber "
-        "the cores (as many as are beyond them), so the urgent one has a core to itself; 0: never",
+        description="while an urgent batch of urgent requests alone runs, a normal batch on another device thread "
+        "waits for it between its images and before its forward pass, at most this long in all, where the device "
+        "threads outnumber the cores on a CPU (as many as are beyond them), so the urgent one has a core to itself; "
+        "0: never",
     )
     urgent_slice_ms: float = Field(
         default=0,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from app.errors import Unavailable
 from app.inference import loader
@@ -267,10 +268,21 @@ async def test_the_thread_plan_is_made_for_model_cores_where_set(repository: Pat
 async def test_normal_batches_wait_for_urgent_ones_as_far_as_the_threads_outnumber_the_cores(repository: Path) -> None:
     # 2 cores: three normal device threads decoding their batches and the urgent one, two beyond the
     # cores; 8 cores: two normal threads of four torch threads and the urgent one, none beyond them
-    for cores, plan, beyond in ((2, (3, 1), 2), (8, (2, 1), 0)):
+    for cores, plan, beyond, pause_s in ((2, (3, 1), 2, 0.03), (8, (2, 1), 0, 0.0)):
         service = InferenceService(settings_for(repository, cores=cores))
         try:
             assert (service.threads.workers, service.threads.urgent) == plan, service.threads
-            assert service._device_thread._pausable == beyond and service._device_thread._pause_s == 0.03
+            assert service._device_thread._pausable == beyond
+            assert service._device_thread._pause_s == pause_s, "none may wait: nothing counted either"
         finally:
             await service.close(0)
+
+
+async def test_on_a_gpu_no_normal_batch_waits_for_an_urgent_one(repository: Path) -> None:
+    # a Ray GPU replica plans for one core (num_cpus=0); its batches wait for the device, not a core
+    service = InferenceService(settings_for(repository, cores=1, urgent_workers=1), device=torch.device("cuda"))
+    try:
+        assert (service.threads.workers, service.threads.urgent) == (1, 1), service.threads
+        assert service._device_thread._pausable == 0 and service._device_thread._pause_s == 0.0
+    finally:
+        await service.close(0)

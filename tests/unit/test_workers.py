@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -465,7 +465,7 @@ def _held_urgent(workers: WorkerThreads, holding: bool = True) -> tuple[threadin
 
 
 def test_a_normal_call_that_yields_waits_for_the_urgent_call_running() -> None:
-    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
+    workers = WorkerThreads("test", 1, urgent_workers=1, normal_nice=5, urgent_pause_s=10.0, pausable=1)
     order: list[str] = []
     try:
         gate, urgent = _held_urgent(workers)
@@ -481,7 +481,7 @@ def test_a_normal_call_that_yields_waits_for_the_urgent_call_running() -> None:
 
 
 def test_a_normal_call_waits_for_urgent_ones_at_most_its_budget_in_all() -> None:
-    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=0.05, pausable=1)
+    workers = WorkerThreads("test", 1, urgent_workers=1, normal_nice=5, urgent_pause_s=0.05, pausable=1)
     try:
         gate, _ = _held_urgent(workers)
 
@@ -498,7 +498,7 @@ def test_a_normal_call_waits_for_urgent_ones_at_most_its_budget_in_all() -> None
 
 def test_a_normal_call_does_not_wait_for_an_urgent_call_that_does_not_hold_the_cores() -> None:
     # an urgent batch carrying normal requests along (riders, while the service is behind) is their work too
-    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
+    workers = WorkerThreads("test", 1, urgent_workers=1, normal_nice=5, urgent_pause_s=10.0, pausable=1)
     try:
         gate, _ = _held_urgent(workers, holding=False)
         assert workers.submit(lambda: (workers.yield_to_urgent(), "went")[1]).result(3) == "went"
@@ -508,16 +508,18 @@ def test_a_normal_call_does_not_wait_for_an_urgent_call_that_does_not_hold_the_c
 
 
 def test_no_wait_beyond_the_pausable_threads_nor_outside_a_normal_call() -> None:
-    workers = WorkerThreads("test", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=0)
-    others = WorkerThreads("other", 1, urgent_workers=1, urgent_pause_s=10.0, pausable=1)
+    workers = WorkerThreads("test", 1, urgent_workers=1, normal_nice=5, urgent_pause_s=10.0, pausable=0)
+    others = WorkerThreads("other", 1, urgent_workers=2, normal_nice=5, urgent_pause_s=10.0, pausable=1)
     try:
         gate, _ = _held_urgent(workers)
         assert workers.submit(lambda: (workers.yield_to_urgent(), "went")[1]).result(3) == "went", "pausable 0"
-        workers.yield_to_urgent()  # on the test's own thread: not a call of these threads
         other_gate, _ = _held_urgent(others)
-        urgent = others.submit(lambda: (others.yield_to_urgent(), "urgent")[1], urgent=True)  # no normal call
-        other_gate.set()
+        with ThreadPoolExecutor(1) as outside:  # a thread of no pool: not a call of these threads
+            assert outside.submit(lambda: (others.yield_to_urgent(), "went")[1]).result(3) == "went"
+        # the second urgent-only thread runs an urgent call beside the held one: it never waits for it
+        urgent = others.submit(lambda: (others.yield_to_urgent(), "urgent")[1], urgent=True)
         assert urgent.result(3) == "urgent", "an urgent call never waits for another"
+        other_gate.set()
         gate.set()
     finally:
         workers.close()
