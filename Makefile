@@ -1,6 +1,8 @@
 .PHONY: check test serve lint
 # uv as the README installs it (python3 -m uv), else one on the PATH (pipx's)
-UV ?= $(shell python3 -m uv --version >/dev/null 2>&1 && echo python3 -m uv || echo uv)
+ifndef UV
+UV := $(shell python3 -m uv --version >/dev/null 2>&1 && echo python3 -m uv || echo uv)
+endif
 check:  ## lint, types and tests, as CI runs them
 	bash scripts/check
 test:

@@ -265,7 +265,8 @@ class VersionLoader:
     def _too_long(self, what: str, how: str = "") -> str:
         """Why a load (``what``: its folder, a head) was given up at ``model.load_timeout_s``."""
         timeout = self.settings.model.load_timeout_s
-        return f"loading {what} took longer than model.load_timeout_s={timeout:g}s{how} ({LOAD_TIMEOUT_ENV})"
+        variable = env_name(("model", "load_timeout_s"))
+        return f"loading {what} took longer than model.load_timeout_s={timeout:g}s{how} ({variable})"
 
     def _claim(self, label: str) -> Callable[[], object]:
         """The loader for ``label`` alone until the returned call says it is done. Another load,
@@ -465,9 +466,6 @@ class VersionLoader:
         for counter, labels in served.metrics.series():
             counter.labels(*labels)  # at 0 from the start (see ``Metrics.rejections``)
         self.metrics.model_info.labels(name, version, str(self.device), dtype_name(self.dtype)).set(1)
-
-
-LOAD_TIMEOUT_ENV = "AI_SERVICE_MODEL__LOAD_TIMEOUT_S"
 
 
 def _loading(message: str, after_s: float) -> Unavailable:

@@ -21,8 +21,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
-from app.inference.encoded import base64_bytes as base64_bytes  # noqa: PLC0414 (re-exported: bench measures it here)
-from app.inference.encoded import check_png_chunks, kind_of, undecodable
+from app.inference.encoded import base64_bytes, check_png_chunks, kind_of, undecodable
 from app.inference.jpeg import (
     Header,
     HeaderTooLong,
@@ -380,14 +379,9 @@ def encoded_payload(payload: bytes | str, spec: InputSpec, limits: ImageLimits) 
     not once its batch runs. One that is broken further in is refused by its batch."""
     data = payload if isinstance(payload, bytes) else base64_bytes(payload)
     _check_size(data, limits)
-    if not _signed(data):
+    if kind_of(data) is None:  # no JPEG, PNG or WebP start: the prefixes Pillow's plugins accept
         raise BadRequest(UNSUPPORTED, code="unsupported_image")
     return Encoded(data, spec, limits)
-
-
-def _signed(data: bytes) -> bool:
-    """Whether ``data`` starts as a JPEG, PNG or WebP file: the prefixes Pillow's plugins accept."""
-    return kind_of(data) is not None
 
 
 def decode_payload(payload: bytes | str, spec: InputSpec, limits: ImageLimits) -> torch.Tensor:

@@ -106,11 +106,15 @@ def test_a_file_in_a_folder_that_refuses_new_files_is_written_in_place(
     out = tmp_path / "report.json"
     out.write_text("earlier run")
 
+    tried: list[object] = []
+
     def refused(*args: object, **kwargs: object) -> None:
+        tried.append(kwargs.get("dir"))
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", refused)
     assert write_text(out, "{}") is None and out.read_text() == "{}"
+    assert tried, "the temporary file beside it was tried first"
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 

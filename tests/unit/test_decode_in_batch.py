@@ -18,6 +18,7 @@ from PIL import JpegImagePlugin, PngImagePlugin
 from app.errors import BadRequest, BatchFailed, DeviceUnavailable, PayloadTooLarge
 from app.inference import preprocess
 from app.inference.device import DeviceThread, plan_threads
+from app.inference.encoded import kind_of
 from app.inference.jobs import Answer, reached_the_device
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec, Manifest
@@ -88,9 +89,9 @@ def test_the_checks_up_front_refuse_what_is_no_image_and_keep_the_rest_encoded(m
 def test_the_signature_check_takes_what_pillows_jpeg_and_png_plugins_take(prefix: bytes) -> None:
     """Never refuses up front what the pool's decode (Pillow, or the JPEG fast path) would
     have opened as a JPEG or PNG: they are told apart by the same prefixes."""
-    assert preprocess._signed(prefix) >= (JpegImagePlugin._accept(prefix) or PngImagePlugin._accept(prefix))
+    assert (kind_of(prefix) is not None) >= (JpegImagePlugin._accept(prefix) or PngImagePlugin._accept(prefix))
     for head in (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"):
-        assert preprocess._signed(head + prefix)
+        assert kind_of(head + prefix) is not None
 
 
 async def test_the_device_thread_decodes_its_batch_and_answers_as_the_decoded_images_would_be(

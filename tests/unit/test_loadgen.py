@@ -662,17 +662,17 @@ def threaded_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
 
 
 class Answering(BaseHTTPRequestHandler):
-    """Answers every POST 200 with a batch of one, keep-alive."""
+    """Answers every POST 200 with ``body`` (a batch of one), keep-alive."""
 
     protocol_version = "HTTP/1.1"
+    body = b'{"batch_size": 1}'
 
     def do_POST(self) -> None:  # noqa: N802 (the name http.server calls)
         self.rfile.read(int(self.headers["Content-Length"]))
-        body = b'{"batch_size": 1}'
         self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(len(self.body)))
         self.end_headers()
-        self.wfile.write(body)
+        self.wfile.write(self.body)
 
     def log_message(self, *args: object) -> None:
         pass

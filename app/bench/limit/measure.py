@@ -16,6 +16,7 @@ import torch
 
 from app.bench.limit.cost import cpu_cost
 from app.inference import preprocess
+from app.inference.encoded import base64_bytes
 from app.inference.loader import LayeredModel
 from app.inference.manifest import InputSpec
 
@@ -34,10 +35,10 @@ class DecodeCost:
 
 
 def measure_decode(encoded: Sequence[str], spec: InputSpec, seconds: float) -> DecodeCost:
-    """The service's own path, on this thread: ``preprocess.base64_bytes``, ``preprocess.decode``, and
+    """The service's own path, on this thread: ``base64_bytes``, ``preprocess.decode``, and
     both together (``preprocess.decode_payload``, what the decode pool runs for a JSON body)."""
-    raw = [preprocess.base64_bytes(text) for text in encoded]
-    b64 = cpu_cost(lambda i: preprocess.base64_bytes(encoded[i]), len(encoded), seconds / 4)
+    raw = [base64_bytes(text) for text in encoded]
+    b64 = cpu_cost(lambda i: base64_bytes(encoded[i]), len(encoded), seconds / 4)
     dec = cpu_cost(lambda i: preprocess.decode(raw[i], spec, LIMITS), len(raw), seconds)
     total = cpu_cost(lambda i: preprocess.decode_payload(encoded[i], spec, LIMITS), len(encoded), seconds)
     return DecodeCost(

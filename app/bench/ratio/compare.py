@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.bench.ratio.ends import EndLimit, end_limit
+from app.bench.ratio.report import mean_batch
 
 Run = tuple[str, dict[str, Any], dict[str, Any] | None]
 """A variant's label, one round's bench report, and the limit measured in that round (if any)."""
@@ -89,12 +90,11 @@ def compare_markdown(result: dict[str, Any]) -> str:
     for row in result["variants"]:
         server = "-" if row["server_ms_per_request"] is None else f"{row['server_ms_per_request']:.3f}"
         cpu_ratio = "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}"
-        batch = "-" if row["mean_batch_size"] is None else f"{row['mean_batch_size']:.1f}"
         others = ", ".join("-" if o is None else f"{o:.2f}" for o in row["other_cores"])
         lines.append(
             f"| {row['variant']} | {row['median_rps']:.1f} ({', '.join(f'{r:.0f}' for r in row['throughput_rps'])}) "
             f"| {row['ratio']:.2f} ({', '.join(f'{r:.2f}' for r in row['ratios'])}) | {server} | {cpu_ratio} "
-            f"| {batch} | {row['p50_ms']:.0f} "
+            f"| {mean_batch(row['mean_batch_size'])} | {row['p50_ms']:.0f} "
             f"| {others} |"
         )
     return "\n".join(lines)

@@ -128,7 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
         + ")",
         f"- service at saturation (concurrency {sat['concurrency']}, {sat.get('urgent_fraction', 0.0):.0%} urgent): "
         f"{sat['throughput_rps']:.1f} requests/s, "
-        f"mean batch {_batch(sat['mean_batch_size'])}",
+        f"mean batch {mean_batch(sat['mean_batch_size'])}",
     ]
     lines += _ceilings(report)
     if "core" in report:
@@ -178,7 +178,7 @@ def markdown(report: dict[str, Any]) -> str:
         other = row["other_cores"]
         lines.append(
             f"| {row['concurrency']} | {row['throughput_rps']:.1f} | {row['ratio']:.2f} "
-            f"| {_batch(row['mean_batch_size'])} | {row['p50_ms']:.0f} | {row['p99_ms']:.0f} "
+            f"| {mean_batch(row['mean_batch_size'])} | {row['p50_ms']:.0f} | {row['p99_ms']:.0f} "
             f"| {'-' if server is None else f'{server:.3f}'} | {'-' if other is None else f'{other:.2f}'} |"
         )
     profile = report.get("profile")
@@ -225,6 +225,6 @@ def _ceilings(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _batch(size: float | None) -> str:
+def mean_batch(size: float | None) -> str:
     """A mean batch size; '-' where no answer gave one (none came back, or a rival's answers carry none)."""
     return "-" if size is None else f"{size:.1f}"
